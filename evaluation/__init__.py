@@ -1,0 +1,1 @@
+"""Benchmark harness: Hydra entry point, models, datasets, scorers and reports."""

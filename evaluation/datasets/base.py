@@ -1,0 +1,46 @@
+"""The dataset interface every benchmark implements (needle, RULER, LongBench, multi-document QA)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Example:
+    """One prompt of a benchmark.
+
+    Attributes:
+        id: unique, stable id inside the dataset (used to resume runs).
+        context: the long context (no chat template; the pipeline applies it).
+        question: the question asked after compression (kvpress's question-agnostic protocol). Empty
+            when ``query_aware=True`` put it inside ``context``.
+        answers: reference answers; the dataset's ``score`` decides how they are matched.
+        answer_prefix: text that starts the model's answer (RULER-style), may be empty.
+        max_new_tokens: generation length for this example, or None for the run's ``max_new_tokens``.
+        task: sub-task name (RULER or LongBench task; the dataset name when there is one task).
+        metadata: extra per-example fields written to ``predictions.jsonl`` (depth, context_length...).
+    """
+
+    id: str
+    context: str
+    question: str
+    answers: list[str]
+    answer_prefix: str = ""
+    max_new_tokens: int | None = None
+    task: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class Dataset(Protocol):
+    """What ``evaluation.run`` needs from a dataset config's ``_target_``."""
+
+    name: str
+
+    def examples(self, tokenizer, n_samples: int | None, seed: int, query_aware: bool) -> list[Example]:
+        """Build the examples (deterministic in ``seed``); ``n_samples`` caps the count per task."""
+        ...
+
+    def score(self, prediction: str, example: Example) -> float:
+        """Score in [0, 1] of one prediction."""
+        ...

