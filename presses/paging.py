@@ -1,0 +1,316 @@
+"""Page-granular KV selection under a strict token budget (one job: pages).
+
+SPEC section 1 steps 6-9; paper 001 section 7 (eq. 29, Proposition 7.1 and the byte accounting);
+paper 000 Theorem 3 (cardinality exactness). Page ``k`` holds positions ``[kB, (k+1)B)``; the last
+page may be partial. Shapes use ``B`` for the batch, ``G`` KV groups, ``T`` positions, ``P`` pages
+(``P = ceil(T / page_size)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+__all__ = [
+    "PAGE_SCORES",
+    "BUDGET_CONFLICT_MODES",
+    "PageBudget",
+    "token_budget",
+    "num_pages",
+    "page_scores",
+    "protected_page_mask",
+    "page_budget",
+    "select_pages",
+    "pages_to_positions",
+    "select_positions",
+    "page_union",
+    "allocation_bytes",
+    "union_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+PAGE_SCORES = ("block_max", "mass")
+BUDGET_CONFLICT_MODES = ("raise", "keep_protected")
+
+
+def token_budget(seq_len: int, compression_ratio: float) -> int:
+    """Strict token budget ``b = floor(T * (1 - compression_ratio))`` (SPEC 1 step 8).
+
+    A tolerance of ``1e-6`` tokens absorbs binary round-off (``1000 * (1 - 0.9)`` is ``99.999...``
+    in floating point and must give ``100``).
+
+    Raises:
+        ValueError: if ``compression_ratio`` is outside ``[0, 1)`` or ``seq_len < 0``.
+    """
+    if not (0.0 <= compression_ratio < 1.0):
+        raise ValueError(f"compression_ratio={compression_ratio} must be in [0, 1)")
+    if seq_len < 0:
+        raise ValueError(f"seq_len={seq_len} must be >= 0")
+    return int(math.floor(seq_len * (1.0 - compression_ratio) + 1e-6))
+
+
+def num_pages(seq_len: int, page_size: int) -> int:
+    """``ceil(T / page_size)``: the number of pages, the last one possibly partial."""
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size} must be >= 1")
+    return -(-seq_len // page_size)
+
+
+def page_scores(scores: torch.Tensor, page_size: int, method: str = "block_max") -> torch.Tensor:
+    """Page priorities from per-position scores (SPEC 1 step 6, paper 001 eq. 29).
+
+    Args:
+        scores: ``(..., T)`` per-position scores (e.g. the pooled ``p_g``).
+        page_size: ``B`` tokens per page, ``>= 1``.
+        method: ``"block_max"`` (``max_{j in page} p[j]``, default) or ``"mass"`` (``sum_{j in page} p[j]``).
+
+    Returns:
+        ``(..., P)`` float32 page scores; a partial last page uses only its existing positions.
+
+    Raises:
+        ValueError: for ``page_size < 1`` or an unknown ``method``.
+    """
+    if method not in PAGE_SCORES:
+        raise ValueError(f"page_score={method!r} is not one of {PAGE_SCORES}")
+    T = scores.shape[-1]
+    P = num_pages(T, page_size)
+    pad = P * page_size - T
+    s = scores.float()
+    if method == "block_max":
+        s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
+        return s.reshape(*s.shape[:-1], P, page_size).amax(-1)
+    s = torch.nn.functional.pad(s, (0, pad), value=0.0)
+    return s.reshape(*s.shape[:-1], P, page_size).sum(-1)
+
+
+def protected_page_mask(seq_len: int, page_size: int, n_sink: int, window_size: int) -> torch.Tensor:
+    """Protected pages (SPEC 1 step 7): every page holding a sink position ``j < n_sink`` and every
+    page touching the last ``window_size`` positions (this includes the final, partial page).
+
+    Returns:
+        ``(P,)`` bool mask on the CPU.
+
+    Raises:
+        ValueError: for ``page_size < 1``, ``n_sink < 0`` or ``window_size < 1``.
+    """
+    if n_sink < 0:
+        raise ValueError(f"n_sink={n_sink} must be >= 0")
+    if window_size < 1:
+        raise ValueError(f"window_size={window_size} must be >= 1")
+    P = num_pages(seq_len, page_size)
+    mask = torch.zeros(P, dtype=torch.bool)
+    if P == 0:
+        return mask
+    n_sink_pages = num_pages(min(n_sink, seq_len), page_size)
+    mask[:n_sink_pages] = True
+    first_window_page = max(seq_len - window_size, 0) // page_size
+    mask[first_window_page:] = True
+    return mask
+
+
+@dataclass(frozen=True)
+class PageBudget:
+    """The page plan of one prefill length (identical for every layer, group and batch row).
+
+    Attributes:
+        seq_len: ``T``.
+        budget: ``b = floor(T (1 - compression_ratio))`` tokens.
+        page_size: ``B``.
+        protected: ``(P,)`` bool mask of protected pages.
+        protected_tokens: tokens on protected pages.
+        num_selected: ``K``, unprotected pages kept per group.
+        kept_tokens: ``protected_tokens + K * B`` (``<= budget`` unless ``conflict``).
+        conflict: True when the protected pages alone exceed ``budget`` (``keep_protected`` mode).
+    """
+
+    seq_len: int
+    budget: int
+    page_size: int
+    protected: torch.Tensor
+    protected_tokens: int
+    num_selected: int
+    kept_tokens: int
+    conflict: bool
+
+    @property
+    def num_pages(self) -> int:
+        """``P``."""
+        return int(self.protected.numel())
+
+    @property
+    def effective_compression(self) -> float:
+        """``1 - kept / T`` (0 for an empty context)."""
+        return 1.0 - self.kept_tokens / self.seq_len if self.seq_len else 0.0
+
+
+def page_budget(seq_len: int, compression_ratio: float, page_size: int, n_sink: int, window_size: int,
+                on_budget_conflict: str = "raise") -> PageBudget:
+    """Strict budget plan (SPEC 1 step 8, paper 000 Theorem 3).
+
+    Keeps all protected pages plus ``K = floor((b - protected_tokens) / B)`` unprotected pages (capped
+    by the number of unprotected pages), so the kept count never exceeds ``b``. Unprotected pages are
+    always full: the partial last page is protected.
+
+    Args:
+        seq_len: ``T``.
+        compression_ratio: in ``[0, 1)``.
+        page_size: ``B >= 1``.
+        n_sink: sink positions ``>= 0``.
+        window_size: observer window ``W >= 1``.
+        on_budget_conflict: ``"raise"`` or ``"keep_protected"`` (keep only the protected pages and
+            log a warning when they alone exceed ``b``).
+
+    Returns:
+        A :class:`PageBudget`.
+
+    Raises:
+        ValueError: when the protected tokens exceed ``b`` in ``"raise"`` mode (the message names
+            ``T``, ``b``, the protected tokens, ``page_size``, ``n_sink`` and ``window_size``), or for
+            invalid arguments.
+    """
+    if on_budget_conflict not in BUDGET_CONFLICT_MODES:
+        raise ValueError(f"on_budget_conflict={on_budget_conflict!r} is not one of {BUDGET_CONFLICT_MODES}")
+    b = token_budget(seq_len, compression_ratio)
+    protected = protected_page_mask(seq_len, page_size, n_sink, window_size)
+    P = protected.numel()
+    page_len = torch.full((P,), page_size, dtype=torch.long)
+    if P:
+        page_len[-1] = seq_len - (P - 1) * page_size
+    protected_tokens = int(page_len[protected].sum())
+    n_free = int((~protected).sum())
+    if protected_tokens > b:
+        msg = (
+            f"Page-EntroKV budget conflict: the protected pages hold {protected_tokens} tokens but the "
+            f"budget is b={b} (T={seq_len}, compression_ratio={compression_ratio}, page_size={page_size}, "
+            f"n_sink={n_sink}, window_size={window_size}); lower compression_ratio, window_size, n_sink "
+            f"or page_size, or set on_budget_conflict='keep_protected'"
+        )
+        if on_budget_conflict == "raise":
+            raise ValueError(msg)
+        logger.warning("%s. Keeping only the protected pages (effective budget %d tokens).", msg, protected_tokens)
+        return PageBudget(seq_len, b, page_size, protected, protected_tokens, 0, protected_tokens, True)
+    K = min((b - protected_tokens) // page_size, n_free)
+    return PageBudget(seq_len, b, page_size, protected, protected_tokens, K, protected_tokens + K * page_size, False)
+
+
+def select_pages(scores: torch.Tensor, protected: torch.Tensor, num_selected: int) -> torch.Tensor:
+    """Protected pages plus the ``num_selected`` best unprotected pages of every row (SPEC 1 step 8).
+
+    Ties go to the lower page index; NaN scores rank last.
+
+    Args:
+        scores: ``(..., P)`` page scores.
+        protected: ``(P,)`` bool mask.
+        num_selected: ``K``, ``0 <= K <= #unprotected``.
+
+    Returns:
+        ``(..., n_protected + K)`` long page ids, ascending in every row.
+
+    Raises:
+        ValueError: if ``K`` is negative or exceeds the unprotected pages, or shapes disagree.
+    """
+    P = scores.shape[-1]
+    if protected.shape != (P,):
+        raise ValueError(f"protected mask has shape {tuple(protected.shape)}, expected ({P},)")
+    protected = protected.to(scores.device)
+    free = (~protected).nonzero().squeeze(-1)
+    if not (0 <= num_selected <= free.numel()):
+        raise ValueError(f"num_selected={num_selected} must be in [0, {free.numel()}] (unprotected pages)")
+    prot = protected.nonzero().squeeze(-1).expand(*scores.shape[:-1], -1)
+    if num_selected == 0:
+        return prot.clone()
+    cand = scores.float()[..., free].nan_to_num(nan=float("-inf"))
+    # stable descending sort: equal scores keep ascending page order, so the lower index wins
+    order = torch.sort(cand, dim=-1, descending=True, stable=True).indices[..., :num_selected]
+    chosen = free[order]
+    return torch.sort(torch.cat([prot, chosen], dim=-1), dim=-1).values
+
+
+def pages_to_positions(pages: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
+    """Expand ascending page ids to ascending token positions (SPEC 1 step 9).
+
+    Every row must contain the last (possibly partial) page, as the protected set guarantees, so all
+    rows keep the same number of positions.
+
+    Args:
+        pages: ``(..., n_pages)`` ascending page ids, each row ending with page ``P - 1``.
+        seq_len: ``T``.
+        page_size: ``B``.
+
+    Returns:
+        ``(..., (n_pages - 1) * B + len(last page))`` long positions, ascending.
+
+    Raises:
+        ValueError: if some row does not end with the last page.
+    """
+    P = num_pages(seq_len, page_size)
+    if pages.shape[-1] == 0:
+        return pages.new_zeros(*pages.shape[:-1], 0)
+    if not bool((pages[..., -1] == P - 1).all()):
+        raise ValueError(f"every row of pages must end with the last page {P - 1} (T={seq_len}, page_size={page_size})")
+    offs = torch.arange(page_size, device=pages.device)
+    pos = (pages.unsqueeze(-1) * page_size + offs).flatten(-2)
+    n = (pages.shape[-1] - 1) * page_size + (seq_len - (P - 1) * page_size)
+    return pos[..., :n]
+
+
+def select_positions(scores: torch.Tensor, compression_ratio: float, page_size: int, n_sink: int,
+                     window_size: int, page_score: str = "block_max", on_budget_conflict: str = "raise",
+                     ) -> tuple[torch.Tensor, torch.Tensor, PageBudget]:
+    """Per-group page selection under the strict budget (SPEC 1 steps 6-9).
+
+    Args:
+        scores: ``(B, G, T)`` per-position pooled scores.
+        compression_ratio, page_size, n_sink, window_size, on_budget_conflict: see :func:`page_budget`.
+        page_score: ``"block_max"`` or ``"mass"`` (:func:`page_scores`).
+
+    Returns:
+        ``(positions, pages, budget)``: ``(B, G, n_kept)`` ascending kept positions, the same count
+        for every row; ``(B, G, n_kept_pages)`` ascending kept page ids; the :class:`PageBudget`.
+
+    Raises:
+        ValueError: see :func:`page_budget` and :func:`page_scores`.
+    """
+    T = scores.shape[-1]
+    plan = page_budget(T, compression_ratio, page_size, n_sink, window_size, on_budget_conflict)
+    ps = page_scores(scores, page_size, page_score)
+    pages = select_pages(ps, plan.protected, plan.num_selected)
+    return pages_to_positions(pages, T, page_size), pages, plan
+
+
+def page_union(pages: torch.Tensor) -> int:
+    """``U_l = |union_g K_{l,g}|``: distinct pages kept by any group of one layer (paper 001 eq. 30).
+
+    Args:
+        pages: ``(G, n)`` page ids of one layer (one batch row).
+    """
+    return int(torch.unique(pages).numel())
+
+
+def allocation_bytes(pages_per_group: Iterable[int], head_dim: int, page_size: int, bytes_per_element: int) -> int:
+    """Per-group page allocation payload ``2 e d B sum_{l,g} K_{l,g}`` bytes (paper 001 section 7).
+
+    Args:
+        pages_per_group: ``K_{l,g}`` page counts, one per (layer, group).
+        head_dim: ``d``. page_size: ``B``. bytes_per_element: ``e`` (2 for fp16/bf16).
+
+    Excludes metadata, padding, quantisation scales, allocator reservation (as the paper states).
+    """
+    return 2 * bytes_per_element * head_dim * page_size * int(sum(pages_per_group))
+
+
+def union_bytes(union_pages_per_layer: Iterable[int], num_groups: int, head_dim: int, page_size: int,
+                bytes_per_element: int) -> int:
+    """Union-materialisation payload ``2 e d B G sum_l U_l`` bytes, when a physical block holds all
+    ``G`` groups of a layer (paper 001 section 7).
+
+    Args:
+        union_pages_per_layer: ``U_l`` per layer (:func:`page_union`).
+        num_groups: ``G``. head_dim: ``d``. page_size: ``B``. bytes_per_element: ``e``.
+    """
+    return 2 * bytes_per_element * head_dim * page_size * num_groups * int(sum(union_pages_per_layer))
