@@ -1,0 +1,472 @@
+"""Build the benchmark report from run directories: tables, win scores, plots and ``results/README.md``.
+
+Usage::
+
+    python -m evaluation.report RESULTS_DIR [--out results/] [--confidence 0.95] [--no-plots]
+
+Reads every run below ``RESULTS_DIR`` laid out by ``evaluation.run``
+(``<dataset>/<model>/<press>/cr<ratio>/predictions.jsonl``, shards in ``cr<ratio>/shard_<i>_of_<n>/``, whose
+predictions are merged and de-duplicated by example id) and writes under ``--out``:
+
+* ``tables/<dataset>__<model>__summary.csv``: per press and ratio, the mean score over all examples with its
+  interval (Wilson when every score is 0/1, Student t otherwise), the split-size-weighted average of paper 003
+  section 7 (``sum_t n_t / N * mean_t``, equal to the mean over examples), the task-average and the mean
+  effective compression;
+* ``tables/<dataset>__<model>__per_task.csv`` (and ``__by_length.csv`` when several context lengths ran);
+* ``tables/<dataset>__<model>__win.csv``: win score (paper 003 section 7) per press and ratio, over the
+  presses run at that ratio (the uncompressed ``no_press`` baseline is left out), on the examples every one of
+  them scored;
+* ``plots/<dataset>__<model>__{score,win,tasks}.png``: score vs ratio, win score vs ratio, per-task panels;
+* ``README.md`` linking all of it, with the commands that produced the runs (``metrics.json``'s ``command``).
+
+Every file is written atomically (temporary file + ``os.replace``); files of a previous report that this one
+did not write are removed from ``tables/`` and ``plots/``. The output is regenerated, never hand-edited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import logging
+import math
+import os
+import re
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from evaluation.metrics import score_interval, win_scores
+from evaluation.run import write_atomic
+
+logger = logging.getLogger("evaluation.report")
+
+SHARD_DIR = re.compile(r"shard_(\d+)_of_(\d+)")
+RATIO_DIR = re.compile(r"cr(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)")
+BASELINE = "no_press"
+
+
+@dataclass
+class Run:
+    """One (dataset, model, press, ratio) run, its shards merged."""
+
+    dataset: str
+    model: str
+    press: str
+    ratio: float
+    path: Path
+    rows: list[dict] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # why the run is incomplete; empty when complete
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Complete JSON rows of a ``predictions.jsonl`` (a torn last line is skipped; the file is left as is)."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def scan(results_dir: Path) -> list[Run]:
+    """All runs below ``results_dir`` (hidden directories such as ``.hydra`` are skipped).
+
+    Raises:
+        FileNotFoundError: ``results_dir`` does not exist.
+    """
+    results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        raise FileNotFoundError(f"results directory {results_dir} does not exist")
+    parts: dict[Path, list[tuple[tuple[int, int] | None, Path]]] = defaultdict(list)
+    for pred in sorted(results_dir.rglob("predictions.jsonl")):
+        rel = pred.relative_to(results_dir).parts
+        if any(p.startswith(".") for p in rel):
+            continue
+        directory = pred.parent
+        shard = None
+        match = SHARD_DIR.fullmatch(directory.name)
+        if match:
+            shard, directory = (int(match.group(1)), int(match.group(2))), directory.parent
+        if not RATIO_DIR.fullmatch(directory.name) or len(directory.relative_to(results_dir).parts) < 4:
+            logger.warning("skipping %s: not <dataset>/<model>/<press>/cr<ratio>/", pred)
+            continue
+        parts[directory].append((shard, pred.parent))
+    runs = []
+    for directory, pieces in sorted(parts.items()):
+        run = Run(dataset=directory.parent.parent.parent.name, model=directory.parent.parent.name,
+                  press=directory.parent.name, ratio=float(RATIO_DIR.fullmatch(directory.name).group(1)),
+                  path=directory)
+        seen: set[str] = set()
+        for _, piece in sorted(pieces, key=lambda x: (x[0] is not None, x[0] or (0, 0))):
+            for row in read_rows(piece / "predictions.jsonl"):
+                if row.get("id") not in seen:
+                    seen.add(row.get("id"))
+                    run.rows.append(row)
+            metrics = _read_json(piece / "metrics.json")
+            if metrics is None:
+                run.problems.append(f"{piece.relative_to(directory.parent) if piece != directory else 'run'}"
+                                    " has no metrics.json (unfinished)")
+            elif metrics.get("command") and metrics["command"] not in run.commands:
+                run.commands.append(metrics["command"])
+        shards = [s for s, _ in pieces if s is not None]
+        if shards:
+            counts = {n for _, n in shards}
+            if len(counts) > 1:
+                run.problems.append(f"mixed shard counts {sorted(counts)}")
+            n = max(counts)
+            missing = sorted(set(range(n)) - {i for i, _ in shards})
+            if missing:
+                run.problems.append(f"shards {missing} of {n} missing")
+        runs.append(run)
+    return runs
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------------
+
+
+def _label(press: str, ratio: float) -> str:
+    return f"{press} @ {ratio:g}"
+
+
+def _press_order(presses) -> list[str]:
+    return sorted(set(presses), key=lambda p: (p != BASELINE, p))
+
+
+def _row_length(row: dict):
+    meta = row.get("metadata") or {}
+    return meta.get("context_length", row.get("context_length"))
+
+
+def summary_table(runs: list[Run], confidence: float) -> list[dict]:
+    """One record per run: n, mean score and interval, weighted and task averages, effective compression."""
+    out = []
+    for run in runs:
+        scores = [float(r["score"]) for r in run.rows]
+        if not scores:
+            continue
+        mean, lo, hi, method = score_interval(scores, confidence)
+        by_task: dict[str, list[float]] = defaultdict(list)
+        for r in run.rows:
+            by_task[r.get("task") or run.dataset].append(float(r["score"]))
+        n = len(scores)
+        weighted = sum(len(v) / n * (sum(v) / len(v)) for v in by_task.values())
+        task_avg = sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
+        eff = [float(r["effective_compression"]) for r in run.rows if r.get("effective_compression") is not None]
+        out.append({"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio, "n": n,
+                    "score": mean, "low": lo, "high": hi, "interval": method, "weighted_average": weighted,
+                    "task_average": task_avg, "n_tasks": len(by_task),
+                    "effective_compression": sum(eff) / len(eff) if eff else math.nan,
+                    "complete": run.complete})
+    return out
+
+
+def per_task_table(runs: list[Run], key=lambda r: r.get("task")) -> list[dict]:
+    """Mean score and count per run and group (task by default)."""
+    out = []
+    for run in runs:
+        groups: dict = defaultdict(list)
+        for r in run.rows:
+            groups[key(r)].append(float(r["score"]))
+        for group, vals in sorted(groups.items(), key=lambda kv: str(kv[0])):
+            out.append({"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio,
+                        "group": group, "n": len(vals), "score": sum(vals) / len(vals)})
+    return out
+
+
+def win_table(runs: list[Run]) -> list[dict]:
+    """Win score of each press per ratio (paper 003 section 7), on examples all presses at that ratio scored.
+
+    Runs of the ``no_press`` baseline and incomplete runs are left out; a ratio with fewer than two presses is
+    skipped.
+    """
+    by_ratio: dict[float, list[Run]] = defaultdict(list)
+    for run in runs:
+        if run.press != BASELINE and run.rows and run.complete:
+            by_ratio[run.ratio].append(run)
+    out = []
+    for ratio, group in sorted(by_ratio.items()):
+        if len(group) < 2:
+            continue
+        scored = {run.press: {r["id"]: (r.get("task") or run.dataset, float(r["score"])) for r in run.rows}
+                  for run in group}
+        common = set.intersection(*(set(s) for s in scored.values()))
+        per_task: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for ex_id in sorted(common):
+            for press, table in scored.items():
+                task, score = table[ex_id]
+                per_task[task][press].append(score)
+        if not per_task:
+            continue
+        for press, value in win_scores(per_task).items():
+            out.append({"dataset": group[0].dataset, "model": group[0].model, "press": press, "ratio": ratio,
+                        "win_score": value, "n_examples": len(common), "n_tasks": len(per_task),
+                        "n_methods": len(group)})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Output helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _csv(records: list[dict]) -> str:
+    """CSV text of flat records (floats with 6 significant digits)."""
+    buf = io.StringIO()
+    fields = list(dict.fromkeys(k for r in records for k in r))
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for r in records:
+        writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()})
+    return buf.getvalue()
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _pivot(records: list[dict], row_key, col_key, cell, row_order=None, col_order=None):
+    """(header columns, rows) of a press x something table from flat records."""
+    cells = {(row_key(r), col_key(r)): cell(r) for r in records}
+    rows_ = row_order or sorted({row_key(r) for r in records})
+    cols = col_order or sorted({col_key(r) for r in records}, key=str)
+    return cols, [[rk] + [cells.get((rk, c), "–") for c in cols] for rk in rows_]
+
+
+class _Writer:
+    """Writes report files atomically and remembers them (to prune stale ones)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.written: set[Path] = set()
+
+    def text(self, rel: str, content: str) -> str:
+        path = self.out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, content)
+        self.written.add(path.resolve())
+        return rel
+
+    def figure(self, rel: str, fig) -> str:
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+
+        path = self.out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        fig.savefig(tmp, format="png", dpi=100)
+        plt.close(fig)
+        os.replace(tmp, path)
+        self.written.add(path.resolve())
+        return rel
+
+    def prune(self) -> None:
+        for sub in ("tables", "plots"):
+            for path in (self.out / sub).glob("*"):
+                if path.is_file() and path.resolve() not in self.written and path.suffix in (".csv", ".png"):
+                    path.unlink()
+
+
+def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bool = False) -> None:
+    for press in presses:
+        pts = sorted((r["ratio"], r[value], r.get("low"), r.get("high")) for r in records if r["press"] == press)
+        if not pts:
+            continue
+        if press == BASELINE:
+            ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=1, label=BASELINE)
+            continue
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        if err:
+            yerr = [[y - p[2] for y, p in zip(ys, pts)], [p[3] - y for y, p in zip(ys, pts)]]
+            ax.errorbar(xs, ys, yerr=yerr, marker="o", capsize=3, label=press)
+        else:
+            ax.plot(xs, ys, marker="o", label=press)
+    ax.set_xlabel("compression ratio")
+    ax.grid(alpha=0.3)
+
+
+def _figures(w: _Writer, stem: str, title: str, summary: list[dict], wins: list[dict], tasks: list[dict],
+             presses: list[str]) -> dict[str, str]:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    links = {}
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    _plot_lines(ax, summary, "score", presses, err=True)
+    ax.set_ylabel("score (95% interval)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    links["score"] = w.figure(f"plots/{stem}__score.png", fig)
+    if wins:
+        fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+        _plot_lines(ax, wins, "win_score", presses)
+        ax.set_ylabel("win score")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{title}: win score")
+        ax.legend(fontsize=7)
+        links["win"] = w.figure(f"plots/{stem}__win.png", fig)
+    names = sorted({r["group"] for r in tasks}, key=str)
+    if names:
+        ncols = min(4, len(names))
+        nrows = math.ceil(len(names) / ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows + 0.6), squeeze=False,
+                                 sharey=True, layout="constrained")
+        for ax, name in zip(axes.flat, names):
+            _plot_lines(ax, [r for r in tasks if r["group"] == name], "score", presses)
+            ax.set_title(str(name), fontsize=9)
+        for ax in list(axes.flat)[len(names):]:
+            ax.axis("off")
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(6, len(labels) or 1), fontsize=7)
+        fig.suptitle(f"{title}: per task")
+        links["tasks"] = w.figure(f"plots/{stem}__tasks.png", fig)
+    return links
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
+
+
+def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command: str | None = None,
+                 plots: bool = True) -> Path:
+    """Write the report of every run below ``results_dir`` into ``out``; returns ``out / "README.md"``.
+
+    ``plots=False`` skips the PNGs (tables and README only; stale PNGs are then removed too).
+
+    Raises:
+        FileNotFoundError: ``results_dir`` does not exist. ValueError: ``confidence`` outside (0, 1).
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must be in (0, 1)")
+    plots_on = plots
+    runs = scan(Path(results_dir))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    w = _Writer(out)
+    pct = f"{100 * confidence:g} %"
+    cmd = command or f"python -m evaluation.report {results_dir} --out {out}"
+    md = ["# Benchmark results", "",
+          f"_Generated by `{cmd}` from the runs in `{results_dir}`. Regenerate it; never edit by hand._", ""]
+    if not runs:
+        md += ["No runs found."]
+    groups: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    for run in runs:
+        groups[(run.dataset, run.model)].append(run)
+    if groups:
+        md += ["## Contents", ""] + [f"- [{d} / {m}](#{_anchor(d, m)})" for d, m in sorted(groups)] + [""]
+    for (dataset, model), group in sorted(groups.items()):
+        stem = f"{dataset}__{model}"
+        presses = _press_order(r.press for r in group)
+        summary = summary_table(group, confidence)
+        tasks = per_task_table(group)
+        wins = win_table(group)
+        lengths = per_task_table(group, key=_row_length)
+        several_lengths = len({r["group"] for r in lengths}) > 1
+        links = {"summary": w.text(f"tables/{stem}__summary.csv", _csv(summary)),
+                 "per_task": w.text(f"tables/{stem}__per_task.csv", _csv(tasks))}
+        if wins:
+            links["win"] = w.text(f"tables/{stem}__win.csv", _csv(wins))
+        if several_lengths:
+            links["by_length"] = w.text(f"tables/{stem}__by_length.csv", _csv(lengths))
+        plots = _figures(w, stem, f"{dataset} / {model}", summary, wins, tasks, presses) if plots_on else {}
+
+        ratios = sorted({r["ratio"] for r in summary})
+        md += [f"<a id=\"{_anchor(dataset, model)}\"></a>", f"## {dataset} / {model}", ""]
+        md += [f"Runs: {len(group)} ({len(presses)} presses, ratios {', '.join(f'{x:g}' for x in ratios)}); "
+               f"examples per run: {', '.join(sorted({str(r['n']) for r in summary}, key=int))}.", ""]
+        md += [f"### Score (mean over examples, {pct} interval)", "",
+               "Mean over all examples, which is paper 003's average of the per-split scores weighted by split "
+               "size; interval: Wilson when every score is 0 or 1, Student t otherwise. `*`: incomplete run.", ""]
+        hdr, rows = _pivot(summary, lambda r: r["press"], lambda r: r["ratio"],
+                           lambda r: f"{r['score']:.3f} [{r['low']:.3f}, {r['high']:.3f}]"
+                                     + ("" if r["complete"] else " *"),
+                           row_order=presses, col_order=ratios)
+        md += [_markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), ""]
+        hdr, rows = _pivot(summary, lambda r: r["press"], lambda r: r["ratio"],
+                           lambda r: f"{r['task_average']:.3f}", row_order=presses, col_order=ratios)
+        md += ["Task average (every task weighs the same):", "",
+               _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), ""]
+        hdr, rows = _pivot(summary, lambda r: r["press"], lambda r: r["ratio"],
+                           lambda r: f"{r['effective_compression']:.3f}", row_order=presses, col_order=ratios)
+        md += ["Measured effective compression:", "", _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), ""]
+        md += [f"Table: [{links['summary']}]({links['summary']})"
+               + (f" · plot:\n\n![score vs ratio]({plots['score']})" if "score" in plots else ""), ""]
+        if wins:
+            hdr, rows = _pivot(wins, lambda r: r["press"], lambda r: r["ratio"], lambda r: f"{r['win_score']:.3f}",
+                               row_order=[p for p in presses if p != BASELINE], col_order=sorted(
+                                   {r["ratio"] for r in wins}))
+            md += ["### Win score (paper 003 section 7)", "",
+                   "Per example each press gets the number of other presses it beats or ties, averaged per task, "
+                   "divided by (presses - 1) and averaged over tasks; compared at each ratio on the examples "
+                   f"every press scored (`{BASELINE}` and incomplete runs left out).", "",
+                   _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), "",
+                   f"Table: [{links['win']}]({links['win']})"
+                   + (f" · plot:\n\n![win score vs ratio]({plots['win']})" if "win" in plots else ""), ""]
+        labels = [_label(p, x) for p in presses for x in ratios
+                  if any(r["press"] == p and r["ratio"] == x for r in summary)]
+        hdr, rows = _pivot(tasks, lambda r: _label(r["press"], r["ratio"]), lambda r: r["group"],
+                           lambda r: f"{r['score']:.3f}", row_order=labels)
+        md += ["### Per task", "", _markdown(["press @ ratio"] + [str(c) for c in hdr], rows), "",
+               f"Table: [{links['per_task']}]({links['per_task']})"
+               + (f" · plot:\n\n![per task]({plots['tasks']})" if "tasks" in plots else ""), ""]
+        if several_lengths:
+            hdr, rows = _pivot(lengths, lambda r: _label(r["press"], r["ratio"]), lambda r: r["group"],
+                               lambda r: f"{r['score']:.3f}", row_order=labels)
+            md += ["### Per context length", "", _markdown(["press @ ratio"] + [str(c) for c in hdr], rows), "",
+                   f"Table: [{links['by_length']}]({links['by_length']})", ""]
+        bad = [r for r in group if not r.complete]
+        if bad:
+            md += ["### Incomplete runs", ""] + [f"- `{r.path.relative_to(results_dir)}`: {'; '.join(r.problems)}"
+                                                 for r in bad] + [""]
+        commands = sorted({c for r in group for c in r.commands})
+        md += ["### Commands", "", "The runs above were produced by:", "", "```"]
+        md += commands or ["(no metrics.json recorded a command)"]
+        md += ["```", ""]
+    readme = Path(w.text("README.md", "\n".join(md).rstrip() + "\n"))
+    w.prune()
+    return out / readme
+
+
+def _anchor(dataset: str, model: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", f"{dataset}-{model}".lower()).strip("-")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m evaluation.report", description=__doc__.split("\n")[0])
+    parser.add_argument("results_dir", type=Path, help="directory holding <dataset>/<model>/<press>/cr<ratio>/ runs")
+    parser.add_argument("--out", type=Path, default=Path("results"), help="report directory (default: results/)")
+    parser.add_argument("--confidence", type=float, default=0.95, help="interval confidence (default 0.95)")
+    parser.add_argument("--no-plots", action="store_true", help="write tables and README only")
+    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    readme = build_report(args.results_dir, args.out, args.confidence,
+                          command="python -m evaluation.report " + " ".join(argv), plots=not args.no_plots)
+    print(f"wrote {readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""evaluation.report on a hand-made results tree: shard merge, intervals, averages, win score, files."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from evaluation.metrics import t_interval, wilson_interval
+from evaluation.report import build_report, main, scan
+
+
+def _write_run(root: Path, press: str, ratio: str, rows: list[tuple[str, str, float]], shard: str | None = None,
+               finished: bool = True, dataset: str = "ruler", model: str = "tiny") -> None:
+    d = root / dataset / model / press / f"cr{ratio}"
+    if shard:
+        d = d / shard
+    d.mkdir(parents=True)
+    with open(d / "predictions.jsonl", "w") as f:
+        for ex_id, task, score in rows:
+            f.write(json.dumps({"id": ex_id, "task": task, "score": score, "prediction": "p", "answers": ["a"],
+                                "context_length": 100, "effective_compression": float(ratio),
+                                "metadata": {"context_length": 128}}) + "\n")
+        f.write('{"id": "torn", "sco')  # a killed run's torn last line must be ignored
+    if finished:
+        cmd = f"python -m evaluation.run dataset={dataset} press={press} compression_ratio={ratio}"
+        (d / "metrics.json").write_text(json.dumps({"command": cmd}))
+    (d / "config.yaml").write_text(f"compression_ratio: {ratio}\n")
+
+
+@pytest.fixture
+def results(tmp_path):
+    root = tmp_path / "runs"
+    _write_run(root, "no_press", "0", [("a1", "A", 1), ("a2", "A", 1), ("b1", "B", 1)])
+    _write_run(root, "snapkv", "0.5", [("a1", "A", 1), ("b1", "B", 0)], shard="shard_0_of_2")
+    _write_run(root, "snapkv", "0.5", [("a2", "A", 0)], shard="shard_1_of_2")
+    _write_run(root, "knorm", "0.5", [("a1", "A", 1), ("a2", "A", 1), ("b1", "B", 0.5)])
+    _write_run(root, "streaming_llm", "0.5", [("a1", "A", 0), ("a2", "A", 0), ("b1", "B", 1)])
+    _write_run(root, "knorm", "0.25", [("a1", "A", 1), ("a2", "A", 1), ("b1", "B", 1)])
+    _write_run(root, "streaming_llm", "0.25", [("a1", "A", 0)], shard="shard_0_of_2")  # shard 1 never ran
+    (root / ".hydra" / "x").mkdir(parents=True)
+    (root / ".hydra" / "x" / "predictions.jsonl").write_text('{"id": "zz", "task": "A", "score": 1}\n')
+    return root
+
+
+def _csv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def _cell(rows, press, ratio, key):
+    (row,) = [r for r in rows if r["press"] == press and float(r["ratio"]) == ratio]
+    return float(row[key])
+
+
+def test_scan_merges_shards_and_flags_missing(results):
+    runs = {(r.press, r.ratio): r for r in scan(results)}
+    assert len(runs) == 6  # the .hydra directory is ignored
+    snap = runs[("snapkv", 0.5)]
+    assert sorted(r["id"] for r in snap.rows) == ["a1", "a2", "b1"] and snap.complete
+    assert len(snap.commands) == 1 and "press=snapkv" in snap.commands[0]
+    stream = runs[("streaming_llm", 0.25)]
+    assert not stream.complete and "shards [1] of 2 missing" in stream.problems[0]
+
+
+def test_summary_intervals_averages_and_win_score(results, tmp_path):
+    out = tmp_path / "results"
+    readme = build_report(results, out)
+    summary = _csv(out / "tables" / "ruler__tiny__summary.csv")
+    # snapkv merged from two shards: scores 1, 0, 0 -> 1/3 with a Wilson interval (all 0/1)
+    assert _cell(summary, "snapkv", 0.5, "n") == 3
+    assert _cell(summary, "snapkv", 0.5, "score") == pytest.approx(1 / 3)
+    lo, hi = wilson_interval(1, 3)
+    assert _cell(summary, "snapkv", 0.5, "low") == pytest.approx(lo, abs=1e-5)
+    assert _cell(summary, "snapkv", 0.5, "high") == pytest.approx(hi, abs=1e-5)
+    # knorm: 1, 1, 0.5 -> fractional scores use the t interval
+    assert [r["interval"] for r in summary if r["press"] == "knorm" and float(r["ratio"]) == 0.5] == ["t"]
+    lo, hi = t_interval([1, 1, 0.5])
+    assert _cell(summary, "knorm", 0.5, "low") == pytest.approx(lo, abs=1e-5)
+    assert hi > 1 and _cell(summary, "knorm", 0.5, "high") == 1.0  # clipped to the score range
+    # paper 003 weighted average: 2/3 * mean(A) + 1/3 * mean(B) = 2/3 * 1 + 1/3 * 0.5; task average (1 + .5) / 2
+    assert _cell(summary, "knorm", 0.5, "weighted_average") == pytest.approx(5 / 6, abs=1e-5)
+    assert _cell(summary, "knorm", 0.5, "task_average") == pytest.approx(0.75, abs=1e-5)
+    # win score at 0.5 over knorm, snapkv, streaming_llm (by hand):
+    # task A ranks: a1 (2, 2, 0), a2 (2, 1, 1) -> /2 -> 1, .75, .25 ; task B: b1 (1, 0, 2) -> .5, 0, 1
+    wins = _csv(out / "tables" / "ruler__tiny__win.csv")
+    assert _cell(wins, "knorm", 0.5, "win_score") == pytest.approx(0.75)
+    assert _cell(wins, "snapkv", 0.5, "win_score") == pytest.approx(0.375)
+    assert _cell(wins, "streaming_llm", 0.5, "win_score") == pytest.approx(0.625)
+    # at 0.25 streaming_llm is incomplete (shard 1 missing): knorm alone is left, no win score
+    assert not any(float(r["ratio"]) == 0.25 for r in wins)
+    assert not any(r["press"] == "no_press" for r in wins)
+    per_task = _csv(out / "tables" / "ruler__tiny__per_task.csv")
+    assert _cell([r for r in per_task if r["group"] == "B"], "knorm", 0.5, "score") == pytest.approx(0.5)
+
+    text = readme.read_text()
+    assert readme == out / "README.md"
+    assert "python -m evaluation.run dataset=ruler press=knorm compression_ratio=0.5" in text
+    assert "shards [1] of 2 missing" in text and "never edit by hand" in text
+    for name in ("score", "win", "tasks"):
+        png = out / "plots" / f"ruler__tiny__{name}.png"
+        assert f"plots/ruler__tiny__{name}.png" in text
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in out.rglob("*") if p.name.startswith(".")]  # no temporary file left behind
+
+
+def test_report_is_regenerated_and_prunes_stale_files(results, tmp_path):
+    out = tmp_path / "results"
+    build_report(results, out, plots=False)
+    first = (out / "README.md").read_text()
+    stale = out / "tables" / "old__model__summary.csv"
+    stale.write_text("x")
+    assert main([str(results), "--out", str(out), "--no-plots"]) == 0
+    assert (out / "README.md").read_text().split("\n", 3)[3] == first.split("\n", 3)[3]  # same body
+    assert not stale.exists()
+
+
+def test_missing_results_dir_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_report(tmp_path / "nope", tmp_path / "out", plots=False)
