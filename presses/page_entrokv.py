@@ -269,7 +269,7 @@ class PageEntroKVPress(BasePress):
         n = len(self._stats)
         return {
             "effective_compression": sum(1.0 - s["kept"] / s["T"] for s in self._stats) / n,
-            "kept_tokens": int(round(sum(s["kept"] for s in self._stats) / n)),
+            "kept_tokens": round(sum(s["kept"] for s in self._stats) / n),
             "context_length": int(self._stats[-1]["T"]),
             "budget_tokens": int(self._stats[-1]["budget"]),
             "protected_tokens": int(self._stats[-1]["protected"]),

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -51,7 +51,7 @@ def token_budget(seq_len: int, compression_ratio: float) -> int:
         raise ValueError(f"compression_ratio={compression_ratio} must be in [0, 1)")
     if seq_len < 0:
         raise ValueError(f"seq_len={seq_len} must be >= 0")
-    return int(math.floor(seq_len * (1.0 - compression_ratio) + 1e-6))
+    return math.floor(seq_len * (1.0 - compression_ratio) + 1e-6)
 
 
 def num_pages(seq_len: int, page_size: int) -> int:
