@@ -278,8 +278,9 @@ def _niah_render(rng_seed: int, n: int, args: dict) -> _Rendered:
         full = (body + "\x00" + prefix).replace("Some", "A").replace("are all", "is").replace("are", "is")
         body, prefix = full.replace("answers", "answer").split("\x00")
         type_v = tv[:-1]
-    # depth of the first queried needle, in percent of the haystack characters
-    first = context.find(NEEDLE.format(type_needle_v=tv, key=keys[indices[0]], value=values[indices[0]][0]))
+    # depth of the earliest queried needle, in percent of the haystack characters
+    first = min(context.find(NEEDLE.format(type_needle_v=tv, key=keys[i], value=v)) for i in indices
+                for v in values[i])
     meta = {"depth": round(100 * first / max(1, len(context)), 1), "haystack": hay}
     return _render("niah", context, answers, meta, template=(body, prefix), type_needle_v=type_v,
                    query=_join_query([keys[i] for i in indices]))
@@ -568,8 +569,8 @@ class RulerDataset:
         Deterministic in ``seed``: example ``i`` of a (task, length) only depends on
         ``(seed, task, length, i)``, so a smaller ``n_samples`` yields a prefix of a larger one.
         ``query_aware=True`` appends the question to the context (and leaves ``question`` empty).
-        Metadata: ``context_length`` (target), ``prompt_tokens`` (measured), ``depth`` (niah, percent of
-        the context where the first answer needle starts), ``haystack``, ``index``.
+        Metadata: ``context_length`` (target), ``prompt_tokens`` (measured), ``depth`` (niah: where the
+        earliest queried needle starts, in percent of the haystack characters), ``haystack``, ``index``.
 
         Raises:
             ValueError: a length too short for a task's smallest prompt.
