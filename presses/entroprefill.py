@@ -1,0 +1,714 @@
+"""EntroPrefill: query-aware pruning of whole chunks in the middle of prefill.
+
+Paper 001 (EntroPrefill), Algorithm 1; SPEC section 4. Math helpers of this module implement
+eqs. 2-5 (proposal and floored Rényi pooling), 8-9 (chunk priorities), Theorem 4.1 (deletion
+envelope), eq. 17 (Hoeffding audit radius), eq. 19 (set change) and eq. 32 (analytic saving); the
+greedy scan and the dual certificate (eqs. 14-16) live in :mod:`presses.dual`, chunking in
+:mod:`presses.chunking`, sink isolation and collision entropy in :mod:`presses.renyi`.
+
+How the press sees the prompt: inside ``with press(model):`` a forward pre-hook on the decoder
+stack (``model.model``) captures ``input_ids`` of the prefill call, decodes them with the
+tokenizer (``tokenizer`` field, else ``AutoTokenizer.from_pretrained(model.name_or_path)``), finds
+the question as the LAST match of ``question_pattern`` (the question and everything after it is
+the protected query span) and splits the text before it into chunks (:func:`presses.chunking.plan_chunks`).
+The question must be in the prefill (``query_aware=true`` in the harness), otherwise a
+``ValueError`` is raised.
+
+Pruning mechanics: attention forward hooks on the monitored layers compute the statistics of
+Algorithm 1 on the unpruned trajectory. When layer ``l*`` (a 0-based ``layer_idx``) is accepted,
+its hook gathers the KV cache of layers ``0..l*`` at the retained support ``R`` (ascending token
+indices), and forward pre-hooks on decoder layers ``> l*`` replace ``hidden_states`` by its rows
+at ``R`` and the kwargs ``position_ids`` / ``position_embeddings`` by the ORIGINAL positions of
+``R``, ``cache_position`` by the compact storage offsets ``0..T'-1`` and a 4-D ``attention_mask`` by
+its ``R x R`` block (``None`` stays ``None``: causal on the compact support). The model's final norm
+then sees ``T'`` rows. Decoding continues at position ``T`` because kvpress's pipeline passes
+``position_ids`` starting at the original context length, while the cache holds ``T'`` entries.
+Only batch size 1 and ``DynamicCache`` are supported.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import re
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Generator, Sequence
+
+import torch
+from kvpress.presses.base_press import BasePress
+from kvpress.utils import get_prerope_query_states
+from transformers.models.llama.modeling_llama import rotate_half
+
+from presses.chunking import CHUNK_MODES, ChunkPlan, find_question, plan_chunks, token_offsets
+from presses.dual import dual_certificate, greedy_feasible_scan
+from presses.renyi import group_weights, pool_groups, renyi_entropy, sink_isolate
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EntroPrefillPress",
+    "row_attention",
+    "floor_weights",
+    "pooled_proposal",
+    "chunk_priorities",
+    "deletion_envelope",
+    "hoeffding_radius",
+    "set_change",
+    "layer_cost_coefficients",
+    "analytic_saving",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Math (paper 001 sections 2-5, 8)
+# ---------------------------------------------------------------------------------------------
+
+
+def row_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                  position_embeddings, attentions: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention rows ``A^{l,h}_{u, .}`` of the prefill queries at ``positions`` (eq. 1).
+
+    Unlike :func:`presses.observer.observer_attention` (window-AVERAGED rows of the last ``W``
+    queries) this returns every row separately and accepts arbitrary query positions: EntroPrefill
+    needs per-row masses for its proposal constraints (eq. 14) and rows at randomly drawn audit
+    positions (eq. 17). Averaging the rows of the last ``W`` positions reproduces
+    ``observer_attention``.
+
+    Args:
+        module: the Llama-like attention module of the layer.
+        hidden_states: ``(B, T, D_model)`` input of the attention layer.
+        keys: ``(B, G, T, d)`` RoPE'd keys of the layer (prefill: key ``j`` is token ``j``).
+        positions: ``(P,)`` int64 token indices of the query rows.
+        position_embeddings: ``(cos, sin)`` each ``(B, T, d)``.
+        attentions: optional ``(B, H_Q, T, T)`` eager attention weights (then simply sliced).
+
+    Returns:
+        ``(B, H_Q, P, T)`` float32 rows, each summing to 1 over keys ``j <= positions[p]``.
+    """
+    if attentions is not None:
+        return attentions[:, :, positions, :].float()
+    q = get_prerope_query_states(module, hidden_states[:, positions])
+    cos, sin = position_embeddings
+    cos, sin = cos[:, positions].unsqueeze(1), sin[:, positions].unsqueeze(1)
+    q = (q * cos + rotate_half(q) * sin).float()
+    B, H, P, d = q.shape
+    G, T = keys.shape[1], keys.shape[2]
+    if H % G:
+        raise ValueError(f"num_kv_heads={G} must divide num_heads={H}")
+    scaling = getattr(module, "scaling", d ** -0.5)
+    logits = torch.matmul(q.reshape(B, G, (H // G) * P, d), keys.float().transpose(-1, -2)) * scaling
+    logits = logits.reshape(B, H, P, T)
+    future = torch.arange(T, device=keys.device).view(1, T) > positions.to(keys.device).view(P, 1)
+    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+
+
+def floor_weights(attn: torch.Tensor, num_groups: int, n_sink: int, tau: float, zeta: float,
+                  z_min: float) -> dict[str, torch.Tensor]:
+    """Sink-isolated collision weights with eligibility and floor (paper 001 eqs. 3-4).
+
+    ``z_h = sum_{j not in S} a^h_j``; head ``h`` is eligible when ``z_h >= z_min``;
+    ``C_h = sum_j (a^h_j / z_h)^2`` on the non-sinks; inside each group
+    ``v_h = C_h^(1/tau) / sum_{eligible a} C_a^(1/tau)`` (0 for ineligible heads), ``v_h = 1/r``
+    when the whole group is ineligible, and ``w_h = (1 - zeta) v_h + zeta / r``. Uses
+    :func:`presses.renyi.renyi_entropy` (``C^(1/tau) = exp(-H_2 / tau)``) and
+    :func:`presses.renyi.group_weights`.
+
+    Args:
+        attn: ``(H_Q, T)`` observer-averaged proposal rows ``a^{l,h}`` (eq. 2).
+        num_groups: ``G``.
+        n_sink: ``|S|``, leading sink positions.
+        tau: entropy temperature ``tau > 0``.
+        zeta: group floor ``zeta in (0, 1]``.
+        z_min: eligibility threshold ``z_min > 0``.
+
+    Returns:
+        dict with ``w`` and ``v`` ``(G, r)``, ``z`` and ``eligible`` ``(H_Q,)``, ``group_fallback``
+        ``(G,)`` (all heads of the group ineligible).
+
+    Raises:
+        ValueError: for ``tau <= 0``, ``zeta`` outside ``(0, 1]`` or ``z_min <= 0``.
+    """
+    if not zeta > 0 or zeta > 1:
+        raise ValueError(f"zeta={zeta} must lie in (0, 1]")
+    if not z_min > 0:
+        raise ValueError(f"z_min={z_min} must be > 0")
+    if not tau > 0:
+        raise ValueError(f"tau={tau} must be > 0")
+    a_tilde, z = sink_isolate(attn, n_sink)
+    ent = renyi_entropy(a_tilde, 2.0)
+    eligible = z >= z_min
+    v = group_weights(torch.where(eligible, ent, torch.full_like(ent, float("inf"))), num_groups, tau)
+    G, r = v.shape[-2:]
+    fallback = ~eligible.reshape(G, r).any(-1)
+    v = torch.where(fallback.unsqueeze(-1), torch.full_like(v, 1.0 / r), v)
+    w = (1.0 - zeta) * v + zeta / r
+    return {"w": w, "v": v, "z": z, "eligible": eligible, "group_fallback": fallback}
+
+
+def pooled_proposal(attn: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Pooled proposal measure ``mu^l_j = (1/G) sum_g sum_{h in g} w_h a^{l,h}_j`` (paper 001 eq. 5).
+
+    Args:
+        attn: ``(H_Q, T)`` proposal rows (the ORIGINAL attention, sinks included).
+        w: ``(G, r)`` head weights from :func:`floor_weights`.
+
+    Returns:
+        ``(T,)`` float32, a probability distribution when the rows are.
+    """
+    return pool_groups(attn, w).mean(-2)
+
+
+def chunk_priorities(mu: torch.Tensor, chunks: Sequence[tuple[int, int]], smoothing: float,
+                     lam: float) -> dict[str, torch.Tensor]:
+    """Null-calibrated chunk priorities ``S_i = ln l_i + lambda kappa_i`` (paper 001 eqs. 8-9).
+
+    With ``Z = mu(D)`` over the union ``D`` of the chunks, ``p_j = mu_j / Z``, chunk mass
+    ``M_i = sum_{j in c_i} p_j``, null mass ``pi_i = n_i / N``:
+    ``p^_ij = (p_j + eps_s pi_i / n_i) / (M_i + eps_s pi_i)``,
+    ``l_i = (M_i + eps_s pi_i) / ((1 + eps_s) pi_i)``,
+    ``kappa_i = (n_i sum_j p^_ij^2 - 1) / (n_i - 1)`` (0 for singletons). Float64.
+
+    Args:
+        mu: ``(T,)`` pooled proposal.
+        chunks: ``k`` disjoint token ranges ``[start, end)``.
+        smoothing: ``eps_s > 0``.
+        lam: ``lambda >= 0``.
+
+    Returns:
+        dict with ``S``, ``ell``, ``kappa``, ``M`` ``(k,)`` float64 and ``Z`` (0-d).
+
+    Raises:
+        ValueError: for ``smoothing <= 0``, ``lam < 0``, no chunks, or ``Z <= 0``.
+    """
+    if not smoothing > 0:
+        raise ValueError(f"smoothing eps_s={smoothing} must be > 0")
+    if not lam >= 0:
+        raise ValueError(f"lambda={lam} must be >= 0")
+    if len(chunks) == 0:
+        raise ValueError("chunk_priorities needs at least one chunk")
+    mu = mu.double()
+    n = torch.tensor([e - s for s, e in chunks], dtype=torch.float64)
+    mass_tok = [mu[s:e] for s, e in chunks]
+    Z = torch.stack([m.sum() for m in mass_tok]).sum()
+    if not Z > 0:
+        raise ValueError(f"document mass Z={float(Z)} must be > 0")
+    N = n.sum()
+    pi = n / N
+    M = torch.stack([m.sum() for m in mass_tok]) / Z
+    ell = (M + smoothing * pi) / ((1 + smoothing) * pi)
+    kappa = torch.zeros_like(n)
+    for i, m in enumerate(mass_tok):
+        if n[i] > 1:
+            p_hat = (m / Z + smoothing * pi[i] / n[i]) / (M[i] + smoothing * pi[i])
+            kappa[i] = (n[i] * (p_hat * p_hat).sum() - 1) / (n[i] - 1)
+    S = torch.log(ell) + lam * kappa
+    return {"S": S, "ell": ell, "kappa": kappa, "M": M, "Z": Z}
+
+
+def deletion_envelope(a: torch.Tensor, mu: torch.Tensor, omega: float, removed: torch.Tensor,
+                      ) -> tuple[float, float]:
+    """Mixture-to-row deletion envelope of paper 001 Theorem 4.1 (eqs. 11-12).
+
+    For a row ``a`` with mixture coefficient ``omega`` in ``mu`` and a removal set ``E``:
+    ``a(E) <= min{1, q / omega, q + sqrt(chi2 q (1 - q))}`` with ``q = mu(E)`` and
+    ``chi2 = D_chi2(a || mu) <= 1/omega - 1``.
+
+    Args:
+        a: ``(T,)`` constituent row.
+        mu: ``(T,)`` mixture.
+        omega: ``> 0`` coefficient of ``a`` in ``mu``.
+        removed: ``(T,)`` bool mask of ``E``.
+
+    Returns:
+        ``(bound, chi2)``.
+    """
+    a, mu = a.double(), mu.double()
+    q = float(mu[removed].sum().clamp(0.0, 1.0))
+    support = mu > 0
+    chi2 = float(((a[support] - mu[support]) ** 2 / mu[support]).sum())
+    bound = min(1.0, q / omega, q + math.sqrt(max(chi2, 0.0) * q * (1.0 - q)))
+    return bound, chi2
+
+
+def hoeffding_radius(num_layers: int, num_heads: int, delta: float, audit_size: int) -> float:
+    """Simultaneous one-sided Hoeffding radius ``b = sqrt(ln(J H_Q / delta) / (2 m_a))`` (eq. 17).
+
+    Raises:
+        ValueError: for ``delta`` outside ``(0, 1)``, ``audit_size < 1`` or non-positive counts.
+    """
+    if not 0 < delta < 1:
+        raise ValueError(f"delta={delta} must lie in (0, 1)")
+    if audit_size < 1:
+        raise ValueError(f"audit_size m_a={audit_size} must be >= 1")
+    if num_layers < 1 or num_heads < 1:
+        raise ValueError(f"J={num_layers} monitored layers and H_Q={num_heads} heads must be >= 1")
+    return math.sqrt(math.log(num_layers * num_heads / delta) / (2 * audit_size))
+
+
+def set_change(retained: set[int], previous: set[int]) -> float:
+    """Set-change statistic ``d_l = |R_l xor R_l-| / max(1, |R_l u R_l-|)`` (paper 001 eq. 19)."""
+    return len(retained ^ previous) / max(1, len(retained | previous))
+
+
+def layer_cost_coefficients(config) -> tuple[float, float]:
+    """FLOP coefficients ``(a, b)`` of one decoder layer, ``F(T) = a T + b T^2`` (paper 001 eq. 31).
+
+    ``a = 2 (2 D H_Q d + 2 D G d + 3 D D_ff)`` (q/o, k/v and gated-MLP projections, 2 FLOPs per
+    multiply-add); ``b = 2 H_Q d`` (causal ``QK^T`` and ``AV``, half of ``T^2`` each).
+    """
+    D = config.hidden_size
+    H = config.num_attention_heads
+    G = getattr(config, "num_key_value_heads", None) or H
+    d = getattr(config, "head_dim", None) or D // H
+    ff = getattr(config, "intermediate_size", 4 * D)
+    return 2.0 * (2 * D * H * d + 2 * D * G * d + 3 * D * ff), 2.0 * H * d
+
+
+def analytic_saving(full_layers: int, num_layers: int, T: int, T_prime: int, a: float, b: float) -> float:
+    """Ideal fraction of prefill FLOPs saved (paper 001 eq. 32).
+
+    ``(1 - l*/L) (a T (1 - xi) + b T^2 (1 - xi^2)) / (a T + b T^2)`` with ``xi = T'/T``, where
+    ``l* = full_layers`` is the number of layers run on the full prompt.
+    """
+    if T <= 0:
+        return 0.0
+    xi = T_prime / T
+    return (1 - full_layers / num_layers) * (a * T * (1 - xi) + b * T * T * (1 - xi * xi)) / (a * T + b * T * T)
+
+
+# ---------------------------------------------------------------------------------------------
+# The press
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EntroPrefillPress(BasePress):
+    """Query-aware chunk pruning during prefill (paper 001 Algorithm 1; SPEC section 4).
+
+    At each monitored layer: proposal rows of the last ``proposal_window`` question tokens
+    (eq. 2), floored sink-isolated collision weights (eqs. 3-5), chunk priorities (eqs. 8-9),
+    greedy feasible scan and dual certificate (eqs. 14-15), stability streak (eq. 19) and an
+    independent Hoeffding audit at question positions drawn with a seeded generator (eq. 17).
+    The first layer passing the token target, the streak and the audit is ``l*``; the remaining
+    layers run on the retained support only (original positions). Any failure runs the ordinary
+    full prefill and :meth:`summary` says why.
+
+    Parameters:
+        compression_ratio: token-saving target as a fraction of the candidate document tokens
+            ``N``: the scan stops once ``ceil(compression_ratio * N)`` tokens are removed
+            (``B_pref = N - target``); a layer whose greedy saving falls short is not accepted.
+        chunking: ``"passage" | "paragraph" | "regex" | "block"`` (:mod:`presses.chunking`).
+        delimiter: regex for ``chunking="regex"``.
+        block_size: tokens per chunk for ``chunking="block"``.
+        doc_start_pattern: ``"block"`` mode: documents start after this regex's first match.
+        protect_pattern: optional regex whose matches are protected (and protect their chunk).
+        question_pattern: regex marking the question; its LAST match starts the protected query.
+        n_sink: leading sink tokens ``|S|`` (protected, excluded from entropy).
+        proposal_window: ``W_p``, the last question tokens used as proposal observers.
+        monitored_layers: 0-based ``layer_idx`` values in ``[0, L-2]``; ``None`` gives
+            ``range(L // 8, max(L // 3, L // 8 + 1))`` clipped to ``[0, L-2]``.
+        tau: entropy temperature; zeta: group floor; z_min: eligibility threshold (eqs. 3-4).
+        doc_mass_min: ``Z_min``; a layer with pooled document mass below it is invalid.
+        smoothing: ``eps_s`` of eq. 8; lambda_: ``lambda`` of eq. 9.
+        epsilon: row tolerance ``eps_a`` of every proposal-row constraint (eq. 14).
+        min_chunks: ``m_0``, chunks always retained (eq. 14).
+        stability_streak: ``v``, valid transitions with ``d_l <= theta`` required (0: none).
+        theta: set-change threshold of eq. 19.
+        audit_size: ``m_a`` audit observers (with replacement, uniform on the question span).
+        delta: audit failure probability; epsilon_audit: accept when ``eta_hat + b <= epsilon_audit``.
+        seed: seed of the audit generator (independent of the deterministic proposal).
+        use_lp: LP-relaxation dual prices (scipy) for ``U_l``; False: ``y = 0, t = 0``.
+        tokenizer: tokenizer of the model (loaded from ``model.name_or_path`` when None).
+        force_layer: TESTING: accept at this layer regardless of target, streak and audit.
+        force_chunks: TESTING (with ``force_layer``): remove exactly these chunk indices.
+    """
+
+    compression_ratio: float = 0.5
+    chunking: str = "passage"
+    delimiter: str | None = None
+    block_size: int = 128
+    doc_start_pattern: str | None = None
+    protect_pattern: str | None = None
+    question_pattern: str = r"Question:"
+    n_sink: int = 4
+    proposal_window: int = 8
+    monitored_layers: Sequence[int] | None = None
+    tau: float = 0.5
+    zeta: float = 0.2
+    z_min: float = 0.05
+    doc_mass_min: float = 1e-3
+    smoothing: float = 0.1
+    lambda_: float = 0.5
+    epsilon: float = 0.2
+    min_chunks: int = 1
+    stability_streak: int = 1
+    theta: float = 0.25
+    audit_size: int = 256
+    delta: float = 0.1
+    epsilon_audit: float = 0.4
+    seed: int = 0
+    use_lp: bool = True
+    tokenizer: Any = None
+    force_layer: int | None = None
+    force_chunks: Sequence[int] | None = None
+
+    _stats: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self):
+        if not 0 <= self.compression_ratio < 1:
+            raise ValueError(f"compression_ratio={self.compression_ratio} must be in [0, 1)")
+        if self.chunking not in CHUNK_MODES:
+            raise ValueError(f"chunking={self.chunking!r} must be one of {CHUNK_MODES}")
+        if self.chunking == "regex" and not self.delimiter:
+            raise ValueError("chunking='regex' needs a delimiter regex")
+        if self.proposal_window < 1:
+            raise ValueError(f"proposal_window={self.proposal_window} (W_p) must be >= 1")
+        if not 0 <= self.epsilon < 1:
+            raise ValueError(f"epsilon={self.epsilon} (row tolerance eps_a) must be in [0, 1)")
+        if not 0 <= self.epsilon_audit < 1:
+            raise ValueError(f"epsilon_audit={self.epsilon_audit} must be in [0, 1)")
+        if self.min_chunks < 0:
+            raise ValueError(f"min_chunks={self.min_chunks} (m_0) must be >= 0")
+        if self.stability_streak < 0:
+            raise ValueError(f"stability_streak={self.stability_streak} must be >= 0")
+        if not 0 <= self.theta <= 1:
+            raise ValueError(f"theta={self.theta} must lie in [0, 1]")
+        if self.n_sink < 0:
+            raise ValueError(f"n_sink={self.n_sink} must be >= 0")
+        hoeffding_radius(1, 1, self.delta, self.audit_size)  # validates delta and audit_size
+        floor_weights(torch.full((1, 2), 0.5), 1, 0, self.tau, self.zeta, self.z_min)  # validates
+        chunk_priorities(torch.ones(2), [(0, 2)], self.smoothing, self.lambda_)  # validates
+        if self.force_chunks is not None and self.force_layer is None:
+            raise ValueError("force_chunks needs force_layer")
+        self._model_info: dict = {}
+        self._reset(None)
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def post_init_from_model(self, model):
+        """Read layer/head counts and FLOP coefficients; load the tokenizer if none was given."""
+        cfg = model.config
+        cfg = getattr(cfg, "text_config", None) or cfg
+        L = cfg.num_hidden_layers
+        if self.monitored_layers is None:
+            lo = L // 8
+            monitored = list(range(lo, max(L // 3, lo + 1)))
+        else:
+            monitored = sorted({int(i) for i in self.monitored_layers})
+        bad = [i for i in monitored if not 0 <= i <= L - 2]
+        if bad:
+            raise ValueError(f"monitored_layers {bad} must lie in [0, L-2={L - 2}] (a later layer must remain)")
+        monitored = [i for i in monitored if 0 <= i <= L - 2]
+        if self.force_layer is not None:
+            if not 0 <= self.force_layer <= L - 2:
+                raise ValueError(f"force_layer={self.force_layer} must lie in [0, L-2={L - 2}]")
+            monitored = [self.force_layer]
+        if not monitored:
+            raise ValueError(f"no monitored layer: the model has L={L} layers")
+        a, b = layer_cost_coefficients(cfg)
+        self._model_info = {"L": L, "H": cfg.num_attention_heads,
+                            "G": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                            "monitored": monitored, "a": a, "b": b}
+        if self.tokenizer is None:
+            self.tokenizer = _load_tokenizer(model)
+
+    def _reset(self, plan: ChunkPlan | None):
+        self._plan = plan
+        self._active = False
+        self._state = "idle"
+        self._retained: torch.Tensor | None = None
+        self._accepted_layer = -1
+        self._pred: set[int] | None = None
+        self._streak = 0
+        self._reasons: dict[int, str] = {}
+        self._pruned_kwargs: dict | None = None
+        self._t0 = 0.0
+        self._stats = {}
+
+    # -- summary ---------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, float | int | str]:
+        """Per-request diagnostics of the LAST prefill (contract ``press_stats``).
+
+        Keys: ``accepted_layer`` (0-based, -1 if none), ``removed_chunks`` (comma-separated chunk
+        indices of the plan, "" if none), ``n_chunks``, ``n_candidates``, ``n_removed``,
+        ``target_saving``, ``D_l`` (greedy token saving) and ``U_l`` (dual bound) of the accepted
+        layer or, on bypass, of the last layer that reached the scan, ``dual_method``,
+        ``audit_bound`` (``b``), ``eta_hat_max`` (largest audited ``eta_hat``), ``bypass_reason``
+        ("" when pruned), ``layer_reasons`` (``layer:reason;...``), ``T``, ``T_prime``,
+        ``compression`` (``1 - T'/T``), ``analytic_saving`` (eq. 32) and ``prefill_time_s``
+        (wall time of the decoder stack, chunk planning included).
+        """
+        return dict(self._stats)
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    @contextmanager
+    def __call__(self, model) -> Generator:
+        """Register the model, decoder-layer and attention hooks for the duration of the block."""
+        self.post_init_from_model(model)
+        lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        hooks = [lm.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True),
+                 lm.register_forward_hook(self._model_post_hook, with_kwargs=True)]
+        try:
+            for i, layer in enumerate(lm.layers):
+                hooks.append(layer.self_attn.register_forward_hook(self.forward_hook, with_kwargs=True))
+                hooks.append(layer.register_forward_pre_hook(functools.partial(self._layer_pre_hook, i),
+                                                             with_kwargs=True))
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _bypass(self, reason: str):
+        self._state = "bypass"
+        self._stats["bypass_reason"] = reason
+
+    def _model_pre_hook(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if cache is not None and cache.get_seq_length() > 0:
+            self._active = False  # a decoding step inside the context: nothing to do
+            return None
+        if input_ids is None:
+            raise ValueError("EntroPrefillPress needs input_ids in the prefill call (inputs_embeds given): "
+                             "it locates the question and chunks from the token ids")
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"EntroPrefillPress supports batch size 1, got {input_ids.shape[0]}")
+        if self.tokenizer is None:
+            raise ValueError("EntroPrefillPress needs a tokenizer: pass tokenizer=... or use a model whose "
+                             "name_or_path AutoTokenizer can load")
+        self._reset(None)
+        self._t0 = _now(input_ids)
+        ids = input_ids[0].tolist()
+        T = len(ids)
+        text, offsets = token_offsets(self.tokenizer, ids)
+        q_char = find_question(text, self.question_pattern)
+        if q_char is None:
+            raise ValueError(
+                f"EntroPrefillPress found no question (question_pattern={self.question_pattern!r}) in the "
+                f"{T}-token prefill: EntroPrefill is query-aware and needs the question inside the context; "
+                "set query_aware=true")
+        plan = plan_chunks(text, offsets, mode=self.chunking, question_start=q_char, n_sink=self.n_sink,
+                           delimiter=self.delimiter, block_size=self.block_size,
+                           protect_pattern=self.protect_pattern, doc_start_pattern=self.doc_start_pattern)
+        self._plan = plan
+        self._active = True
+        self._device = input_ids.device
+        cand = plan.candidates
+        q0, q1 = plan.question
+        info = self._model_info
+        self._stats = {
+            "accepted_layer": -1, "removed_chunks": "", "n_chunks": len(plan.chunks), "n_candidates": len(cand),
+            "n_removed": 0, "target_saving": 0, "D_l": 0, "U_l": float("nan"), "dual_method": "",
+            "audit_bound": float("nan"), "eta_hat_max": float("nan"), "bypass_reason": "", "layer_reasons": "",
+            "T": T, "T_prime": T, "compression": 0.0, "analytic_saving": 0.0, "prefill_time_s": float("nan"),
+        }
+        N = sum(plan.sizes[i] for i in cand)
+        self._target = math.ceil(self.compression_ratio * N - 1e-9)
+        self._stats["target_saving"] = self._target
+        if self.force_chunks is not None:
+            bad = [i for i in self.force_chunks if i not in cand]
+            if bad:
+                raise ValueError(f"force_chunks {bad} are not candidate chunks {cand}")
+        if not cand:
+            return self._bypass("no_chunks")
+        if q1 - q0 < 1:
+            return self._bypass("empty_question")
+        if self.n_sink >= T:
+            return self._bypass("prompt_shorter_than_sinks")
+        if self._target <= 0 and self.force_layer is None:
+            return self._bypass("zero_target")
+        if cache is not None and type(cache).__name__ != "DynamicCache":
+            return self._bypass(f"unsupported_cache_{type(cache).__name__}")
+        W = min(self.proposal_window, q1 - q0)
+        self._proposal_pos = torch.arange(T - W, T, device=input_ids.device)
+        gen = torch.Generator().manual_seed(self.seed)
+        draws = torch.randint(q0, q1, (self.audit_size,), generator=gen)
+        uniq, counts = torch.unique(draws, return_counts=True)
+        self._audit_pos = uniq.to(input_ids.device)
+        self._audit_w = counts.double() / self.audit_size
+        self._b = hoeffding_radius(len(info["monitored"]), info["H"], self.delta, self.audit_size)
+        self._stats["audit_bound"] = self._b
+        self._state = "search"
+        return None
+
+    def _model_post_hook(self, module, args, kwargs, output):
+        if not self._active:
+            return output
+        self._active = False
+        if self._state == "search":
+            reasons = set(self._reasons.values())
+            self._bypass(reasons.pop() if len(reasons) == 1 else "no_layer_accepted")
+        self._stats["layer_reasons"] = ";".join(f"{k}:{v}" for k, v in sorted(self._reasons.items()))
+        self._stats["prefill_time_s"] = _now(self._device) - self._t0
+        return output
+
+    def _layer_pre_hook(self, layer_idx, module, args, kwargs):
+        if not self._active or self._state != "accepted" or layer_idx <= self._accepted_layer:
+            return None
+        R = self._retained
+        if args:
+            hs = args[0]
+            if hs.shape[1] != R.numel():
+                args = (hs[:, R],) + tuple(args[1:])
+        elif kwargs.get("hidden_states") is not None and kwargs["hidden_states"].shape[1] != R.numel():
+            kwargs["hidden_states"] = kwargs["hidden_states"][:, R]
+        if self._pruned_kwargs is None:
+            new = {}
+            if kwargs.get("position_ids") is not None:
+                new["position_ids"] = kwargs["position_ids"][:, R]
+            if kwargs.get("position_embeddings") is not None:
+                cos, sin = kwargs["position_embeddings"]
+                new["position_embeddings"] = (cos[:, R], sin[:, R])
+            if kwargs.get("cache_position") is not None:
+                new["cache_position"] = torch.arange(R.numel(), device=R.device)
+            mask = kwargs.get("attention_mask")
+            if mask is not None:
+                if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+                    raise NotImplementedError(
+                        f"EntroPrefillPress supports 4-D tensor or None attention masks, got {type(mask)}")
+                new["attention_mask"] = mask[:, :, R][:, :, :, R]
+            self._pruned_kwargs = new
+        kwargs.update(self._pruned_kwargs)
+        return args, kwargs
+
+    def forward_hook(self, module, input, kwargs, output):
+        """Attention hook: Algorithm 1 steps 2-6 at a monitored layer during the prefill."""
+        if not self._active or self._state != "search":
+            return output
+        idx = module.layer_idx
+        if idx not in self._model_info["monitored"]:
+            return output
+        cache = kwargs.get("past_key_values")
+        if cache is None:
+            self._bypass("no_cache")
+            return output
+        try:
+            self._monitor(module, kwargs, cache, output[1], idx)
+        except _Invalid as err:
+            self._reasons[idx] = str(err)
+            self._pred, self._streak = None, 0
+        return output
+
+    # -- Algorithm 1 -----------------------------------------------------------------------
+
+    def _monitor(self, module, kwargs, cache, attentions, idx: int):
+        plan, info = self._plan, self._model_info
+        hs, pe = kwargs["hidden_states"], kwargs["position_embeddings"]
+        keys = cache.layers[idx].keys
+        rows = row_attention(module, hs, keys, self._proposal_pos, pe, attentions)[0]  # (H, W_p, T)
+        if not torch.isfinite(rows).all():
+            raise _Invalid("nonfinite")
+        a = rows.mean(1)  # eq. 2
+        fw = floor_weights(a, info["G"], self.n_sink, self.tau, self.zeta, self.z_min)
+        if bool(fw["group_fallback"].all()):
+            raise _Invalid("all_heads_ineligible")
+        mu = pooled_proposal(a, fw["w"])  # eq. 5
+        cand = plan.candidates
+        chunks = [plan.chunks[i] for i in cand]
+        doc_mass = float(sum(mu[s:e].sum() for s, e in chunks))
+        if not math.isfinite(doc_mass) or not torch.isfinite(mu).all():
+            raise _Invalid("nonfinite")
+        if doc_mass < self.doc_mass_min:
+            raise _Invalid("doc_mass_below_min")
+        pr = chunk_priorities(mu, chunks, self.smoothing, self.lambda_)  # eqs. 8-9
+        if not torch.isfinite(pr["S"]).all():
+            raise _Invalid("nonfinite")
+        flat = rows.reshape(-1, rows.shape[-1]).double()  # a = (h, u)
+        masses = torch.stack([flat[:, s:e].sum(-1) for s, e in chunks], dim=1).cpu()  # (A, k)
+        eps = torch.full((masses.shape[0],), float(self.epsilon), dtype=torch.float64)
+        sizes = torch.tensor([e - s for s, e in chunks])
+        m0 = min(self.min_chunks, len(cand))
+        removed_local, _ = greedy_feasible_scan(pr["S"].cpu(), sizes, masses, eps, m0, self._target)
+        D = int(sizes[removed_local].sum()) if removed_local else 0
+        U, _, _, method = dual_certificate(sizes, masses, eps, m0, self.use_lp)  # eq. 15
+        self._stats.update(D_l=D, U_l=U, dual_method=method)
+        retained = {cand[i] for i in range(len(cand))} - {cand[i] for i in removed_local}
+        if self._pred is None:  # eq. 19: the first valid candidate initialises the predecessor
+            self._streak = 0
+        else:
+            self._streak = self._streak + 1 if set_change(retained, self._pred) <= self.theta else 0
+        self._pred = retained
+        removed = sorted(cand[i] for i in removed_local)
+        if self.force_layer is not None:
+            if self.force_chunks is not None:
+                removed = sorted(int(i) for i in self.force_chunks)
+            return self._accept(idx, removed, cache)
+        if U < self._target:
+            self._reasons[idx] = "target_infeasible"
+            return
+        if D < self._target:
+            self._reasons[idx] = "target_not_reached"
+            return
+        if self._streak < self.stability_streak:
+            self._reasons[idx] = "unstable"
+            return
+        # independent audit (eq. 17): rows at the pre-drawn question positions
+        rm = torch.zeros(plan.n_tokens, dtype=torch.bool, device=keys.device)
+        for i in removed:
+            s, e = plan.chunks[i]
+            rm[s:e] = True
+        audit = row_attention(module, hs, keys, self._audit_pos, pe, attentions)[0]  # (H, P, T)
+        eta = (audit[:, :, rm].sum(-1).double().cpu() * self._audit_w).sum(-1)  # (H,)
+        eta_max = float(eta.max())
+        self._stats["eta_hat_max"] = eta_max
+        if not math.isfinite(eta_max):
+            raise _Invalid("nonfinite")
+        if eta_max + self._b <= self.epsilon_audit:
+            return self._accept(idx, removed, cache)
+        self._reasons[idx] = "audit_failed"
+
+    def _accept(self, idx: int, removed: list[int], cache):
+        plan, info = self._plan, self._model_info
+        R = plan.retained_indices(removed).to(cache.layers[idx].keys.device)
+        for j in range(idx + 1):  # shallow layers' KV at the retained support
+            layer = cache.layers[j]
+            layer.keys = layer.keys[:, :, R]
+            layer.values = layer.values[:, :, R]
+        self._retained = R
+        self._accepted_layer = idx
+        self._state = "accepted"
+        self._reasons[idx] = "accepted"
+        T, Tp = plan.n_tokens, int(R.numel())
+        self._stats.update(
+            accepted_layer=idx, removed_chunks=",".join(map(str, removed)), n_removed=len(removed),
+            T_prime=Tp, compression=1.0 - Tp / T, bypass_reason="",
+            analytic_saving=analytic_saving(idx + 1, info["L"], T, Tp, info["a"], info["b"]),
+        )
+
+
+class _Invalid(Exception):
+    """An invalid proposal at a monitored layer (Algorithm 1 step 3): resets the streak."""
+
+
+def _now(t: torch.Tensor | torch.device) -> float:
+    device = t if isinstance(t, torch.device) else t.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _load_tokenizer(model):
+    """``AutoTokenizer`` for ``model.name_or_path`` (also a ``.gguf`` file or a folder holding one)."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    if not path:
+        return None
+    try:
+        if os.path.isfile(path) and path.endswith(".gguf"):
+            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        if os.path.isdir(path):
+            ggufs = [f for f in os.listdir(path) if f.endswith(".gguf")]
+            if ggufs and not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+                return AutoTokenizer.from_pretrained(path, gguf_file=ggufs[0])
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        logger.warning("EntroPrefillPress could not load a tokenizer from %r: %s", path, err)
+        return None
