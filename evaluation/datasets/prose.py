@@ -1,0 +1,50 @@
+"""Offline English prose for haystacks: the reference documentation that ships with CPython.
+
+Source: ``pydoc_data.topics`` (the Python Language Reference and Library topics, Python Software
+Foundation License v2). Only prose paragraphs are kept: grammar blocks, indented code and heading
+underlines are dropped, and line wraps are joined, so the text reads as running English.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+__all__ = ["prose_paragraphs", "prose_sentences", "SOURCE"]
+
+SOURCE = "CPython pydoc_data.topics (Python documentation, PSF License v2)"
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+
+
+@functools.lru_cache(maxsize=1)
+def prose_paragraphs() -> tuple[str, ...]:
+    """All prose paragraphs, in a fixed order (topic names sorted), each one line of text.
+
+    A paragraph is kept when it is not indented (code), has no grammar ``::=`` or heading rule, and
+    is mostly letters and spaces.
+    """
+    from pydoc_data import topics
+
+    out = []
+    for name in sorted(topics.topics):
+        for block in re.split(r"\n\s*\n", topics.topics[name]):
+            lines = block.split("\n")
+            if any(line.startswith((" ", "\t", ">>>")) for line in lines):
+                continue
+            if any(set(line.strip()) <= set("*=-~^") for line in lines if line.strip()):
+                continue
+            text = " ".join(line.strip() for line in lines).strip()
+            if len(text) < 80 or "::=" in text:
+                continue
+            letters = sum(c.isalpha() or c == " " for c in text)
+            if letters / len(text) < 0.85:
+                continue
+            out.append(text)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def prose_sentences() -> tuple[str, ...]:
+    """The prose paragraphs split into sentences (on ``.``, ``!`` or ``?`` before a capital)."""
+    return tuple(s.strip() for p in prose_paragraphs() for s in _SENTENCE_END.split(p) if s.strip())

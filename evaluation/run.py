@@ -1,0 +1,251 @@
+"""Hydra entry point: run one press on one dataset with one model, resumably.
+
+Usage::
+
+    python -m evaluation.run press=page_entrokv dataset=needle compression_ratio=0.75 n_samples=4
+    python -m evaluation.run -m press=snapkv,page_entrokv compression_ratio=0.5,0.75
+
+Each run writes ``<output_dir>/<dataset>/<model>/<press>/cr<ratio>[/shard_i_of_n]/`` holding
+``predictions.jsonl`` (one row per example, appended and fsynced as each finishes), ``config.yaml``
+(the resolved config) and ``metrics.json`` (written last, atomically). A run whose ``metrics.json``
+exists is skipped; an interrupted run resumes after its last complete row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+logger = logging.getLogger("evaluation.run")
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+_MODEL_CACHE: dict = {}
+
+
+def config_choices(group: str) -> list[str]:
+    """Names of the configs in one Hydra group (``press``, ``dataset``, ``model``)."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def check_ratio(compression_ratio) -> float:
+    """Return ``compression_ratio`` as a float.
+
+    Raises:
+        ValueError: if it is not a number in ``[0, 1)``.
+    """
+    try:
+        ratio = float(compression_ratio)
+    except (TypeError, ValueError):
+        raise ValueError(f"compression_ratio={compression_ratio!r} must be a number in [0, 1)") from None
+    if not 0 <= ratio < 1:
+        raise ValueError(f"compression_ratio={ratio} must be in [0, 1)")
+    return ratio
+
+
+def parse_shard(shard) -> tuple[int, int] | None:
+    """Parse ``"i/n"`` into ``(i, n)``; None for no sharding.
+
+    Raises:
+        ValueError: unless ``0 <= i < n``.
+    """
+    if shard in (None, "", "null"):
+        return None
+    try:
+        i, n = (int(x) for x in str(shard).split("/"))
+    except ValueError:
+        raise ValueError(f"shard={shard!r} must look like 'i/n' with integers, e.g. shard=0/4") from None
+    if not 0 <= i < n:
+        raise ValueError(f"shard={shard!r} needs 0 <= i < n")
+    return i, n
+
+
+def run_dir(cfg: DictConfig, names: dict[str, str]) -> Path:
+    """The directory of one run (see the module docstring)."""
+    ratio = 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio)
+    out = Path(cfg.output_dir) / names["dataset"] / names["model"] / names["press"] / f"cr{ratio:g}"
+    shard = parse_shard(cfg.get("shard"))
+    return out / f"shard_{shard[0]}_of_{shard[1]}" if shard else out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace`` (never half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_predictions(path: Path) -> list[dict]:
+    """Complete rows of a ``predictions.jsonl``; a torn last line (a killed run) is dropped and the
+    file rewritten without it, so appending resumes cleanly."""
+    if not path.exists():
+        return []
+    rows, torn = [], False
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            torn = True
+    if torn:
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def append_row(path: Path, row: dict) -> None:
+    """Append one JSON row with a single write and fsync."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def needs_eager(press) -> bool:
+    """True for presses that read the layer's attention weights (kvpress's ObservedAttentionPress)."""
+    from kvpress import ObservedAttentionPress
+
+    inner = getattr(press, "press", None)
+    return isinstance(press, ObservedAttentionPress) or isinstance(inner, ObservedAttentionPress)
+
+
+def get_model(model_cfg: DictConfig, device: str, attn_implementation: str):
+    """Load (and memoise across a multirun) the model and tokenizer of ``model_cfg``."""
+    from evaluation.models import load_model
+
+    key = (model_cfg.name, model_cfg.get("path"), device, str(model_cfg.get("dtype")), attn_implementation)
+    if key not in _MODEL_CACHE:
+        _MODEL_CACHE.clear()
+        _MODEL_CACHE[key] = load_model(model_cfg.name, device=device, dtype=model_cfg.get("dtype"),
+                                       attn_implementation=attn_implementation, path=model_cfg.get("path"))
+    return _MODEL_CACHE[key]
+
+
+def cache_stats(cache, model, context_length: int) -> dict:
+    """Effective compression of the context cache after the pipeline ran.
+
+    ``effective_compression = 1 - kept / T`` averaged over layers, where ``kept`` is the cache length
+    (physical). kvpress's head-wise presses (AdaKV) keep a dense cache and mask keys instead; their
+    masked entries are subtracted to give the logical count.
+    """
+    lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+    physical = 1 - sum(lengths) / (len(lengths) * context_length)
+    logical = physical
+    masked = [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
+    if any(m is not None for m in masked):
+        n_kv = model.config.num_key_value_heads
+        kept = [n - (len(m[0]) / n_kv if m is not None else 0) for n, m in zip(lengths, masked)]
+        logical = 1 - sum(kept) / (len(kept) * context_length)
+    return {"effective_compression": logical, "physical_compression": physical}
+
+
+def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
+    """Run one (model, dataset, press, ratio[, shard]) and return its metrics.
+
+    Raises:
+        ValueError: for a ratio outside ``[0, 1)``, a bad shard, or an unknown config name.
+    """
+    import torch
+    from hydra.utils import instantiate
+    from tqdm import tqdm
+    from transformers import DynamicCache
+
+    names = names or {g: HydraConfig.get().runtime.choices[g] for g in ("press", "dataset", "model")}
+    for group, name in names.items():
+        if name not in config_choices(group):
+            raise ValueError(f"unknown {group} '{name}'; valid: {', '.join(config_choices(group))}")
+    ratio = check_ratio(cfg.compression_ratio)
+    out = run_dir(cfg, names)
+    if (out / "metrics.json").exists() and not cfg.get("overwrite", False):
+        logger.info("finished run found, skipping: %s", out)
+        return json.loads((out / "metrics.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("overwrite", False) and (out / "predictions.jsonl").exists():
+        (out / "predictions.jsonl").unlink()
+    write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+
+    press = instantiate(cfg.press) if cfg.press.get("_target_") else None
+    dataset = instantiate(cfg.dataset)
+    attn = "eager" if press is not None and needs_eager(press) else cfg.model.get("attn_implementation", "sdpa")
+    model, tokenizer = get_model(cfg.model, cfg.device, attn)
+    from kvpress import KVPressTextGenerationPipeline
+
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(cfg.device))
+
+    examples = dataset.examples(tokenizer, cfg.n_samples, cfg.seed, cfg.query_aware)
+    shard = parse_shard(cfg.get("shard"))
+    if shard:
+        examples = examples[shard[0]::shard[1]]
+    pred_path = out / "predictions.jsonl"
+    done = {r["id"] for r in read_predictions(pred_path)}
+    todo = [e for e in examples if e.id not in done]
+    logger.info("%s: %d examples, %d done, %d to run", out, len(examples), len(done), len(todo))
+    torch.manual_seed(cfg.seed)
+    for ex in tqdm(todo, desc=f"{names['press']} cr={ratio:g}", dynamic_ncols=True):
+        max_new = cfg.max_new_tokens or ex.max_new_tokens or 32
+        ids = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))["context_ids"]
+        cache = DynamicCache()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            prediction = pipe(ex.context, question=ex.question, answer_prefix=ex.answer_prefix, press=press,
+                              max_new_tokens=max_new, cache=cache)["answer"]
+        elapsed = time.perf_counter() - start
+        row = {"id": ex.id, "task": ex.task or names["dataset"], "context_length": int(ids.shape[1]),
+               "depth": ex.metadata.get("depth"), "answers": ex.answers, "prediction": prediction,
+               "score": float(dataset.score(prediction, ex)), **cache_stats(cache, model, ids.shape[1]),
+               "seconds": elapsed,
+               "press_stats": press.summary() if press is not None and hasattr(press, "summary") else None,
+               "metadata": ex.metadata}
+        append_row(pred_path, row)
+
+    rows = [r for r in read_predictions(pred_path) if r["id"] in {e.id for e in examples}]
+    metrics = summarize(rows)
+    metrics.update({"press": names["press"], "dataset": names["dataset"], "model": names["model"],
+                    "compression_ratio": 0.0 if names["press"] == "no_press" else ratio,
+                    "shard": cfg.get("shard"), "command": command_line()})
+    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2))
+    logger.info("wrote %s: score %.3f over %d examples", out / "metrics.json", metrics["score"], metrics["n"])
+    return metrics
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Mean score, per-task means, mean effective compression and timing of prediction rows."""
+    n = len(rows)
+    mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+    tasks = sorted({r["task"] for r in rows})
+    return {
+        "n": n,
+        "score": mean([r["score"] for r in rows]),
+        "per_task": {t: mean([r["score"] for r in rows if r["task"] == t]) for t in tasks},
+        "effective_compression": mean([r["effective_compression"] for r in rows]),
+        "physical_compression": mean([r["physical_compression"] for r in rows]),
+        "seconds_per_example": mean([r["seconds"] for r in rows]),
+    }
+
+
+def command_line() -> str:
+    """The command that launched this run, as a user would retype it."""
+    try:
+        overrides = " ".join(HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra
+        return " ".join(sys.argv)
+    return f"python -m evaluation.run {overrides}".strip()
+
+
+@hydra.main(config_path="../configs", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    """Hydra entry point; returns the score so sweepers can optimise it."""
+    return run(cfg)["score"]
+
+
+if __name__ == "__main__":
+    main()
