@@ -1,0 +1,169 @@
+"""Decode-time SNIS correction as an additive attention-logit bias (paper 003 Alg. 1, eq. 10; SPEC 3.5).
+
+Softmax with the bias ``b_i = (log c_i - log m - log pi_i) / tau`` on the kept prompt entries, ``0`` on
+every entry written after eviction and ``-inf`` on padding equals Algorithm 1's
+``(sum_{i<=t} w_i p~_i v_i + sum_{i>t} p~_i v_i) / (sum_{i<=t} w_i p~_i + sum_{i>t} p~_i)`` with
+``w_i = (c_i / (m pi_i)) ** (1 / tau)``.
+
+The bias of a layer lives on its attention module (``module._snis_state``, a :class:`SNISLayerState`)
+so that it survives the ``with press(model)`` block: kvpress's pipeline decodes outside it. A wrapper
+around the ``sdpa`` and ``eager`` functions of transformers' ``ALL_ATTENTION_FUNCTIONS`` (installed
+once by :func:`install_snis_attention`, like kvpress's ``attention_patch``) turns the state into a
+float attention mask whenever it is present, and drops a stale state at the next prefill.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SNISLayerState", "snis_bias", "snis_mask", "install_snis_attention", "clear_snis_state",
+           "SUPPORTED_ATTENTION"]
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class SNISLayerState:
+    """Per-layer correction state left on the attention module after eviction.
+
+    Attributes:
+        bias: ``(B, G, P)`` float32 logit bias of the ``P`` (padded) prompt slots of the layer: the
+            SNIS log-weight for kept entries, ``-inf`` for padding.
+        num_groups: ``G``; query head ``h`` uses group ``h // (H_Q / G)``.
+    """
+
+    bias: torch.Tensor
+
+    @property
+    def prefix_len(self) -> int:
+        """``P``, the number of (padded) prompt slots at the head of the layer's cache."""
+        return self.bias.shape[-1]
+
+
+def snis_bias(counts: torch.Tensor, num_samples, pi: torch.Tensor, tau: float = 1.0,
+              correction: bool = True) -> torch.Tensor:
+    """SNIS log importance weights as a logit bias (paper 003 Alg. 1 line 2 and eq. 10).
+
+    ``b_i = (log c_i - log m - log pi_i) / tau`` where ``c_i > 0``; ``-inf`` where ``c_i = 0``;
+    ``0`` on kept entries when ``correction`` is False or ``tau = inf`` (uncorrected estimator).
+
+    Args:
+        counts: ``(..., n)`` draw counts (float or int, may be fractional for expectation tests).
+        num_samples: ``m > 0``, an int or tensor broadcastable to ``counts.shape[:-1]``.
+        pi: ``(..., n)`` proposal probabilities of the same entries.
+        tau: importance-weight temperature ``tau > 0`` (``inf`` allowed).
+        correction: apply the correction at all.
+
+    Returns:
+        ``(..., n)`` float32.
+
+    Raises:
+        ValueError: if ``tau <= 0`` or a kept entry has ``pi_i <= 0``.
+    """
+    if not (tau > 0):
+        raise ValueError(f"tau={tau} must be > 0 (inf = no correction)")
+    kept = counts > 0
+    if not correction or math.isinf(tau):
+        return torch.where(kept, 0.0, float("-inf")).float()
+    if bool((kept & (pi <= 0)).any()):
+        raise ValueError("a kept entry has proposal probability pi_i <= 0: the proposal must cover the draws")
+    m = torch.as_tensor(num_samples, dtype=torch.float64, device=counts.device).unsqueeze(-1)
+    logw = torch.log(counts.double().clamp_min(1e-300)) - torch.log(m) - torch.log(pi.double().clamp_min(1e-300))
+    return torch.where(kept, logw / tau, float("-inf")).float()
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean keep-mask -> additive float mask (0 / -inf); float masks are cast to ``dtype``."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def snis_mask(state: SNISLayerState, query: torch.Tensor, key: torch.Tensor,
+              attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Float attention mask for a layer with a corrected, padded prompt prefix.
+
+    The first ``P`` key slots get ``state.bias`` (shared by all query heads of a group); the
+    ``n = K - P`` slots written after eviction keep the model's own mask (its last ``n`` columns, so
+    causality and padding of a multi-token question stay intact even when the model built the mask for
+    another layer's cache length), or the causal pattern when the model passed no mask.
+
+    Args:
+        state: the layer's :class:`SNISLayerState`.
+        query: ``(B, H_Q, q, d)``.
+        key: ``(B, G, K, d)`` the layer's full key cache (``K >= P``).
+        attention_mask: ``None``, a boolean keep-mask or an additive float mask ``(B|1, 1|H_Q, q, K')``.
+
+    Returns:
+        ``(B, H_Q, q, K)`` additive mask in ``query.dtype``.
+
+    Raises:
+        ValueError: if the cache is shorter than the prefix or the batch / group sizes disagree.
+    """
+    B, HQ, q, _ = query.shape
+    G, K = key.shape[1], key.shape[2]
+    bias = state.bias
+    P = state.prefix_len
+    if K < P or bias.shape[0] != B or bias.shape[1] != G:
+        raise ValueError(f"SNIS state (B={bias.shape[0]}, G={bias.shape[1]}, P={P}) does not match the "
+                         f"layer's cache (B={B}, G={G}, K={K}): was the cache replaced without a prefill?")
+    n_after = K - P
+    dtype = query.dtype
+    prefix = bias.to(device=query.device, dtype=dtype).repeat_interleave(HQ // G, dim=1).unsqueeze(2)
+    prefix = prefix.expand(B, HQ, q, P)
+    if n_after == 0:
+        return prefix.contiguous()
+    if attention_mask is None:
+        # causal over the post-eviction entries: query u (absolute post index n_after - q + u) sees <= itself
+        rows = torch.arange(n_after - q, n_after, device=query.device).view(q, 1)
+        post = _additive(torch.arange(n_after, device=query.device).view(1, n_after) <= rows, dtype)
+    else:
+        post = _additive(attention_mask[..., -n_after:], dtype)
+    post = post.expand(B, HQ, q, n_after)
+    return torch.cat([prefix, post], dim=-1)
+
+
+def clear_snis_state(model) -> None:
+    """Remove every layer's correction state from ``model`` (the wrapper also does it at prefill)."""
+    for mod in model.modules():
+        if hasattr(mod, "_snis_state"):
+            mod._snis_state = None
+
+
+def _wrap(func, name: str):
+    def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
+        state = getattr(module, "_snis_state", None)
+        if state is not None:
+            if query.shape[2] == key.shape[2]:  # a new prefill: the correction belongs to an old cache
+                module._snis_state = None
+            else:
+                attention_mask = snis_mask(state, query, key, attention_mask)
+        inner = func
+        if inner is None:  # eager: the model file's own eager function
+            inner = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+            if inner is None:
+                from transformers.models.llama.modeling_llama import eager_attention_forward as inner
+        return inner(module, query, key, value, attention_mask, *args, **kwargs)
+
+    wrapper._snis_wrapped = True
+    wrapper.__name__ = f"snis_{name}_attention"
+    return wrapper
+
+
+def install_snis_attention() -> None:
+    """Wrap ``sdpa`` and register ``eager`` in transformers' ``ALL_ATTENTION_FUNCTIONS`` (idempotent).
+
+    Without a ``_snis_state`` on the module the wrappers call the original function unchanged (for
+    ``eager``: the ``eager_attention_forward`` of the module's own modeling file).
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if not getattr(ALL_ATTENTION_FUNCTIONS.get("sdpa"), "_snis_wrapped", False):
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _wrap(ALL_ATTENTION_FUNCTIONS["sdpa"], "sdpa")
+    current = ALL_ATTENTION_FUNCTIONS.get("eager")
+    if not getattr(current, "_snis_wrapped", False):
+        ALL_ATTENTION_FUNCTIONS["eager"] = _wrap(current, "eager")
