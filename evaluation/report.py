@@ -394,7 +394,7 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
 
         ratios = sorted({r["ratio"] for r in summary})
         md += [f"<a id=\"{_anchor(dataset, model)}\"></a>", f"## {dataset} / {model}", ""]
-        md += [f"Runs: {len(group)} ({len(presses)} presses, ratios {', '.join(f'{x:g}' for x in ratios)}); "
+        md += [f"Runs: {len(group)} ({len(presses)} press(es), ratios {', '.join(f'{x:g}' for x in ratios)}); "
                f"examples per run: {', '.join(sorted({str(r['n']) for r in summary}, key=int))}.", ""]
         md += [f"### Score (mean over examples, {pct} interval)", "",
                "Mean over all examples, which is paper 003's average of the per-split scores weighted by split "

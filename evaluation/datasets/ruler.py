@@ -25,7 +25,6 @@ import hashlib
 import itertools
 import json
 import random
-import re
 import string
 import uuid
 from collections.abc import Callable, Sequence

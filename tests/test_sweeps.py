@@ -1,0 +1,75 @@
+"""Sweep grids and launcher configs compose with the harness config (no job is launched)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.fixture
+def hydra_compose():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        yield lambda overrides: compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def _jobs(cfg, extra=()) -> list[dict[str, str]]:
+    """The job list Hydra's basic sweeper would launch for ``cfg.hydra.sweeper.params`` (+ extra overrides)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    params = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()] + list(extra)
+    (batch,) = BasicSweeper.split_arguments(parser.parse_overrides(params), None)
+    return [dict(o.split("=", 1) for o in job) for job in batch]
+
+
+def test_standard_grid_is_every_press_by_three_ratios(hydra_compose):
+    presses = {p.stem for p in (CONFIG_DIR / "press").glob("*.yaml")} - {"no_press"}
+    jobs = _jobs(hydra_compose(["+experiment=grid", "dataset=ruler"]))
+    assert {j["press"] for j in jobs} == presses
+    assert {j["compression_ratio"] for j in jobs} == {"0.25", "0.5", "0.75"}
+    assert len(jobs) == 3 * len(presses) == len({tuple(sorted(j.items())) for j in jobs})
+
+
+def test_sharded_grid_and_paper003_grid(hydra_compose):
+    presses = {p.stem for p in (CONFIG_DIR / "press").glob("*.yaml")} - {"no_press"}
+    jobs = _jobs(hydra_compose(["+experiment=grid"]), extra=["shard=0/2,1/2"])
+    assert len(jobs) == 6 * len(presses) and {j["shard"] for j in jobs} == {"0/2", "1/2"}
+    jobs = _jobs(hydra_compose(["+experiment=grid_paper003"]))
+    assert {j["dataset"] for j in jobs} == {"ruler_paper003", "longbench_paper003"}
+    assert len(jobs) == 2 * 3 * len(presses)
+    assert _jobs(hydra_compose(["+experiment=baseline"])) == [{"press": "no_press", "compression_ratio": "0.0"}]
+
+
+def test_submitit_slurm_launcher_composes(hydra_compose):
+    target = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert hydra_compose(["hydra/launcher=submitit_slurm"]).hydra.launcher._target_ == target
+    cfg = hydra_compose(["+experiment=grid", "hydra/launcher=slurm", "hydra.launcher.partition=gpu"])
+    assert cfg.hydra.launcher._target_ == target
+    assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.hydra.launcher.partition == "gpu"
+
+
+def test_joblib_launcher_composes(hydra_compose):
+    cfg = hydra_compose(["hydra/launcher=joblib_local", "hydra.launcher.n_jobs=3"])
+    assert cfg.hydra.launcher._target_ == "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+    assert cfg.hydra.launcher.n_jobs == 3
+
+
+@pytest.mark.parametrize("name", ["ruler", "ruler_paper003", "ruler_smoke", "longbench", "longbench_paper003",
+                                  "longbench_e"])
+def test_dataset_configs_instantiate(hydra_compose, name):
+    from hydra.utils import instantiate
+
+    cfg = hydra_compose([f"dataset={name}"])
+    ds = instantiate(cfg.dataset)
+    assert ds.name == name.split("_")[0] and len(ds.tasks) > 0
+    if name == "ruler_paper003":
+        assert len(ds.tasks) * ds.num_samples == 130  # paper 003 section 7: 130 RULER examples
+    if name == "longbench_paper003":
+        assert sorted(ds.tasks) == ["hotpotqa", "qasper", "triviaqa"] and ds.skip_longer_than == 3000
