@@ -12,7 +12,8 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
   interval (Wilson when every score is 0/1, Student t otherwise), the split-size-weighted average of paper 003
   section 7 (``sum_t n_t / N * mean_t``, equal to the mean over examples), the task-average and the mean
   effective compression;
-* ``tables/<dataset>__<model>__per_task.csv`` (and ``__by_length.csv`` when several context lengths ran);
+* ``tables/<dataset>__<model>__per_task.csv``, and ``__by_length.csv`` / ``__by_depth.csv`` when the rows carry
+  2 to 12 distinct target lengths (``metadata.context_length``) or needle depths (``depth``);
 * ``tables/<dataset>__<model>__win.csv``: win score (paper 003 section 7) per press and ratio, over the
   presses run at that ratio (the uncompressed ``no_press`` baseline is left out), on the examples every one of
   them scored;
@@ -152,8 +153,17 @@ def _press_order(presses) -> list[str]:
 
 
 def _row_length(row: dict):
-    meta = row.get("metadata") or {}
-    return meta.get("context_length", row.get("context_length"))
+    """Target context length of a row (``metadata.context_length``, set by RULER and needle), or None."""
+    return (row.get("metadata") or {}).get("context_length")
+
+
+def _row_depth(row: dict):
+    """Needle depth of a row (percent), or None."""
+    return row.get("depth")
+
+
+MAX_BREAKDOWN_COLUMNS = 12
+"""A per-length or per-depth table is written when it has 2 to this many distinct values."""
 
 
 def summary_table(runs: list[Run], confidence: float) -> list[dict]:
@@ -382,14 +392,17 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
         summary = summary_table(group, confidence)
         tasks = per_task_table(group)
         wins = win_table(group)
-        lengths = per_task_table(group, key=_row_length)
-        several_lengths = len({r["group"] for r in lengths}) > 1
+        breakdowns = {}
+        for label, key in (("length", _row_length), ("depth", _row_depth)):
+            table = [r for r in per_task_table(group, key=key) if r["group"] is not None]
+            if 1 < len({r["group"] for r in table}) <= MAX_BREAKDOWN_COLUMNS:
+                breakdowns[label] = table
         links = {"summary": w.text(f"tables/{stem}__summary.csv", _csv(summary)),
                  "per_task": w.text(f"tables/{stem}__per_task.csv", _csv(tasks))}
         if wins:
             links["win"] = w.text(f"tables/{stem}__win.csv", _csv(wins))
-        if several_lengths:
-            links["by_length"] = w.text(f"tables/{stem}__by_length.csv", _csv(lengths))
+        for label, table in breakdowns.items():
+            links[f"by_{label}"] = w.text(f"tables/{stem}__by_{label}.csv", _csv(table))
         plots = _figures(w, stem, f"{dataset} / {model}", summary, wins, tasks, presses) if plots_on else {}
 
         ratios = sorted({r["ratio"] for r in summary})
@@ -431,11 +444,13 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
         md += ["### Per task", "", _markdown(["press @ ratio"] + [str(c) for c in hdr], rows), "",
                f"Table: [{links['per_task']}]({links['per_task']})"
                + (f" · plot:\n\n![per task]({plots['tasks']})" if "tasks" in plots else ""), ""]
-        if several_lengths:
-            hdr, rows = _pivot(lengths, lambda r: _label(r["press"], r["ratio"]), lambda r: r["group"],
-                               lambda r: f"{r['score']:.3f}", row_order=labels)
-            md += ["### Per context length", "", _markdown(["press @ ratio"] + [str(c) for c in hdr], rows), "",
-                   f"Table: [{links['by_length']}]({links['by_length']})", ""]
+        for label, table in breakdowns.items():
+            hdr, rows = _pivot(table, lambda r: _label(r["press"], r["ratio"]), lambda r: r["group"],
+                               lambda r: f"{r['score']:.3f}", row_order=labels,
+                               col_order=sorted({r["group"] for r in table}))
+            title = "context length (tokens)" if label == "length" else "needle depth (%)"
+            md += [f"### Per {title}", "", _markdown(["press @ ratio"] + [f"{c:g}" for c in hdr], rows), "",
+                   f"Table: [{links[f'by_{label}']}]({links[f'by_{label}']})", ""]
         bad = [r for r in group if not r.complete]
         if bad:
             md += ["### Incomplete runs", ""] + [f"- `{r.path.relative_to(results_dir)}`: {'; '.join(r.problems)}"

@@ -56,7 +56,7 @@ def test_loader_reads_fixture_tasks():
     assert by_id["passage_count-pc0"].answers == ["2"]  # integer answers become strings
     assert by_id["gov_report-gr0"].max_new_tokens == 512
     assert not by_id["trec-tr0"].metadata["chat_template"] and not by_id["lcc-lc0"].metadata["chat_template"]
-    assert hp.metadata["chat_template"] and hp.metadata["context_length"] == count_tokens(
+    assert hp.metadata["chat_template"] and hp.metadata["prompt_tokens"] == count_tokens(
         word_tokenizer(), hp.context + hp.question + hp.answer_prefix)
     assert by_id["trec-tr0"].metadata["all_classes"][2] == "City"
 
@@ -95,8 +95,8 @@ def test_middle_truncation_keeps_head_and_tail():
         tok, None, 0, False)
     budget = 300 - len((ex.question + ex.answer_prefix).encode())
     assert ex.context == full.context[:budget // 2] + full.context[-(budget - budget // 2):]
-    assert ex.metadata["truncated"] and ex.metadata["context_length"] <= 300
-    assert ex.metadata["original_length"] == full.metadata["context_length"] > 300
+    assert ex.metadata["truncated"] and ex.metadata["prompt_tokens"] <= 300
+    assert ex.metadata["original_tokens"] == full.metadata["prompt_tokens"] > 300
     assert ex.context.startswith("You are given a report") and "Section 20:" not in ex.context
 
 

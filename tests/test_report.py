@@ -120,3 +120,29 @@ def test_report_is_regenerated_and_prunes_stale_files(results, tmp_path):
 def test_missing_results_dir_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         build_report(tmp_path / "nope", tmp_path / "out", plots=False)
+
+
+def test_length_and_depth_breakdowns(tmp_path):
+    root = tmp_path / "runs"
+    d = root / "needle" / "tiny" / "snapkv" / "cr0.5"
+    d.mkdir(parents=True)
+    rows = [  # (length, depth, score): length 512 -> mean 1, 1024 -> mean 0.5; depth 0 -> 1, depth 50 -> 0.5
+        (512, 0, 1.0), (512, 50, 1.0), (1024, 0, 1.0), (1024, 50, 0.0)]
+    with open(d / "predictions.jsonl", "w") as f:
+        for i, (length, depth, score) in enumerate(rows):
+            f.write(json.dumps({"id": f"e{i}", "task": "needle", "score": score, "depth": depth,
+                                "context_length": length - 3, "metadata": {"context_length": length}}) + "\n")
+    out = tmp_path / "results"
+    text = build_report(root, out, plots=False).read_text()
+    by_length = _csv(out / "tables" / "needle__tiny__by_length.csv")
+    assert {r["group"]: float(r["score"]) for r in by_length} == {"512": 1.0, "1024": 0.5}
+    by_depth = _csv(out / "tables" / "needle__tiny__by_depth.csv")
+    assert {r["group"]: float(r["score"]) for r in by_depth} == {"0": 1.0, "50": 0.5}
+    assert "Per context length (tokens)" in text and "Per needle depth (%)" in text
+    # RULER-like continuous depths (more than 12 distinct values) get no depth table
+    with open(d / "predictions.jsonl", "a") as f:
+        for i in range(20):
+            f.write(json.dumps({"id": f"x{i}", "task": "needle", "score": 1.0, "depth": 1.5 * i,
+                                "metadata": {"context_length": 512}}) + "\n")
+    build_report(root, out, plots=False)
+    assert not (out / "tables" / "needle__tiny__by_depth.csv").exists()  # pruned

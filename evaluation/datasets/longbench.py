@@ -228,7 +228,8 @@ class LongBenchDataset:
 
         The subset is drawn before ``skip_longer_than`` filtering (so at most ``n_samples`` remain).
         ``query_aware=True`` appends the question to the context (and leaves ``question`` empty).
-        Metadata: ``context_length`` (prompt tokens after truncation), ``original_length`` (before),
+        Metadata: ``prompt_tokens`` (context + question + answer prefix, after truncation),
+        ``original_tokens`` (before),
         ``truncated``, ``length`` (LongBench's word count), ``language``, ``all_classes``, ``chat_template``.
 
         Raises:
@@ -264,7 +265,7 @@ class LongBenchDataset:
             context, question = context + question, ""
         row_id = row.get("_id", index)
         meta = {
-            "context_length": length, "original_length": full, "truncated": truncated,
+            "prompt_tokens": length, "original_tokens": full, "truncated": truncated,
             "length": row.get("length"), "language": row.get("language"), "all_classes": row.get("all_classes"),
             "chat_template": task not in NO_CHAT_TEMPLATE, "index": index,
         }
