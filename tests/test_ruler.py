@@ -111,6 +111,8 @@ def test_deterministic_in_seed_and_prefix_under_n_samples():
     b = ds.examples(tok, 2, 1, False)  # n_samples caps per task: the first two of each
     assert [_text(e) for e in b] == [_text(e) for e in a if e.metadata["index"] < 2]
     assert [_text(e) for e in ds.examples(tok, None, 2, False)] != [_text(e) for e in a]
+    again = RulerDataset(tasks=["niah_single_2", "vt"], context_lengths=[512], num_samples=3)
+    assert again.examples(tok, None, 1, False)[0] is a[0]  # memoised across instances (sweeps)
 
 
 def test_query_aware_and_lengths_scale():

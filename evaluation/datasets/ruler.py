@@ -568,6 +568,8 @@ class RulerDataset:
         Deterministic in ``seed``: example ``i`` of a (task, length) only depends on
         ``(seed, task, length, i)``, so a smaller ``n_samples`` yields a prefix of a larger one.
         ``query_aware=True`` appends the question to the context (and leaves ``question`` empty).
+        Results are memoised per process (same parameters and tokenizer object), so the runs of a sweep
+        generate each set once.
         Metadata: ``context_length`` (target), ``prompt_tokens`` (measured), ``depth`` (niah: where the
         earliest queried needle starts, in percent of the haystack characters), ``haystack``, ``index``.
 
@@ -576,6 +578,15 @@ class RulerDataset:
             RuntimeError: a qa task without hub access or ``qa_data_dir``.
         """
         count = self.num_samples if n_samples is None else min(self.num_samples, int(n_samples))
+        key = (tuple(self.tasks), tuple(self.context_lengths), self.qa_data_dir, count, seed, query_aware,
+               id(tokenizer), getattr(tokenizer, "name_or_path", None), len(tokenizer))
+        if key not in _EXAMPLE_CACHE:  # a multirun re-instantiates the dataset for every press and ratio
+            if len(_EXAMPLE_CACHE) >= 4:
+                _EXAMPLE_CACHE.pop(next(iter(_EXAMPLE_CACHE)))
+            _EXAMPLE_CACHE[key] = self._generate(tokenizer, count, seed, query_aware)
+        return list(_EXAMPLE_CACHE[key])
+
+    def _generate(self, tokenizer, count: int, seed: int, query_aware: bool) -> list[Example]:
         out: list[Example] = []
         for length in self.context_lengths:
             for name in self.tasks:
@@ -616,6 +627,9 @@ class RulerDataset:
         """RULER score: ``string_match_part`` for qa tasks, ``string_match_all`` otherwise, on the
         post-processed prediction (``ruler_postprocess``)."""
         return RULER_TASKS[example.task].metric(ruler_postprocess(prediction), example.answers)
+
+
+_EXAMPLE_CACHE: dict[tuple, list[Example]] = {}
 
 
 def _too_short(name: str, length: int, needed: int) -> str:
