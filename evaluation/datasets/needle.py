@@ -85,8 +85,8 @@ class NeedleDataset:
             parts = hay[:at] + [needle] + hay[at:]
             context = " ".join(parts)
             question = QUESTION_TEMPLATE.format(key=key)
-            prefix_chars = len(" ".join(parts[:at])) + (1 if at else 0)
-            needle_start = len(tokenizer.encode(context[:prefix_chars], add_special_tokens=False)) if at else 0
+            prefix = " ".join(parts[:at])  # the needle's leading space merges into its first token
+            needle_start = len(tokenizer.encode(prefix, add_special_tokens=False)) if at else 0
             n_tokens = len(tokenizer.encode(context, add_special_tokens=False))
             if query_aware:
                 context, question = context + "\n\n" + question, ""

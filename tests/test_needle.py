@@ -1,0 +1,92 @@
+"""Needle generator (placement, length, special tokens) and its scorer, on the embedded model's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from evaluation.datasets.needle import NeedleDataset
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from evaluation.models import embedded_model_dir
+
+    try:
+        return AutoTokenizer.from_pretrained(embedded_model_dir())
+    except ImportError as err:  # pragma: no cover
+        pytest.skip(str(err))
+
+
+def sublist_at(seq, sub):
+    """Indices where ``sub`` starts inside ``seq``."""
+    return [i for i in range(len(seq) - len(sub) + 1) if seq[i:i + len(sub)] == sub]
+
+
+@pytest.mark.parametrize("length, tol", [(256, 0.3), (1024, 0.1)])
+def test_length_placement_and_intact_needle(tokenizer, length, tol):
+    """Depth is placed at a sentence boundary, so it is exact up to one sentence (coarse at 256 tokens)."""
+    ds = NeedleDataset(context_length=length, depths=[0, 25, 50, 75, 100], n_per_depth=1)
+    examples = ds.examples(tokenizer, None, seed=3, query_aware=False)
+    assert [e.metadata["depth"] for e in examples] == [0, 25, 50, 75, 100]
+    for ex in examples:
+        ids = tokenizer.encode(ex.context, add_special_tokens=False)
+        # counted in the model's tokens: never above the target, and within one sentence of it
+        assert length - 80 <= len(ids) <= length
+        assert ex.metadata["context_length"] == len(ids)
+        needle_ids = tokenizer.encode(" " + ex.metadata["needle"], add_special_tokens=False)
+        if ex.metadata["depth"] == 0:
+            needle_ids = tokenizer.encode(ex.metadata["needle"], add_special_tokens=False)
+        starts = sublist_at(ids, needle_ids)
+        assert len(starts) == 1, "the needle's tokens appear exactly once, unsplit"
+        assert starts[0] == ex.metadata["needle_token_start"]
+        rel = starts[0] / len(ids)
+        assert abs(rel - ex.metadata["depth"] / 100) < tol
+        assert ex.metadata["needle"].split(": ")[1].rstrip(".") == ex.answers[0]
+        assert len(ex.answers[0]) == 7 and ex.answers[0].isdigit()
+
+
+def test_single_bos_through_pipeline_preprocessing(tokenizer):
+    from kvpress import KVPressTextGenerationPipeline
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ex = NeedleDataset(context_length=256, n_per_depth=1).examples(tokenizer, 1, seed=0, query_aware=False)[0]
+    assert tokenizer.bos_token not in ex.context and tokenizer.eos_token not in ex.context
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer)
+    ids = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))["context_ids"][0].tolist()
+    assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
+    # the chat template reuses <|im_start|> as its turn marker: one per turn (system, user), none from the data
+    assert ids.count(tokenizer.bos_token_id) == 2
+    assert ex.question not in ex.context
+
+
+def test_query_aware_and_seed_determinism(tokenizer):
+    ds = NeedleDataset(context_length=256, n_per_depth=2)
+    a = ds.examples(tokenizer, 3, seed=1, query_aware=False)
+    b = ds.examples(tokenizer, 3, seed=1, query_aware=False)
+    c = ds.examples(tokenizer, 3, seed=2, query_aware=False)
+    assert [e.context for e in a] == [e.context for e in b]
+    assert [e.answers for e in a] != [e.answers for e in c]
+    qa = ds.examples(tokenizer, 3, seed=1, query_aware=True)
+    for plain, aware in zip(a, qa):
+        assert aware.question == "" and aware.context.endswith(plain.question)
+
+
+def test_scorer():
+    ds = NeedleDataset()
+    from evaluation.datasets.base import Example
+
+    ex = Example(id="x", context="", question="", answers=["1234567"])
+    assert ds.score(" 1234567.", ex) == 1.0
+    assert ds.score("the number is 123456", ex) == 0.0
+    assert ds.score("", ex) == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [({"depths": [-5]}, r"\[-5\].*\[0, 100\]"),
+                                           ({"context_length": 10}, "context_length=10")])
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        NeedleDataset(**kwargs)
