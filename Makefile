@@ -29,10 +29,10 @@ eval: install
 	$(PY) -m evaluation.run model=$(MODEL) press=$(PRESS) dataset=$(DATASET) compression_ratio=$(RATIO) n_samples=$(N) output_dir=$(OUTPUT)
 
 sweep: install
-	$(PY) -m evaluation.run -m model=$(MODEL) dataset=$(DATASET) press=$(SWEEP_PRESSES) compression_ratio=$(SWEEP_RATIOS) output_dir=$(RESULTS)/runs
+	$(PY) -m evaluation.run -m model=$(MODEL) dataset=$(DATASET) press=$(SWEEP_PRESSES) compression_ratio=$(SWEEP_RATIOS) output_dir=$(RESULTS)
 
 report: install
-	$(PY) -m evaluation.report $(RESULTS)/runs --out $(RESULTS)
+	$(PY) -m evaluation.report $(RESULTS) --out $(RESULTS)
 
 test: install
 	$(PY) -m pytest -q -x tests

@@ -13,6 +13,7 @@ exists is skipped; an interrupted run resumes after its last complete row.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -192,13 +193,14 @@ def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
     torch.manual_seed(cfg.seed)
     for ex in tqdm(todo, desc=f"{names['press']} cr={ratio:g}", dynamic_ncols=True):
         max_new = cfg.max_new_tokens or ex.max_new_tokens or 32
-        ids = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))["context_ids"]
-        cache = DynamicCache()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            prediction = pipe(ex.context, question=ex.question, answer_prefix=ex.answer_prefix, press=press,
-                              max_new_tokens=max_new, cache=cache)["answer"]
-        elapsed = time.perf_counter() - start
+        with chat_template(tokenizer, ex.metadata.get("chat_template", True)):
+            ids = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))["context_ids"]
+            cache = DynamicCache()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                prediction = pipe(ex.context, question=ex.question, answer_prefix=ex.answer_prefix, press=press,
+                                  max_new_tokens=max_new, cache=cache)["answer"]
+            elapsed = time.perf_counter() - start
         row = {"id": ex.id, "task": ex.task or names["dataset"], "context_length": int(ids.shape[1]),
                "depth": ex.metadata.get("depth"), "answers": ex.answers, "prediction": prediction,
                "score": float(dataset.score(prediction, ex)), **cache_stats(cache, model, ids.shape[1]),
@@ -215,6 +217,19 @@ def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=2))
     logger.info("wrote %s: score %.3f over %d examples", out / "metrics.json", metrics["score"], metrics["n"])
     return metrics
+
+
+@contextlib.contextmanager
+def chat_template(tokenizer, enabled: bool):
+    """Temporarily drop the tokenizer's chat template for examples whose official prompt has none
+    (LongBench's trec, triviaqa, samsum, lsht, lcc, repobench-p: ``metadata["chat_template"] = False``)."""
+    saved = tokenizer.chat_template
+    if not enabled:
+        tokenizer.chat_template = None
+    try:
+        yield
+    finally:
+        tokenizer.chat_template = saved
 
 
 def summarize(rows: list[dict]) -> dict:
