@@ -21,7 +21,7 @@ Chunking modes:
 
 In the three delimiter modes the text before the first delimiter is the instruction (protected),
 every delimiter match is protected, and each chunk runs from the end of a delimiter to the start of
-the next one (or to the question). In ``"block"`` mode the documents start after the sinks, or after
+the next one (or to the question); a whitespace-only gap is protected like a delimiter. In ``"block"`` mode the documents start after the sinks, or after
 the first match of ``doc_start_pattern`` when one is given (the text before it is the instruction).
 """
 
@@ -244,8 +244,11 @@ def plan_chunks(text: str, offsets: Sequence[tuple[int, int]], *, mode: str = "p
         for i, m in enumerate(matches):
             d0, d1 = tok(m.start()), tok(m.end())
             protected.append((d0, d1))  # the delimiter itself
-            nxt = tok(matches[i + 1].start()) if i + 1 < len(matches) else q_tok
-            if nxt > d1:
+            nxt_char = matches[i + 1].start() if i + 1 < len(matches) else q_char
+            nxt = tok(nxt_char)
+            if nxt > d1 and not text[m.end():nxt_char].strip():
+                protected.append((d1, nxt))  # whitespace between delimiters: delimiter material
+            elif nxt > d1:
                 chunks.append((d1, nxt))
 
     if protect_pattern:
