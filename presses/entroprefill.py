@@ -308,8 +308,8 @@ class EntroPrefillPress(BasePress):
         question_pattern: regex marking the question; its LAST match starts the protected query.
         n_sink: leading sink tokens ``|S|`` (protected, excluded from entropy).
         proposal_window: ``W_p``, the last question tokens used as proposal observers.
-        monitored_layers: 0-based ``layer_idx`` values in ``[0, L-2]``; ``None`` gives
-            ``range(L // 8, max(L // 3, L // 8 + 1))`` clipped to ``[0, L-2]``.
+        monitored_layers: 0-based ``layer_idx`` values in ``[0, L-2]``; ``None`` gives the middle
+            layers ``range(L // 3, max(L // 2, L // 3 + 1))`` clipped to ``[0, L-2]`` (10..14 for 30).
         tau: entropy temperature; zeta: group floor; z_min: eligibility threshold (eqs. 3-4).
         doc_mass_min: ``Z_min``; a layer with pooled document mass below it is invalid.
         smoothing: ``eps_s`` of eq. 8; lambda_: ``lambda`` of eq. 9.
@@ -342,13 +342,13 @@ class EntroPrefillPress(BasePress):
     doc_mass_min: float = 1e-3
     smoothing: float = 0.1
     lambda_: float = 0.5
-    epsilon: float = 0.2
+    epsilon: float = 0.35
     min_chunks: int = 1
     stability_streak: int = 1
-    theta: float = 0.25
+    theta: float = 0.35
     audit_size: int = 256
     delta: float = 0.1
-    epsilon_audit: float = 0.4
+    epsilon_audit: float = 0.3
     seed: int = 0
     use_lp: bool = True
     tokenizer: Any = None
@@ -394,8 +394,8 @@ class EntroPrefillPress(BasePress):
         cfg = getattr(cfg, "text_config", None) or cfg
         L = cfg.num_hidden_layers
         if self.monitored_layers is None:
-            lo = L // 8
-            monitored = list(range(lo, max(L // 3, lo + 1)))
+            lo = min(L // 3, L - 2)
+            monitored = list(range(lo, max(min(L // 2, L - 1), lo + 1)))
         else:
             monitored = sorted({int(i) for i in self.monitored_layers})
         bad = [i for i in monitored if not 0 <= i <= L - 2]

@@ -13,7 +13,7 @@ decodes greedily with ``pipeline.generate_answer`` from position ``T``. It write
 
 Usage (about 10 min on 2 CPU cores)::
 
-    python scripts/entroprefill_bench.py --lengths 2048 4096 --n-per-length 10 --compression-ratio 0.5
+    python scripts/entroprefill_bench.py --lengths 2048 4096 --n-per-kind 5 --compression-ratio 0.5
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
-    ap.add_argument("--n-per-length", type=int, default=10)
+    ap.add_argument("--n-per-kind", type=int, default=5, help="examples per fact kind (city, code) and length")
     ap.add_argument("--compression-ratio", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=12)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     overrides = dict(kv.split("=", 1) for kv in args.press)
     press = EntroPrefillPress(compression_ratio=args.compression_ratio, tokenizer=tok,
                               **{k: parse_value(v) for k, v in overrides.items()})
-    ds = MultiDocQADataset(context_lengths=args.lengths, n_per_length=args.n_per_length,
+    ds = MultiDocQADataset(context_lengths=args.lengths, num_samples=args.n_per_kind,
                            max_new_tokens=args.max_new_tokens)
     examples = ds.examples(tok, None, args.seed, query_aware=True)
     print(f"loaded model and built {len(examples)} examples in {time.perf_counter() - t0:.1f}s", flush=True)

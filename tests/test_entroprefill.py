@@ -399,7 +399,7 @@ def test_fallback_no_chunks(shared):
 
 def test_fallback_all_heads_ineligible(shared):
     st = _check_full_prefill(shared, EntroPrefillPress(tokenizer=TOK, z_min=1.0), "all_heads_ineligible")
-    assert st["layer_reasons"] == "0:all_heads_ineligible"
+    assert st["layer_reasons"] == "1:all_heads_ineligible"  # default monitored layers of L=4: [1]
 
 
 def test_fallback_nonfinite(shared, monkeypatch):

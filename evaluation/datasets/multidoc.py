@@ -56,7 +56,7 @@ class MultiDocQADataset:
             question, before the chat template); examples cycle over them.
         passage_tokens: approximate tokens per passage (prose sentences are added while they fit);
             passages are added while the context stays within its length (at most 40 for cities).
-        n_per_length: examples per context length when the run's ``n_samples`` is unset.
+        num_samples: examples per fact kind (task) and context length; the run's ``n_samples`` caps it.
         fact_kinds: kinds of facts (keys of :data:`FACTS`); examples cycle over them.
         max_new_tokens: generation length.
 
@@ -67,7 +67,7 @@ class MultiDocQADataset:
 
     context_lengths: list[int] = field(default_factory=lambda: [2048, 4096])
     passage_tokens: int = 160
-    n_per_length: int = 10
+    num_samples: int = 5
     fact_kinds: list[str] = field(default_factory=lambda: ["city", "code"])
     max_new_tokens: int = 12
     name: str = "multidoc"
@@ -84,11 +84,14 @@ class MultiDocQADataset:
                              f"{2 * self.passage_tokens + 128} tokens (room for two passages)")
 
     def examples(self, tokenizer, n_samples: int | None, seed: int, query_aware: bool) -> list[Example]:
-        """Build the examples; context lengths cycle first, then fact kinds.
+        """Build ``min(num_samples, n_samples)`` examples per fact kind and context length.
+
+        Each example is seeded by ``(seed, kind, length, i)``, so a smaller ``n_samples`` gives a prefix
+        of a larger one. Order: by length, then index, alternating fact kinds.
 
         Args:
             tokenizer: the model's tokenizer, used to count tokens.
-            n_samples: total number of examples, or None for ``n_per_length`` per context length.
+            n_samples: cap on the examples per task (fact kind) and length, or None.
             seed: generation seed; the same seed gives the same examples.
             query_aware: put the closing instruction and the question at the end of the context
                 (``question`` is then empty) instead of asking it after compression.
@@ -96,15 +99,13 @@ class MultiDocQADataset:
         from evaluation.datasets.tokens import count_tokens
 
         lengths = [int(n) for n in self.context_lengths]
-        total = len(lengths) * self.n_per_length if n_samples is None else int(n_samples)
+        n = self.num_samples if n_samples is None else min(self.num_samples, int(n_samples))
         sentences = prose_sentences()
         enc = tokenizer([" " + s for s in sentences], add_special_tokens=False)["input_ids"]
         sent_len = [len(x) for x in enc]
         out = []
-        for i in range(total):
-            length = lengths[i % len(lengths)]
-            kind = self.fact_kinds[(i // len(lengths)) % len(self.fact_kinds)]
-            rng = random.Random(f"{seed}-multidoc-{length}-{i}")
+        for length, i, kind in ((ln, i, k) for ln in lengths for i in range(n) for k in self.fact_kinds):
+            rng = random.Random(f"{seed}-multidoc-{kind}-{length}-{i}")
             fact_t, question_t = FACTS[kind]
             tail_probe = "\n\n" + INSTRUCTION + "\n\nQuestion: " + question_t.format(name="Xavier Castillo") + "\nAnswer:"
             remaining = length - count_tokens(tokenizer, HEADER + tail_probe)
@@ -143,7 +144,7 @@ class MultiDocQADataset:
             if query_aware:
                 context, asked = context + asked, ""
             out.append(Example(
-                id=f"multidoc-{length}-{i}",
+                id=f"multidoc-{kind}-{length}-{i}",
                 context=context,
                 question=asked.lstrip("\n"),
                 answers=[answer],
