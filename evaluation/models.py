@@ -138,4 +138,10 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype=No
             f"`model.path=/path/to/dir` (or pass the directory as the model name)."
         ) from err
     model.to(device).eval()
+    if model.device.type == "cpu":
+        # safetensors maps the weights from the file; page-cache reclaim then re-reads them from disk on
+        # every forward (measured 2.4x slower here). Own copies keep them in anonymous memory.
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                tensor.data = tensor.data.clone()
     return model, tokenizer
