@@ -31,9 +31,9 @@ class SNISLayerState:
     """Per-layer correction state left on the attention module after eviction.
 
     Attributes:
-        bias: ``(B, G, P)`` float32 logit bias of the ``P`` (padded) prompt slots of the layer: the
-            SNIS log-weight for kept entries, ``-inf`` for padding.
-        num_groups: ``G``; query head ``h`` uses group ``h // (H_Q / G)``.
+        bias: ``(B, G, P)`` float32 logit bias of the ``P`` (padded) prompt slots at the head of the
+            layer's cache: the SNIS log-weight for kept entries, ``-inf`` for padding. Query head ``h``
+            uses the row of group ``h // (H_Q / G)``.
     """
 
     bias: torch.Tensor
