@@ -10,13 +10,13 @@ import torch
 from kvpress.presses.base_press import BasePress
 from torch import nn
 
+from presses.kernels import pooled_page_scores
 from presses.observer import observer_attention
 from presses.paging import (
     BUDGET_CONFLICT_MODES,
     PAGE_SCORES,
     PageBudget,
     page_budget,
-    page_scores,
     pages_to_positions,
     select_pages,
     token_budget,
@@ -213,10 +213,10 @@ class PageEntroKVPress(BasePress):
         if need_scores and can_score:
             attn = observer_attention(module, hidden_states, keys, self.window_size,
                                       kwargs.get("position_embeddings"), attentions)
-            pooled, diag = pooled_group_scores(attn, G, self.n_sink, self.alpha, self.tau, self.pooling,
-                                               diagnostics=self.record)
-            pages = select_pages(page_scores(pooled, self.page_size, self.page_score), plan.protected,
-                                 plan.num_selected)
+            # dispatch: Triton on CUDA, pooled_group_scores + page_scores elsewhere (presses.kernels)
+            _, scores, diag = pooled_page_scores(attn, G, self.n_sink, self.alpha, self.tau, self.pooling,
+                                                 self.page_size, self.page_score, diagnostics=self.record)
+            pages = select_pages(scores, plan.protected, plan.num_selected)
         else:
             pages = select_pages(torch.zeros(Bsz, G, plan.num_pages, device=keys.device), plan.protected, 0)
 

@@ -1,6 +1,26 @@
 """Scoring kernels: one dispatch point per kernel, Triton on CUDA and the torch reference elsewhere.
 
-Set ``KVPRESS_RESEARCH_KERNELS=reference`` to force the torch references on any device.
+``KVPRESS_RESEARCH_KERNELS`` selects the implementation for every dispatch function:
+
+- unset / ``""`` / ``"auto"``: Triton for CUDA tensors (when Triton imports), the reference otherwise;
+- ``"reference"``: the torch reference on any device;
+- ``"triton"``: Triton on any device; CPU tensors then need ``TRITON_INTERPRET=1`` set before Triton is
+  first imported (the tests use this to run whole presses through the kernels on CPU).
+
+Dispatch function -> torch reference -> Triton implementation:
+
+- :func:`window_attention` -> :func:`presses.observer.observer_attention_reference` ->
+  :func:`presses.kernels.column_sums.window_attention_triton`
+- :func:`column_sums` -> :func:`presses.proposals.column_sums` ->
+  :func:`presses.kernels.column_sums.column_sums_triton`
+- :func:`pooled_page_scores` -> :func:`presses.kernels.references.pooled_page_scores_reference` ->
+  :func:`presses.kernels.renyi_pages.pooled_page_scores_triton`
+- :func:`expected_unique_many` -> :func:`presses.kernels.references.expected_unique_many_reference` ->
+  :func:`presses.kernels.expected_unique.expected_unique_many_triton`
+- :func:`biased_decode_attention` -> :func:`presses.kernels.references.biased_decode_reference` ->
+  :func:`presses.kernels.biased_decode.biased_decode_triton`
+
+The Triton modules are imported only when a Triton path is taken, so the references need no Triton.
 """
 
 from __future__ import annotations
@@ -9,23 +29,137 @@ import os
 
 import torch
 
-__all__ = ["use_triton", "window_attention"]
+__all__ = [
+    "KERNEL_MODES",
+    "kernel_mode",
+    "use_triton",
+    "window_attention",
+    "column_sums",
+    "pooled_page_scores",
+    "expected_unique_many",
+    "biased_decode_attention",
+]
+
+KERNEL_MODES = ("auto", "reference", "triton")
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kernel_mode() -> str:
+    """The value of ``KVPRESS_RESEARCH_KERNELS`` (``"auto"`` when unset or empty).
+
+    Raises:
+        ValueError: for a value outside :data:`KERNEL_MODES`.
+    """
+    mode = os.environ.get("KVPRESS_RESEARCH_KERNELS", "").strip().lower() or "auto"
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"KVPRESS_RESEARCH_KERNELS={mode!r} is not one of {KERNEL_MODES}")
+    return mode
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """True when ``tensor`` lives on CUDA, Triton imports, and the reference is not forced."""
-    if os.environ.get("KVPRESS_RESEARCH_KERNELS", "").lower() == "reference" or not tensor.is_cuda:
+    """True when the Triton kernel should run for ``tensor`` (see the module docstring).
+
+    Raises:
+        ValueError: for an unknown ``KVPRESS_RESEARCH_KERNELS``.
+        RuntimeError: when ``KVPRESS_RESEARCH_KERNELS=triton`` is asked for a CPU tensor without
+            ``TRITON_INTERPRET=1``, or Triton is missing.
+    """
+    mode = kernel_mode()
+    if mode == "reference" or (mode == "auto" and not tensor.is_cuda):
         return False
     try:
         import triton  # noqa: F401
-    except ImportError:
+    except ImportError as err:
+        if mode == "triton":
+            raise RuntimeError("KVPRESS_RESEARCH_KERNELS=triton but triton is not installed") from err
         return False
+    if mode == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("KVPRESS_RESEARCH_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1, set "
+                           "before triton is first imported")
     return True
 
 
 def window_attention(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Dispatch for the observer-averaged window attention; see
-    :func:`presses.observer.observer_attention_reference` for shapes, errors and source."""
+    """Dispatch for the observer-averaged window attention ``(B, H_Q, W, d), (B, G, T, d) -> (B, H_Q, T)``
+    float32; see :func:`presses.observer.observer_attention_reference` for shapes, errors and source
+    (SPEC 1 step 1). The Triton path never stores ``W x T`` per head."""
+    if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
+        from presses.kernels.column_sums import window_attention_triton
+
+        return window_attention_triton(queries, keys)
     from presses.observer import observer_attention_reference
 
     return observer_attention_reference(queries, keys)
+
+
+def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None, scaling: float | None = None) -> torch.Tensor:
+    """Dispatch for the weighted causal-attention column sums of a block of query rows (SNIS proposals
+    ``h2o``, ``h2o_h``, ``min``, ``min_h``; paper 003 eqs. 16, 36); see
+    :func:`presses.proposals.column_sums` for shapes ``(B, H_Q, n, d), (B, G, t, d) -> (B, H_Q, t)``,
+    errors and source."""
+    if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
+        from presses.kernels.column_sums import column_sums_triton
+
+        return column_sums_triton(queries, keys, row_weights, rows, scaling)
+    from presses.proposals import column_sums as reference
+
+    return reference(queries, keys, row_weights, rows, scaling)
+
+
+def pooled_page_scores(attn: torch.Tensor, num_groups: int, n_sink: int = 4, alpha: float = 2.0, tau: float = 0.5,
+                       pooling: str = "entropy", page_size: int = 16, page_score: str = "block_max",
+                       diagnostics: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+    """Dispatch for Page-EntroKV's scoring after the observer attention (SPEC 1 steps 2-6): sink-isolated
+    Rényi entropies, group weights, pooled group score and page scores.
+
+    Args:
+        attn: ``(B, H_Q, T)`` observer attention.
+        num_groups, n_sink, alpha, tau, pooling, diagnostics: as
+            :func:`presses.page_entrokv.pooled_group_scores`.
+        page_size, page_score: as :func:`presses.paging.page_scores`.
+
+    Returns:
+        ``(pooled (B, G, T), page_scores (B, G, P), diag or None)`` float32
+        (:func:`presses.kernels.renyi_pages.pooled_page_scores_reference`).
+
+    Raises:
+        ValueError: as ``pooled_group_scores`` and ``page_scores``.
+    """
+    if use_triton(attn):
+        from presses.kernels.renyi_pages import pooled_page_scores_triton
+
+        return pooled_page_scores_triton(attn, num_groups, n_sink, alpha, tau, pooling, page_size, page_score,
+                                         diagnostics)
+    from presses.kernels.references import pooled_page_scores_reference
+
+    return pooled_page_scores_reference(attn, num_groups, n_sink, alpha, tau, pooling, page_size, page_score,
+                                        diagnostics)
+
+
+def expected_unique_many(pi: torch.Tensor, num_samples) -> torch.Tensor:
+    """Dispatch for ``E[J(m)]`` of many candidate ``m`` per row in one launch (paper 003 eq. 24):
+    ``pi (..., t)``, ``num_samples (..., M)`` -> ``(..., M)`` float64; see
+    :func:`presses.kernels.expected_unique.expected_unique_many_reference`."""
+    if use_triton(pi):
+        from presses.kernels.expected_unique import expected_unique_many_triton
+
+        return expected_unique_many_triton(pi, num_samples)
+    from presses.kernels.references import expected_unique_many_reference
+
+    return expected_unique_many_reference(pi, num_samples)
+
+
+def biased_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                            scaling: float | None = None) -> torch.Tensor:
+    """Dispatch for one-token decode attention with a per-group additive logit bias (SNIS correction,
+    paper 003 Alg. 1 / eq. 10; SPEC 3.5): ``(B, H_Q, 1, d)``, ``(B, G, K, d)`` x2, ``(B, G, K)`` ->
+    ``(B, H_Q, 1, d)``; see :func:`presses.kernels.biased_decode.biased_decode_reference`. The Triton
+    path is split-K flash decoding."""
+    if use_triton(key) and query.dtype == key.dtype == value.dtype and key.dtype in _TRITON_DTYPES:
+        from presses.kernels.biased_decode import biased_decode_triton
+
+        return biased_decode_triton(query, key, value, bias, scaling)
+    from presses.kernels.references import biased_decode_reference
+
+    return biased_decode_reference(query, key, value, bias, scaling)

@@ -1,0 +1,275 @@
+"""Triton: weighted column sums of causal softmax attention, never materialising rows x keys.
+
+One kernel family serves two presses:
+
+- Page-EntroKV / EntroPrefill observer attention (SPEC 1 step 1, paper 000 sec. 3, paper 001 eq. 2):
+  ``a^h[j] = mean_u softmax_j(q_u . k_j / sqrt(d))`` over the last ``W`` queries
+  (:func:`window_attention_triton`; reference :func:`presses.observer.observer_attention_reference`).
+- SNIS proposals (SPEC 3.1, paper 003 eqs. 16, 35-36): ``s^h[i] = sum_j w_j softmax_i(q_j . k_i * scaling)``
+  over a block of query rows with row weights ``w`` (the harmonic prior for ``h2o_h`` / ``min_h``)
+  (:func:`column_sums_triton`; reference :func:`presses.proposals.column_sums`).
+
+Query at absolute position ``p`` sees keys ``j <= p``. Two passes over the keys, each row's softmax
+normaliser being needed before rows can be summed:
+
+1. ``_row_stats_kernel``: per query row, online-softmax max ``m`` and sum ``l`` (base 2) over its visible
+   keys, split over key chunks for parallelism (partials merged in torch: a ``(rows, splits)`` tensor).
+2. ``_column_kernel``: per (key block, KV group), for each of the ``r`` query heads and each block of
+   rows, ``sum_u w_u exp2(s_uj - m_u) / l_u``; the key tile is loaded once for all heads of the group.
+
+Global memory holds only the ``(B, H_Q, t)`` output and ``O(B H_Q n)`` row statistics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["column_sums_triton", "window_attention_triton"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _row_stats_kernel(
+    q_ptr, k_ptr, rows_ptr, m_ptr, l_ptr,
+    n_rows, t_keys, chunk, n_split, n_mblocks,
+    sq_b, sq_h, sq_n, sq_d,
+    sk_b, sk_g, sk_t, sk_d,
+    qk_scale,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # program: (key split, row block of the group's flattened r*n rows) x (batch, group); the row
+    # blocks of one key split are adjacent in launch order, so the split's keys are reused from L2
+    pid = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    pid_m = pid % n_mblocks
+    split = pid // n_mblocks
+    b = (pid_bg // G).to(tl.int64)  # 64-bit offsets: caches can exceed 2^31 elements
+    g = pid_bg % G
+
+    offs_i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (head-in-group, row) index
+    valid = offs_i < R * n_rows
+    hh = offs_i // n_rows
+    u = offs_i % n_rows
+    pos = tl.load(rows_ptr + u, mask=valid, other=-1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    q = tl.load(q_ptr + b * sq_b + (g * R + hh)[:, None] * sq_h + u[:, None] * sq_n + offs_d[None, :] * sq_d,
+                mask=valid[:, None] & mask_d[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = k_ptr + b * sk_b + g * sk_g
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, tl.max(pos, 0) + 1)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        kt = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None] * sk_d,
+                     mask=(offs_n[None, :] < t_keys) & mask_d[:, None], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = tl.where(offs_n[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m_i = m_new
+    out = (pid_bg * R * n_rows + offs_i) * n_split + split
+    tl.store(m_ptr + out, m_i, mask=valid)
+    tl.store(l_ptr + out, l_i, mask=valid)
+
+
+@triton.jit
+def _column_kernel(
+    q_ptr, k_ptr, rows_ptr, w_ptr, m_ptr, linv_ptr, out_ptr,
+    n_rows, t_keys,
+    sq_b, sq_h, sq_n, sq_d,
+    sk_b, sk_g, sk_t, sk_d,
+    qk_scale,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_W: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)  # 64-bit offsets: caches can exceed 2^31 elements
+    g = pid_bg % G
+    n_start = pid_n * BLOCK_N
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < t_keys
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    kt = tl.load(k_ptr + b * sk_b + g * sk_g + offs_n[None, :] * sk_t + offs_d[:, None] * sk_d,
+                 mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    for hh in range(R):
+        h = g * R + hh
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        stat = (pid_bg * R + hh) * n_rows
+        for m_start in range(0, n_rows, BLOCK_M):
+            offs_m = m_start + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < n_rows
+            pos = tl.load(rows_ptr + offs_m, mask=mask_m, other=-1)
+            if tl.max(pos, 0) >= n_start:  # some row of the block sees some key of the tile
+                q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
+                            mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                m_r = tl.load(m_ptr + stat + offs_m, mask=mask_m, other=0.0)
+                coef = tl.load(linv_ptr + stat + offs_m, mask=mask_m, other=0.0)  # w_u / l_u
+                if HAS_W:
+                    coef = coef * tl.load(w_ptr + offs_m, mask=mask_m, other=0.0)
+                if IEEE:
+                    s = tl.dot(q, kt, input_precision="ieee")
+                else:
+                    s = tl.dot(q, kt)
+                s = tl.where(offs_n[None, :] <= pos[:, None], s * qk_scale - m_r[:, None], float("-inf"))
+                acc += tl.sum(tl.exp2(s) * coef[:, None], 0)  # padded rows: pos = -1, coef = 0
+        tl.store(out_ptr + (b * G * R + h) * t_keys + offs_n, acc, mask=mask_n)
+
+
+def _pick_blocks(interpreting: bool) -> tuple[int, int]:
+    # the interpreter pays per operation, not per element: large tiles, few programs
+    return 64, 64
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Tensor | None = None,
+                       rows: torch.Tensor | None = None, scaling: float | None = None, row_scale: float = 1.0,
+                       block_m: int | None = None, block_n: int | None = None,
+                       num_splits: int | None = None) -> torch.Tensor:
+    """Triton weighted column sums of causal softmax attention (paper 003 eqs. 16, 36; SPEC 3.1).
+
+    ``s^h[i] = row_scale * sum_u w_u softmax_i(q^h_u . k_i * scaling) [i <= pos_u]``; same contract as
+    :func:`presses.proposals.column_sums` (which it matches to float round-off), plus ``row_scale``.
+
+    Args:
+        queries: ``(B, H_Q, n, d)`` RoPE'd queries (fp32, bf16 or fp16; any strides).
+        keys: ``(B, G, t, d)`` RoPE'd keys, same dtype, ``G`` dividing ``H_Q``.
+        row_weights: ``(n,)`` row weights ``w_u`` or ``None`` for 1.
+        rows: ``(n,)`` absolute positions of the rows in ``[0, t)`` (any order); default ``t - n .. t - 1``.
+        scaling: logit scale, default ``d ** -0.5``.
+        row_scale: a constant factor on every row weight (``1 / W`` gives the observer mean).
+        block_m, block_n, num_splits: tile sizes and key splits of pass 1 (defaults by device).
+
+    Returns:
+        ``(B, H_Q, t)`` float32.
+
+    Raises:
+        ValueError: if ``G`` does not divide ``H_Q``, ``n > t``, shapes or dtypes disagree, or a row
+            position is outside ``[0, t)``.
+    """
+    B, HQ, n, d = queries.shape
+    if keys.dim() != 4 or keys.shape[0] != B or keys.shape[3] != d:
+        raise ValueError(f"keys of shape {tuple(keys.shape)} do not match queries {tuple(queries.shape)} "
+                         "(expected (B, G, t, d))")
+    G, t = keys.shape[1], keys.shape[2]
+    if HQ % G:
+        raise ValueError(f"num_kv_heads={G} must divide num_heads={HQ}")
+    if queries.dtype != keys.dtype:
+        raise ValueError(f"queries dtype {queries.dtype} differs from keys dtype {keys.dtype}")
+    if queries.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {queries.dtype} is not supported (float32, bfloat16, float16)")
+    R = HQ // G
+    out = torch.zeros(B, HQ, t, device=keys.device, dtype=torch.float32)
+    if n == 0 or t == 0 or B == 0:
+        return out
+    if rows is None:
+        if n > t:
+            raise ValueError(f"n={n} query rows exceed t={t} keys")
+        rows = torch.arange(t - n, t, device=keys.device)
+    if rows.shape != (n,):
+        raise ValueError(f"rows has shape {tuple(rows.shape)}, expected ({n},)")
+    if int(rows.min()) < 0 or int(rows.max()) >= t:
+        raise ValueError(f"row positions must lie in [0, t={t}), got [{int(rows.min())}, {int(rows.max())}]")
+    rows = rows.to(device=keys.device, dtype=torch.int32).contiguous()
+    if row_weights is not None:
+        if row_weights.shape != (n,):
+            raise ValueError(f"row_weights has shape {tuple(row_weights.shape)}, expected ({n},)")
+        row_weights = row_weights.to(device=keys.device, dtype=torch.float32).contiguous()
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    qk_scale = scaling * _LOG2E
+    interpreting = not keys.is_cuda
+    dm, dn = _pick_blocks(interpreting)
+    bm, bn = block_m or dm, block_n or dn
+    bd = max(16, triton.next_power_of_2(d))
+    ieee = queries.dtype == torch.float32
+    # the Triton interpreter multiplies bfloat16 tiles as raw uint16: upcast there (exact) instead
+    upcast = interpreting and queries.dtype == torch.bfloat16
+    num_warps = 4 if bd <= 64 else 8
+
+    # pass 1: per-row softmax statistics, split over key chunks
+    n_mblocks = triton.cdiv(R * n, bm)
+    n_kblocks = triton.cdiv(int(rows.max()) + 1, bn)
+    if num_splits is None and interpreting:
+        num_splits = 1
+    if num_splits is None:
+        want = 4 * _num_sms(keys.device)
+        num_splits = max(1, min(n_kblocks, want // max(1, n_mblocks * B * G)))
+    chunk = triton.cdiv(n_kblocks, num_splits) * bn
+    num_splits = triton.cdiv(n_kblocks * bn, chunk)
+    m_part = torch.empty(B * HQ * n, num_splits, device=keys.device, dtype=torch.float32)
+    l_part = torch.empty_like(m_part)
+    _row_stats_kernel[(n_mblocks * num_splits, B * G)](
+        queries, keys, rows, m_part, l_part,
+        n, t, chunk, num_splits, n_mblocks,
+        *queries.stride(), *keys.stride(),
+        qk_scale,
+        G=G, R=R, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
+    )
+    m_row = m_part.amax(-1)  # every row sees key 0, so m_row is finite
+    l_row = (l_part * torch.exp2(m_part - m_row.unsqueeze(-1))).sum(-1)
+    coef = row_scale / l_row
+
+    # pass 2: column accumulation, one key tile per program shared by the r heads of its group
+    _column_kernel[(triton.cdiv(t, bn), B * G)](
+        queries, keys, rows, row_weights if row_weights is not None else coef, m_row, coef, out,
+        n, t,
+        *queries.stride(), *keys.stride(),
+        qk_scale,
+        G=G, R=R, D=d, HAS_W=row_weights is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
+    )
+    return out
+
+
+def window_attention_triton(queries: torch.Tensor, keys: torch.Tensor, **blocks) -> torch.Tensor:
+    """Triton observer-averaged causal window attention (SPEC 1 step 1; paper 000 sec. 3).
+
+    ``a^h[j] = mean_u softmax_j(q_u . k_j / sqrt(d))`` over the last ``W`` queries (query ``u`` at
+    position ``T - W + u`` sees keys ``j <= T - W + u``). Same contract as
+    :func:`presses.observer.observer_attention_reference`.
+
+    Args:
+        queries: ``(B, H_Q, W, d)`` RoPE'd window queries.
+        keys: ``(B, G, T, d)`` RoPE'd keys.
+        blocks: optional ``block_m``, ``block_n``, ``num_splits`` (see :func:`column_sums_triton`).
+
+    Returns:
+        ``(B, H_Q, T)`` float32; each row sums to 1.
+
+    Raises:
+        ValueError: if ``W`` is outside ``[1, T]`` or ``G`` does not divide ``H_Q``.
+    """
+    from presses.observer import check_window
+
+    W, T = queries.shape[2], keys.shape[2]
+    check_window(W, T)
+    return column_sums_triton(queries, keys, None, None, 1.0 / math.sqrt(queries.shape[-1]), 1.0 / W, **blocks)
