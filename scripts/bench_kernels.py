@@ -1,0 +1,275 @@
+"""Benchmark the scoring kernels of :mod:`presses.kernels`: torch reference vs Triton (issue 7).
+
+For each kernel and each context length T (default 4k, 16k, 64k) the reference and the Triton kernel
+run in the same process on the same inputs; the script reports both times (CUDA events, median),
+their ratio, the achieved memory bandwidth of the Triton kernel (ideal bytes moved / time) against
+the device's peak, the peak extra memory of each implementation, and the max difference between them.
+It writes one CSV per kernel to ``--out`` (default ``results/kernels``). A wall-clock guard (default
+420 s) skips a reference whose predicted time would not fit, so the whole run stays under 8 minutes.
+
+Shapes (Llama-3-8B-like attention layer, bf16): B = 1, H_Q = 32, G = 8 (r = 4), d = 128, W = 64,
+page_size = 16; ``E[J]`` scores 63 candidates (6 binary-search levels) for L x G = 32 x 8 rows.
+
+Usage:
+    python scripts/bench_kernels.py                   # on a CUDA machine
+    python scripts/bench_kernels.py --dry-run         # CPU plumbing check: TRITON_INTERPRET, tiny shapes
+
+``--dry-run`` writes to ``<out>/dry_run/`` and labels every row as a plumbing check: its times are those
+of the Triton interpreter on toy shapes and mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# device peak bandwidths (bytes/s) when the driver does not report memory clock and bus width
+PEAK_BW_BY_NAME = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12,
+                   "A100 80GB PCIe": 1.935e12, "A100": 1.555e12, "L40S": 8.64e11, "L4": 3.0e11, "4090": 1.008e12}
+
+
+@dataclass
+class Case:
+    kernel: str
+    T: int
+    shape: str
+    dtype: str
+    ideal_bytes: int
+    reference: object  # () -> tensor
+    triton: object  # () -> tensor
+    ref_cost_exp: float  # how the reference's time grows with T (for the time guard)
+
+
+def _parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET, tiny shapes: plumbing only")
+    p.add_argument("--lengths", default=None, help="comma-separated T values (default 4096,16384,65536)")
+    p.add_argument("--out", default=str(ROOT / "results" / "kernels"))
+    p.add_argument("--budget-s", type=float, default=420.0, help="wall-clock guard for the whole run")
+    p.add_argument("--peak-gbps", type=float, default=None, help="device peak bandwidth override (GB/s)")
+    p.add_argument("--kernels", default=None, help="comma-separated subset of kernel names")
+    return p.parse_args()
+
+
+def peak_bandwidth(torch, device, override_gbps):
+    """Device peak memory bandwidth in bytes/s (override, driver clock x bus width, name table, or NaN)."""
+    if override_gbps:
+        return override_gbps * 1e9, "--peak-gbps"
+    if device.type != "cuda":
+        return float("nan"), "n/a (CPU)"
+    props = torch.cuda.get_device_properties(device)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", None), getattr(props, "memory_bus_width", None)
+    if clock_khz and bus_bits:
+        return 2.0 * clock_khz * 1e3 * bus_bits / 8, "memory_clock_rate x memory_bus_width"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        clock_mhz = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)
+        bus_bits = pynvml.nvmlDeviceGetMemoryBusWidth(h)
+        return 2.0 * clock_mhz * 1e6 * bus_bits / 8, "nvml"
+    except Exception:  # noqa: BLE001 - any NVML failure falls back to the table
+        pass
+    for key, bw in PEAK_BW_BY_NAME.items():
+        if key in props.name:
+            return bw, f"table ({key})"
+    return float("nan"), "unknown device"
+
+
+def build_cases(torch, device, lengths, dry, only):
+    from presses.kernels.biased_decode import biased_decode_triton
+    from presses.kernels.column_sums import column_sums_triton, window_attention_triton
+    from presses.kernels.expected_unique import expected_unique_many_triton
+    from presses.kernels.references import (
+        biased_decode_reference,
+        expected_unique_many_reference,
+        pooled_page_scores_reference,
+    )
+    from presses.kernels.renyi_pages import pooled_page_scores_triton
+    from presses.observer import observer_attention_reference
+    from presses.proposals import column_sums as column_sums_reference
+    from presses.proposals import harmonic_prior
+
+    if dry:
+        B, HQ, G, d, W, page, dtype, L, M, qblock = 1, 4, 2, 16, 16, 16, torch.float32, 2, 7, 32
+    else:
+        B, HQ, G, d, W, page, dtype, L, M, qblock = 1, 32, 8, 128, 64, 16, torch.bfloat16, 32, 63, 128
+    r = HQ // G
+    e = torch.finfo(dtype).bits // 8
+    dname = str(dtype).replace("torch.", "")
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    for T in lengths:
+        keys = randn(B, G, T, d)
+        if not only or "window_attention" in only:
+            q = randn(B, HQ, W, d)
+            yield Case("window_attention", T, f"B={B} H_Q={HQ} G={G} W={W} d={d}", dname,
+                       keys.numel() * e + q.numel() * e + B * HQ * T * 4,
+                       lambda q=q, k=keys: observer_attention_reference(q, k),
+                       lambda q=q, k=keys: window_attention_triton(q, k), 1.0)
+        if not only or "column_sums" in only:
+            qa = randn(B, HQ, T, d)
+            prior = harmonic_prior(T, device)
+
+            def ref_cs(qa=qa, k=keys, prior=prior, T=T):  # the press's query-block loop, all T rows
+                out = None
+                for s in range(0, T, qblock):
+                    rows = torch.arange(s, min(s + qblock, T), device=device)
+                    part = column_sums_reference(qa[:, :, s:s + qblock], k, prior[s:s + qblock], rows)
+                    out = part if out is None else out + part
+                return out
+
+            yield Case("column_sums_h2o_h", T, f"B={B} H_Q={HQ} G={G} rows=T d={d} (query blocks of {qblock})",
+                       dname, keys.numel() * e + qa.numel() * e + B * HQ * T * 4, ref_cs,
+                       lambda qa=qa, k=keys, prior=prior, T=T: column_sums_triton(
+                           qa, k, prior, torch.arange(T, device=device)), 2.0)
+        if not only or "pooled_page_scores" in only:
+            attn = torch.softmax(randn(B, HQ, T, dt=torch.float32) * 4, -1)
+            P = -(-T // page)
+            yield Case("pooled_page_scores", T, f"B={B} H_Q={HQ} G={G} page_size={page} alpha=2 entropy", "float32",
+                       3 * attn.numel() * 4 + B * G * (T + P) * 4,
+                       lambda a=attn: pooled_page_scores_reference(a, G, 4, 2.0, 0.5, "entropy", page)[1],
+                       lambda a=attn: pooled_page_scores_triton(a, G, 4, 2.0, 0.5, "entropy", page)[1], 1.0)
+        if not only or "expected_unique_many" in only:
+            pi = torch.softmax(randn(L * G, T, dt=torch.float64) * 3, -1)
+            m = torch.logspace(0, 12, M, device=device, dtype=torch.float64).round()
+            yield Case("expected_unique_many", T, f"rows=L*G={L * G} M={M} candidates", "float64",
+                       pi.numel() * 8 + L * G * M * 8,
+                       lambda pi=pi, m=m: expected_unique_many_reference(pi, m),
+                       lambda pi=pi, m=m: expected_unique_many_triton(pi, m), 1.0)
+        if not only or "biased_decode" in only:
+            qd, vals = randn(B, HQ, 1, d), randn(B, G, T, d)
+            bias = randn(B, G, T, dt=torch.float32)
+            bias[..., T - T // 10:] = float("-inf")  # padded tail
+            yield Case("biased_decode", T, f"B={B} H_Q={HQ} G={G} K=T d={d} (10% padding)", dname,
+                       2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
+                       lambda q=qd, k=keys, v=vals, b=bias: biased_decode_reference(q, k, v, b),
+                       lambda q=qd, k=keys, v=vals, b=bias: biased_decode_triton(q, k, v, b), 1.0)
+            # the path the SNIS press takes today: sdpa with a (B, H_Q, 1, K) float mask (snis_mask)
+            yield Case("biased_decode_vs_sdpa_mask", T, f"B={B} H_Q={HQ} G={G} K=T d={d}", dname,
+                       2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
+                       lambda q=qd, k=keys, v=vals, b=bias: torch.nn.functional.scaled_dot_product_attention(
+                           q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1),
+                           attn_mask=b.to(dtype).repeat_interleave(r, 1).unsqueeze(2)),
+                       lambda q=qd, k=keys, v=vals, b=bias: biased_decode_triton(q, k, v, b), 1.0)
+
+
+def timed(torch, device, fn, max_reps, max_s):
+    """Median time (ms) of ``fn`` after one warm-up call, the result, and the peak extra memory (MB)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    out = fn()  # warm-up (and compilation)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak_mb = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    else:
+        peak_mb = float("nan")
+    times = []
+    start_all = time.perf_counter()
+    while len(times) < max_reps and (not times or time.perf_counter() - start_all < max_s):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), out, peak_mb
+
+
+def main() -> int:
+    args = _parse()
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import torch
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run for the CPU plumbing check", file=sys.stderr)
+        return 2
+    import triton
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else ([96, 200] if args.dry_run
+                                                                              else [4096, 16384, 65536])
+    only = set(args.kernels.split(",")) if args.kernels else None
+    out_dir = Path(args.out) / ("dry_run" if args.dry_run else "")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    peak_bw, peak_src = peak_bandwidth(torch, device, args.peak_gbps)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
+    label = "PLUMBING CHECK (dry run, Triton interpreter on CPU): times are meaningless" if args.dry_run \
+        else "measured"
+    print(f"device: {dev_name}; peak bandwidth {peak_bw / 1e9:.0f} GB/s ({peak_src}); torch {torch.__version__}, "
+          f"triton {triton.__version__}; {label}", flush=True)
+
+    t_start = time.perf_counter()
+    rows: dict[str, list[dict]] = {}
+    last_ref: dict[str, tuple[int, float]] = {}
+    for case in build_cases(torch, device, lengths, args.dry_run, only):
+        elapsed = time.perf_counter() - t_start
+        left = args.budget_s - elapsed
+        reps = 3 if args.dry_run else 20
+        tri_ms, tri_out, tri_mb = timed(torch, device, case.triton, reps, min(5.0, max(0.5, left / 20)))
+        ref_ms = ref_mb = err = float("nan")
+        note = ""
+        prev = last_ref.get(case.kernel)
+        predicted = prev[1] * (case.T / prev[0]) ** case.ref_cost_exp / 1e3 if prev else 0.0
+        if predicted * 3 > left * 0.5:  # warm-up + 2 reps must fit in half of what is left
+            note = f"reference skipped: predicted {predicted:.1f} s per call, {left:.0f} s left"
+        else:
+            ref_ms, ref_out, ref_mb = timed(torch, device, case.reference, 2 if predicted > 1 else reps,
+                                            min(10.0, max(0.5, left / 10)))
+            last_ref[case.kernel] = (case.T, ref_ms)
+            err = float((tri_out.float() - ref_out.float()).abs().nan_to_num(0.0).max())
+        achieved = case.ideal_bytes / (tri_ms / 1e3)
+        row = {
+            "kernel": case.kernel, "T": case.T, "shape": case.shape, "dtype": case.dtype,
+            "reference_ms": f"{ref_ms:.4f}", "triton_ms": f"{tri_ms:.4f}",
+            "speedup_ref_over_triton": f"{ref_ms / tri_ms:.3f}" if not math.isnan(ref_ms) else "nan",
+            "ideal_bytes": case.ideal_bytes, "triton_GBps": f"{achieved / 1e9:.1f}",
+            "peak_GBps": f"{peak_bw / 1e9:.0f}", "bandwidth_fraction": f"{achieved / peak_bw:.3f}",
+            "reference_peak_extra_MB": f"{ref_mb:.1f}", "triton_peak_extra_MB": f"{tri_mb:.1f}",
+            "max_abs_diff": f"{err:.3g}", "device": dev_name, "status": label, "note": note,
+        }
+        rows.setdefault(case.kernel, []).append(row)
+        print(f"{case.kernel:28s} T={case.T:6d}  ref {ref_ms:10.3f} ms  triton {tri_ms:9.3f} ms  "
+              f"x{row['speedup_ref_over_triton']:>8s}  {row['triton_GBps']:>8s} GB/s "
+              f"({row['bandwidth_fraction']} of peak)  mem ref/tri {ref_mb:.0f}/{tri_mb:.0f} MB  "
+              f"diff {err:.2g} {note}", flush=True)
+        del tri_out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for kernel, krows in rows.items():
+        path = out_dir / f"{kernel}.csv"
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(krows[0]))
+            writer.writeheader()
+            writer.writerows(krows)
+        print(f"wrote {path}")
+    print(f"total {time.perf_counter() - t_start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
