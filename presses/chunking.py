@@ -21,8 +21,9 @@ Chunking modes:
 
 In the three delimiter modes the text before the first delimiter is the instruction (protected),
 every delimiter match is protected, and each chunk runs from the end of a delimiter to the start of
-the next one (or to the question); a whitespace-only gap is protected like a delimiter. In ``"block"`` mode the documents start after the sinks, or after
-the first match of ``doc_start_pattern`` when one is given (the text before it is the instruction).
+the next one (or to the question); a whitespace-only gap is protected like a delimiter. In
+``"block"`` mode the documents start after the sinks, or after the first match of
+``doc_start_pattern`` when one is given (the text before it is the instruction).
 """
 
 from __future__ import annotations

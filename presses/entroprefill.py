@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field

@@ -39,6 +39,10 @@ PEAK_BW_BY_NAME = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H1
                    "A100 80GB PCIe": 1.935e12, "A100": 1.555e12, "L40S": 8.64e11, "L4": 3.0e11, "4090": 1.008e12}
 
 
+KERNELS = ("window_attention", "column_sums_h2o_h", "pooled_page_scores", "expected_unique_many", "biased_decode",
+           "biased_decode_vs_sdpa_mask")
+
+
 @dataclass
 class Case:
     kernel: str
@@ -58,7 +62,7 @@ def _parse():
     p.add_argument("--out", default=str(ROOT / "results" / "kernels"))
     p.add_argument("--budget-s", type=float, default=420.0, help="wall-clock guard for the whole run")
     p.add_argument("--peak-gbps", type=float, default=None, help="device peak bandwidth override (GB/s)")
-    p.add_argument("--kernels", default=None, help="comma-separated subset of kernel names")
+    p.add_argument("--kernels", default=None, help="comma-separated subset of: " + ", ".join(KERNELS))
     return p.parse_args()
 
 
@@ -90,7 +94,7 @@ def peak_bandwidth(torch, device, override_gbps):
 
 def build_cases(torch, device, lengths, dry, only):
     from presses.kernels.biased_decode import biased_decode_triton
-    from presses.kernels.column_sums import column_sums_triton, window_attention_triton
+    from presses.kernels.attention_columns import column_sums_triton, window_attention_triton
     from presses.kernels.expected_unique import expected_unique_many_triton
     from presses.kernels.references import (
         biased_decode_reference,
@@ -114,15 +118,18 @@ def build_cases(torch, device, lengths, dry, only):
     def randn(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
 
+    def want(name):
+        return not only or name in only
+
     for T in lengths:
         keys = randn(B, G, T, d)
-        if not only or "window_attention" in only:
+        if want("window_attention"):
             q = randn(B, HQ, W, d)
             yield Case("window_attention", T, f"B={B} H_Q={HQ} G={G} W={W} d={d}", dname,
                        keys.numel() * e + q.numel() * e + B * HQ * T * 4,
                        lambda q=q, k=keys: observer_attention_reference(q, k),
                        lambda q=q, k=keys: window_attention_triton(q, k), 1.0)
-        if not only or "column_sums" in only:
+        if want("column_sums_h2o_h"):
             qa = randn(B, HQ, T, d)
             prior = harmonic_prior(T, device)
 
@@ -138,28 +145,30 @@ def build_cases(torch, device, lengths, dry, only):
                        dname, keys.numel() * e + qa.numel() * e + B * HQ * T * 4, ref_cs,
                        lambda qa=qa, k=keys, prior=prior, T=T: column_sums_triton(
                            qa, k, prior, torch.arange(T, device=device)), 2.0)
-        if not only or "pooled_page_scores" in only:
+        if want("pooled_page_scores"):
             attn = torch.softmax(randn(B, HQ, T, dt=torch.float32) * 4, -1)
             P = -(-T // page)
             yield Case("pooled_page_scores", T, f"B={B} H_Q={HQ} G={G} page_size={page} alpha=2 entropy", "float32",
                        3 * attn.numel() * 4 + B * G * (T + P) * 4,
                        lambda a=attn: pooled_page_scores_reference(a, G, 4, 2.0, 0.5, "entropy", page)[1],
                        lambda a=attn: pooled_page_scores_triton(a, G, 4, 2.0, 0.5, "entropy", page)[1], 1.0)
-        if not only or "expected_unique_many" in only:
+        if want("expected_unique_many"):
             pi = torch.softmax(randn(L * G, T, dt=torch.float64) * 3, -1)
             m = torch.logspace(0, 12, M, device=device, dtype=torch.float64).round()
             yield Case("expected_unique_many", T, f"rows=L*G={L * G} M={M} candidates", "float64",
                        pi.numel() * 8 + L * G * M * 8,
                        lambda pi=pi, m=m: expected_unique_many_reference(pi, m),
                        lambda pi=pi, m=m: expected_unique_many_triton(pi, m), 1.0)
-        if not only or "biased_decode" in only:
+        if want("biased_decode") or want("biased_decode_vs_sdpa_mask"):
             qd, vals = randn(B, HQ, 1, d), randn(B, G, T, d)
             bias = randn(B, G, T, dt=torch.float32)
             bias[..., T - T // 10:] = float("-inf")  # padded tail
+        if want("biased_decode"):
             yield Case("biased_decode", T, f"B={B} H_Q={HQ} G={G} K=T d={d} (10% padding)", dname,
                        2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
                        lambda q=qd, k=keys, v=vals, b=bias: biased_decode_reference(q, k, v, b),
                        lambda q=qd, k=keys, v=vals, b=bias: biased_decode_triton(q, k, v, b), 1.0)
+        if want("biased_decode_vs_sdpa_mask"):
             # the path the SNIS press takes today: sdpa with a (B, H_Q, 1, K) float mask (snis_mask)
             yield Case("biased_decode_vs_sdpa_mask", T, f"B={B} H_Q={HQ} G={G} K=T d={d}", dname,
                        2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
@@ -214,6 +223,9 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else ([96, 200] if args.dry_run
                                                                               else [4096, 16384, 65536])
     only = set(args.kernels.split(",")) if args.kernels else None
+    if only and not only <= set(KERNELS):
+        print(f"--kernels {sorted(only - set(KERNELS))} not among {KERNELS}", file=sys.stderr)
+        return 2
     out_dir = Path(args.out) / ("dry_run" if args.dry_run else "")
     out_dir.mkdir(parents=True, exist_ok=True)
     peak_bw, peak_src = peak_bandwidth(torch, device, args.peak_gbps)

@@ -87,14 +87,14 @@ def main(argv=None) -> int:
         sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
         with torch.inference_mode():
             sync()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             if use_press:
                 with press(model):
                     model.model(input_ids=ids, past_key_values=cache)
             else:
                 model.model(input_ids=ids, past_key_values=cache)
             sync()
-        return cache, time.perf_counter() - start
+        return cache, time.perf_counter() - start, time.process_time() - cpu
 
     warm = pipe.preprocess(examples[0].context, [examples[0].question], "", int(1e10))["context_ids"][:, -512:]
     prefill(warm.to(args.device), False)  # warm-up (allocator, kernels); EntroPrefill needs the question,
@@ -106,13 +106,14 @@ def main(argv=None) -> int:
         T = ids.shape[1]
         order = ["full", "entroprefill"] if n % 2 == 0 else ["entroprefill", "full"]
         for method in order:
-            cache, seconds = prefill(ids, method == "entroprefill")
+            cache, seconds, cpu_seconds = prefill(ids, method == "entroprefill")
             with torch.inference_mode():
                 answer = pipe.generate_answer(q_ids, cache, T, ex.max_new_tokens or args.max_new_tokens)
             row = {"id": ex.id, "method": method, "target_length": ex.metadata["target_length"], "T": T,
                    "answer_passage": ex.metadata["answer_passage"], "n_passages": ex.metadata["n_passages"],
                    "answer": ex.answers[0], "prediction": answer.strip().replace("\n", " "),
-                   "score": ds.score(answer, ex), "prefill_s": seconds, "cache_len": cache.get_seq_length()}
+                   "score": ds.score(answer, ex), "prefill_s": seconds, "prefill_cpu_s": cpu_seconds,
+                   "cache_len": cache.get_seq_length()}
             if method == "entroprefill":
                 st = press.summary()
                 removed = [int(i) for i in st["removed_chunks"].split(",") if i]
@@ -121,8 +122,9 @@ def main(argv=None) -> int:
                                                "layer_reasons", "T_prime", "analytic_saving", "prefill_time_s")})
                 row["answer_removed"] = int(ex.metadata["answer_passage"] - 1 in removed)
             rows.append(row)
-            print(f"[{n + 1}/{len(examples)}] {method:12s} T={T} {seconds:6.2f}s score={row['score']:.0f} "
-                  f"{'' if method == 'full' else 'T_prime=%d layer=%d bypass=%s' % (row['T_prime'], row['accepted_layer'], row['bypass_reason'] or '-')}"
+            info = "" if method == "full" else (f"T_prime={row['T_prime']} layer={row['accepted_layer']} "
+                                                 f"bypass={row['bypass_reason'] or '-'}")
+            print(f"[{n + 1}/{len(examples)}] {method:12s} T={T} {seconds:6.2f}s (cpu {cpu_seconds:6.2f}s) score={row['score']:.0f} {info}"
                   f" -> {row['prediction'][:40]!r} (ref {ex.answers[0]})", flush=True)
 
     out = Path(args.out)
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
             "full_prefill_s": mean([r["prefill_s"] for r in full]),
             "entroprefill_prefill_s": mean([r["prefill_s"] for r in ep]),
             "time_ratio": mean([r["prefill_s"] for r in ep]) / mean([r["prefill_s"] for r in full]),
+            "cpu_time_ratio": mean([r["prefill_cpu_s"] for r in ep]) / mean([r["prefill_cpu_s"] for r in full]),
             "time_ratio_pruned": (mean([r["prefill_s"] for r in pruned])
                                   / mean([f["prefill_s"] for f in full for r in pruned if f["id"] == r["id"]])
                                   if pruned else math.nan),
@@ -173,6 +176,7 @@ def main(argv=None) -> int:
         f"press overrides: `{' '.join(args.press) or 'none'}`.", "",
         "Times are wall-clock seconds of the prefill call only, both methods in the same run (alternating order); "
         "`time_ratio` = mean EntroPrefill time / mean full time over all examples (bypassed ones included), "
+        "`cpu_time_ratio` the same with process CPU time (robust to other jobs sharing the cores), "
         "`time_ratio_pruned` over the pruned examples only. `mean_D_l` / `mean_U_l`: greedy token saving and "
         "dual bound at the accepted layer (or at the last layer that reached the scan). `mean_analytic_saving`: "
         "paper 001 eq. 32 (0 when bypassed).", "",

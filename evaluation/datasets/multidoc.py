@@ -107,7 +107,8 @@ class MultiDocQADataset:
         for length, i, kind in ((ln, i, k) for ln in lengths for i in range(n) for k in self.fact_kinds):
             rng = random.Random(f"{seed}-multidoc-{kind}-{length}-{i}")
             fact_t, question_t = FACTS[kind]
-            tail_probe = "\n\n" + INSTRUCTION + "\n\nQuestion: " + question_t.format(name="Xavier Castillo") + "\nAnswer:"
+            probe = question_t.format(name="Xavier Castillo")  # a long name: budget for the question
+            tail_probe = "\n\n" + INSTRUCTION + "\n\nQuestion: " + probe + "\nAnswer:"
             remaining = length - count_tokens(tokenizer, HEADER + tail_probe)
             names = rng.sample([f"{f} {lst}" for f in _FIRST for lst in _LAST], len(_FIRST) * len(_LAST))
             values = rng.sample(_CITIES, len(_CITIES)) if kind == "city" else _unique_codes(rng, 200)

@@ -10,9 +10,9 @@
 Dispatch function -> torch reference -> Triton implementation:
 
 - :func:`window_attention` -> :func:`presses.observer.observer_attention_reference` ->
-  :func:`presses.kernels.column_sums.window_attention_triton`
+  :func:`presses.kernels.attention_columns.window_attention_triton`
 - :func:`column_sums` -> :func:`presses.proposals.column_sums` ->
-  :func:`presses.kernels.column_sums.column_sums_triton`
+  :func:`presses.kernels.attention_columns.column_sums_triton`
 - :func:`pooled_page_scores` -> :func:`presses.kernels.references.pooled_page_scores_reference` ->
   :func:`presses.kernels.renyi_pages.pooled_page_scores_triton`
 - :func:`expected_unique_many` -> :func:`presses.kernels.references.expected_unique_many_reference` ->
@@ -84,7 +84,7 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     float32; see :func:`presses.observer.observer_attention_reference` for shapes, errors and source
     (SPEC 1 step 1). The Triton path never stores ``W x T`` per head."""
     if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
-        from presses.kernels.column_sums import window_attention_triton
+        from presses.kernels.attention_columns import window_attention_triton
 
         return window_attention_triton(queries, keys)
     from presses.observer import observer_attention_reference
@@ -99,7 +99,7 @@ def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Te
     :func:`presses.proposals.column_sums` for shapes ``(B, H_Q, n, d), (B, G, t, d) -> (B, H_Q, t)``,
     errors and source."""
     if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
-        from presses.kernels.column_sums import column_sums_triton
+        from presses.kernels.attention_columns import column_sums_triton
 
         return column_sums_triton(queries, keys, row_weights, rows, scaling)
     from presses.proposals import column_sums as reference

@@ -1,6 +1,6 @@
 """Triton: sink-isolated Rényi statistics, group weights, pooled group score and page scores.
 
-From the observer attention ``a^h`` ``(B, H_Q, T)`` (the output of :mod:`presses.kernels.column_sums`)
+From the observer attention ``a^h`` ``(B, H_Q, T)`` (the output of :mod:`presses.kernels.attention_columns`)
 Page-EntroKV needs (SPEC 1 steps 2-6; paper 000 sec. 3 and Thm. 2; paper 001 sec. 3.1 and eq. 29):
 
 - ``z_h = sum_{j >= n_sink} a^h[j]`` and the Rényi entropy of ``a~^h = a^h / z_h`` on the non-sinks,

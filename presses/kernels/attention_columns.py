@@ -31,6 +31,8 @@ import triton.language as tl
 __all__ = ["column_sums_triton", "window_attention_triton"]
 
 _LOG2E = 1.4426950408889634
+# default tiles, GPU and interpreter alike (the interpreter pays per operation, not per element)
+_BLOCK_M, _BLOCK_N = 64, 64
 
 
 @triton.jit
@@ -140,11 +142,6 @@ def _column_kernel(
         tl.store(out_ptr + (b * G * R + h) * t_keys + offs_n, acc, mask=mask_n)
 
 
-def _pick_blocks(interpreting: bool) -> tuple[int, int]:
-    # the interpreter pays per operation, not per element: large tiles, few programs
-    return 64, 64
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -207,8 +204,7 @@ def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: t
     scaling = d ** -0.5 if scaling is None else float(scaling)
     qk_scale = scaling * _LOG2E
     interpreting = not keys.is_cuda
-    dm, dn = _pick_blocks(interpreting)
-    bm, bn = block_m or dm, block_n or dn
+    bm, bn = block_m or _BLOCK_M, block_n or _BLOCK_N
     bd = max(16, triton.next_power_of_2(d))
     ieee = queries.dtype == torch.float32
     # the Triton interpreter multiplies bfloat16 tiles as raw uint16: upcast there (exact) instead
@@ -217,7 +213,7 @@ def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: t
 
     # pass 1: per-row softmax statistics, split over key chunks
     n_mblocks = triton.cdiv(R * n, bm)
-    n_kblocks = triton.cdiv(int(rows.max()) + 1, bn)
+    n_kblocks = triton.cdiv(int(rows.max()) + 1, bn)  # keys after the last row are never visible
     if num_splits is None and interpreting:
         num_splits = 1
     if num_splits is None:
@@ -238,8 +234,9 @@ def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: t
     l_row = (l_part * torch.exp2(m_part - m_row.unsqueeze(-1))).sum(-1)
     coef = row_scale / l_row
 
-    # pass 2: column accumulation, one key tile per program shared by the r heads of its group
-    _column_kernel[(triton.cdiv(t, bn), B * G)](
+    # pass 2: column accumulation, one key tile per program shared by the r heads of its group (the
+    # invisible tail keeps the zeros of `out`)
+    _column_kernel[(n_kblocks, B * G)](
         queries, keys, rows, row_weights if row_weights is not None else coef, m_row, coef, out,
         n, t,
         *queries.stride(), *keys.stride(),
