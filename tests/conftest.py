@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# The kernel tests run every Triton kernel on CPU through the interpreter, which Triton reads once, when it
+# is first imported: set it before any test module (or a press it imports) pulls triton in. A GPU runner
+# can export TRITON_INTERPRET=0 to compile the kernels instead.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
