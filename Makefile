@@ -13,7 +13,7 @@ RESULTS ?= results
 SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean
 SWEEP_RATIOS ?= 0.5,0.75
 
-.PHONY: install eval sweep report test clean
+.PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,18 @@ sweep: install
 
 report: install
 	$(PY) -m evaluation.report $(RESULTS) --out $(RESULTS)
+
+uor: install                 # paper 000 UOR / pooling analysis -> results/uor/$(MODEL)/
+	$(PY) -m evaluation.uor model=$(MODEL)
+
+snis-study: install          # paper 003 bias/variance study (Fig. 2) -> results/snis/
+	$(PY) scripts/snis_bias_variance.py --model $(MODEL)
+
+entroprefill-bench: install  # EntroPrefill vs full prefill -> results/entroprefill/
+	$(PY) scripts/entroprefill_bench.py --model $(MODEL)
+
+bench-kernels: install       # Triton kernels vs references on a CUDA GPU -> results/kernels/
+	$(PY) scripts/bench_kernels.py
 
 test: install
 	$(PY) -m pytest -q -x tests
