@@ -33,3 +33,22 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@lru_cache(maxsize=1)
+def char_tokenizer():
+    """A ``PreTrainedTokenizerFast`` with one token per printable ASCII character (ids < 128).
+
+    ``<pad>``=0, ``<s>``=1 (BOS), ``</s>``=2 (EOS), ``<unk>``=3: fits the tiny random Llama models of
+    ``tests/conftest.py`` (vocab 128) for runs through kvpress's pipeline.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({chr(c): 4 + i for i, c in enumerate(range(32, 127))})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=4096)

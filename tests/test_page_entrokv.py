@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from _tiny_tokenizer import char_tokenizer
 from presses.page_entrokv import PageEntroKVPress
 
 W, B, N_SINK = 16, 8, 4
@@ -23,20 +24,6 @@ def expected_kept(T: int, ratio: float, page_size: int = B, n_sink: int = N_SINK
     prot = sum(1 for j in range(T) if j // page_size in pages)
     free = -(-T // page_size) - len(pages)
     return prot + min((b - prot) // page_size, free) * page_size
-
-
-def char_tokenizer():
-    """A tiny offline character-level tokenizer (ids < 128) for kvpress's pipeline."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({chr(c): 4 + i for i, c in enumerate(range(32, 127))})
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", model_max_length=4096)
 
 
 def prefill(model, ids, press):
