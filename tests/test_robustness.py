@@ -385,19 +385,21 @@ def test_batch_of_two(name):
             prefill(build(name, 0.5), model, rows)
         return
     batch = prefill(build(name, 0.5), model, rows)
-    assert torch.isfinite(decode(model, batch, T_LONG, batch=2).logits).all()
+    n_batch = [batch.get_seq_length(i) for i in range(2)]
+    assert torch.isfinite(decode(model, batch, T_LONG, batch=2).logits).all()  # appends one entry per layer
     if name == "snis_h2o":  # one generator for the batch, layer padded to the batch's largest kept count
         stats = build(name, 0.5)
         for b in range(2):
             single = prefill(stats, model, rows[b: b + 1])
             assert 1 <= single.get_seq_length(0) < T_LONG
-        assert all(1 <= batch.get_seq_length(i) < T_LONG for i in range(2))
+        assert all(1 <= n < T_LONG for n in n_batch)
         return
-    masked_batch = [layer.self_attn.masked_key_indices for layer in model.model.layers]
+    masked_batch = [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
     for b in range(2):
         single = prefill(build(name, 0.5), model, rows[b: b + 1])
         for i, (a, s) in enumerate(zip(batch.layers, single.layers)):
-            torch.testing.assert_close(a.keys[b: b + 1], s.keys, atol=1e-5, rtol=1e-5)
+            assert n_batch[i] == s.keys.shape[2]
+            torch.testing.assert_close(a.keys[b: b + 1, :, : n_batch[i]], s.keys, atol=1e-5, rtol=1e-5)
             if name == "adakv":  # the same keys masked in row b as in the single run
                 mb, ms = masked_batch[i], model.model.layers[i].self_attn.masked_key_indices
                 got = {(int(h), int(t)) for bb, h, t in zip(*mb) if int(bb) == b}
@@ -417,8 +419,9 @@ def test_left_padding_is_not_masked_in_scoring(name):
     full = prefill(None, model, ids, attention_mask=mask)
     cache = prefill(build(name, 0.5), model, ids, attention_mask=mask)
     assert cache.get_seq_length(0) < T_LONG
-    # the first n_sink=4 slots of row 1 are pads, kept verbatim
-    torch.testing.assert_close(cache.layers[0].keys[1, :, :4], full.layers[0].keys[1, :, :4])
+    # the pads at the n_sink=4 first positions of row 1 are kept (in any slot: kvpress keeps top-k order)
+    kept, pads = cache.layers[0].keys[1], full.layers[0].keys[1, :, :4]  # (G, n, d), (G, 4, d)
+    assert (kept.unsqueeze(2) == pads.unsqueeze(1)).all(-1).any(1).all()
 
 
 # ---------------------------------------------------------------------------------------------- MHA / MQA
@@ -482,14 +485,14 @@ def _tiny_harness(monkeypatch, tmp_path, press: str, *overrides, n_samples=2, de
 
     monkeypatch.setattr(harness, "get_model", tiny)
     cfg = _compose(f"press={press}", "compression_ratio=0.5", f"output_dir={tmp_path / 'runs'}",
-                   f"n_samples={n_samples}", "max_new_tokens=2", "dataset.context_length=256",
+                   f"n_samples={n_samples}", "max_new_tokens=2", "dataset.context_length=640",
                    f"dataset.depths={depths}", *overrides)
     return cfg, {"press": press, "dataset": "needle", "model": "smollm2-135m"}
 
 
 @pytest.mark.parametrize("name", PRESSES)
 def test_needle_depth_0_and_100_through_the_harness(name, monkeypatch, tmp_path):
-    """The harness's needle dataset (byte tokenizer, ~260 tokens) at depths 0 and 100 %, query-aware
+    """The harness's needle dataset (byte tokenizer, ~640 tokens) at depths 0 and 100 %, query-aware
     (empty question after compression) for EntroPrefill, whose needle question has no "Question:"."""
     extra = ["query_aware=true", "press.question_pattern='What is the special'"] if name == "entroprefill" else []
     cfg, names = _tiny_harness(monkeypatch, tmp_path, name, *extra)
