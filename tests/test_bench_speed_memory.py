@@ -1,0 +1,179 @@
+"""scripts/bench_speed_memory.py on a tiny random Llama: rows, byte accounting, overhead reference, resume."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import make_tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(REPO / "configs")
+T = 96
+L, H, G, HIDDEN = 2, 4, 2, 64  # head_dim 16
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("bench_speed_memory", REPO / "scripts" / "bench_speed_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_script()
+
+
+def _tokenizer():
+    """One token per word (all [UNK]) plus <s> / </s>: the pipeline prepends bos_token when there is no
+    chat template."""
+    from _tiny_tokenizer import word_tokenizer
+
+    tok = copy.deepcopy(word_tokenizer())
+    tok.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})
+    return tok
+
+
+def _cfg(out: Path, *overrides: str):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="bench_speed_memory",
+                       overrides=[f"output_dir={out}", f"lengths=[{T}]", "decode_tokens=3", "warmup=false",
+                                  "presses=[snapkv,knorm,snis_h2o_h]", *overrides])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_llama(num_heads=H, num_kv_heads=G, num_layers=L, hidden=HIDDEN, attn_implementation="sdpa")
+
+
+def test_config_defaults_match_the_issue():
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="bench_speed_memory")
+    assert list(cfg.lengths) == [1024, 2048, 4096, 8192]
+    assert list(cfg.compression_ratios) == [0.5, 0.75] and cfg.decode_tokens == 64
+    assert {"no_press", "snapkv", "page_entrokv", "snis_h2o_h", "entroprefill"} <= set(cfg.presses)
+    assert cfg.output_dir == "results/speed_memory"
+    assert bench.resolve_time_limit(cfg.time_limit_s, "cuda:0") == 480
+    assert bench.resolve_time_limit(cfg.time_limit_s, "cpu") == math.inf
+    for name in cfg.presses:  # every listed press instantiates at both ratios
+        for r in cfg.compression_ratios:
+            press = bench.make_press(name, r, cfg.seed)
+            assert (press is None) == (name == "no_press")
+            if press is not None:
+                assert press.compression_ratio == r
+
+
+def test_rows_bytes_overhead_and_resume(tmp_path, model, monkeypatch):
+    tok = _tokenizer()
+    cfg = _cfg(tmp_path, "compression_ratios=[0.5]")
+    rows = bench.run_bench(cfg, model, tok, "tiny", "cpu", command="pytest-command")
+
+    with open(tmp_path / "speed_memory.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == bench.COLUMNS
+        assert len(list(reader)) == len(rows)
+    by = {r["press"]: r for r in rows}
+    assert set(by) == {"no_press", "snapkv", "knorm", "snis_h2o_h"}
+    assert all(not r["error"] for r in rows), [r["error"] for r in rows]
+    n = int(by["snapkv"]["context_length"])
+    assert T - 40 <= n <= T  # T counts the template (BOS); the haystack stops at a whole sentence
+    full = 2 * L * G * n * (HIDDEN // H) * 4  # keys + values, float32
+    for r in rows:
+        assert int(r["kv_full_bytes"]) == full
+        assert float(r["prefill_s"]) > 0 and float(r["decode_tok_s"]) > 0 and float(r["peak_mem_mb"]) > 0
+        assert r["model"] == "tiny" and r["T"] == str(T)
+    # the uncompressed row holds the whole cache and has no press time
+    assert float(by["no_press"]["physical_vs_full"]) == 1.0 and float(by["no_press"]["press_s"]) == 0.0
+    assert by["no_press"]["compression_ratio"] == "0.0"
+    # ScorerPresses keep int(n * (1 - ratio)) tokens per layer: physical == logical == that fraction
+    for p in ("snapkv", "knorm"):
+        kept = int(n * 0.5)
+        assert int(by[p]["kv_physical_bytes"]) == full * kept // n
+        assert float(by[p]["logical_vs_full"]) == pytest.approx(float(by[p]["physical_vs_full"]))
+        assert float(by[p]["press_s"]) > 0
+        assert float(by[p]["prefill_ratio_vs_full"]) == pytest.approx(
+            float(by[p]["prefill_s"]) / float(by[p]["full_prefill_s"]))
+    # SnapKV against itself in the same run is exactly 1; the others are divided by that same time
+    assert float(by["snapkv"]["overhead_ratio"]) == 1.0
+    assert float(by["knorm"]["snapkv_press_s"]) == float(by["snapkv"]["press_s"])
+    assert float(by["knorm"]["overhead_ratio"]) == pytest.approx(
+        float(by["knorm"]["press_s"]) / float(by["snapkv"]["press_s"]))
+    # SNIS: padded physical cache, logical = kept entries (its summary), near the target in expectation
+    snis = by["snis_h2o_h"]
+    stats = json.loads(snis["press_stats"])
+    assert float(snis["logical_vs_full"]) == pytest.approx(1 - stats["logical_compression"], abs=1e-6)
+    assert float(snis["logical_vs_full"]) <= float(snis["physical_vs_full"]) + 1e-9
+    assert abs(float(snis["logical_vs_full"]) - 0.5) < 0.2
+    readme = (tmp_path / "README.md").read_text()
+    assert "pytest-command" in readme and f"overhead T={T}" in readme and f"physical T={T}" in readme
+    for png in ("overhead_ratio.png", "kv_bytes.png", "prefill.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+    # resume: nothing left to do -> nothing is measured
+    def boom(*a, **k):
+        raise AssertionError("a finished row was measured again")
+
+    monkeypatch.setattr(bench, "measure_row", boom)
+    assert bench.run_bench(cfg, model, tok, "tiny", "cpu", command="again") == rows
+    monkeypatch.undo()
+
+    # a new ratio: only its rows, plus the run's own SnapKV and full-prefill references, are measured
+    calls = []
+    real = bench.measure_row
+
+    def counting(model_, press, *a, **k):
+        calls.append(type(press).__name__ if press is not None else None)
+        return real(model_, press, *a, **k)
+
+    monkeypatch.setattr(bench, "measure_row", counting)
+    cfg2 = _cfg(tmp_path, "compression_ratios=[0.5,0.75]", "presses=[snapkv,knorm]")
+    rows2 = bench.run_bench(cfg2, model, tok, "tiny", "cpu", command="more")
+    assert sorted(map(str, calls)) == ["KnormPress", "None", "SnapKVPress"]
+    new = {r["press"]: r for r in rows2 if r["compression_ratio"] == "0.75"}
+    assert set(new) == {"snapkv", "knorm"} and len(rows2) == len(rows) + 2
+    assert int(new["knorm"]["kv_physical_bytes"]) == full * int(n * 0.25) // n
+
+
+def test_time_limit_stops_cleanly(tmp_path, model):
+    cfg = _cfg(tmp_path, "compression_ratios=[0.5]")
+    rows = bench.run_bench(cfg, model, _tokenizer(), "tiny", "cpu", command="x", time_limit_s=1e-9)
+    assert rows == []
+    assert "Incomplete" in (tmp_path / "README.md").read_text()
+
+
+def test_hook_timer_counts_outermost_calls_and_restores():
+    class Press:
+        def forward_hook(self, x):
+            return self.finalize(x) + 1
+
+        def finalize(self, x):
+            return x * 2
+
+    press = Press()
+    with bench.HookTimer(press) as timer:
+        assert "forward_hook" in vars(press) and press.forward_hook(3) == 7
+        assert press.finalize(1) == 2
+    assert timer.calls == 2 and timer.seconds > 0  # the nested finalize is not counted twice
+    assert "forward_hook" not in vars(press) and "finalize" not in vars(press)
+    with bench.HookTimer(None) as timer:
+        pass
+    assert timer.seconds == 0
+
+
+@pytest.mark.parametrize(("override", "match"), [
+    ("compression_ratios=[1.2]", r"compression_ratio=1.2 must be in \[0, 1\)"),
+    ("presses=[nope]", "unknown press 'nope'"),
+    ("lengths=[32]", r"lengths \[32\] must be >= 64"),
+    ("repeats=0", "repeats=0 must be >= 1"),
+])
+def test_bad_config_is_rejected(tmp_path, override, match):
+    with pytest.raises(ValueError, match=match):
+        bench.validate(_cfg(tmp_path, override))
+    with pytest.raises(ValueError, match="time_limit_s=-1"):
+        bench.resolve_time_limit(-1, "cpu")
