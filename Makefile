@@ -13,7 +13,7 @@ RESULTS ?= results
 SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean
 SWEEP_RATIOS ?= 0.5,0.75
 
-.PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels
+.PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels bench-speed
 
 install: $(VENV)/.installed
 
@@ -45,6 +45,9 @@ entroprefill-bench: install  # EntroPrefill vs full prefill -> results/entropref
 
 bench-kernels: install       # Triton kernels vs references on a CUDA GPU -> results/kernels/
 	$(PY) scripts/bench_kernels.py
+
+bench-speed: install         # speed and memory of every press at T in {1k,2k,4k,8k} -> results/speed_memory/
+	$(PY) scripts/bench_speed_memory.py
 
 test: install
 	$(PY) -m pytest -q -x tests
