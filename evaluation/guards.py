@@ -3,7 +3,8 @@
 kvpress's baselines check their inputs with ``assert`` (silently skipped under ``python -O``) or not at
 all: SnapKV / PyramidKV / AdaKV(SnapKV) assert ``T > window_size``, StreamingLLM and ExpectedAttention
 assert ``T > n_sink``, TOVA fails inside ``Tensor.max()`` on a one-token context, AdaKV asserts against
-eager attention, PyramidKV's per-layer lengths break the eager decode mask, and every press needs a
+eager attention, PyramidKV's per-layer lengths break the eager decode mask and the mask of any
+multi-token forward after the prefill (the pipeline's question forward), and every press needs a
 Llama-style decoder (``model.model.layers[i].self_attn`` with
 a ``q_proj``). :func:`check_press_input` raises a ``ValueError`` naming the value and the limit before the
 prefill instead. Our presses (Page-EntroKV, probabilistic eviction, EntroPrefill) validate their own
@@ -47,7 +48,7 @@ def check_model_layout(model) -> None:
         raise ValueError(f"model class {name} is not supported by the presses: config.num_attention_heads is missing")
 
 
-def check_press_input(press, model, context_length: int) -> None:
+def check_press_input(press, model, context_length: int, multi_token_forward: bool = False) -> None:
     """Raise a clear error for a (press, model, context) the press cannot compress.
 
     Call once per example, after tokenising the context and before the prefill. ``press=None`` (no
@@ -58,11 +59,14 @@ def check_press_input(press, model, context_length: int) -> None:
         press: the instantiated press (kvpress or ours), or None.
         model: the causal LM.
         context_length: ``T``, prefill tokens of the example.
+        multi_token_forward: True when a forward of more than one token follows the prefill on the
+            compressed cache (kvpress's pipeline runs the question and answer prefix as one forward).
 
     Raises:
         ValueError: for an unsupported model layout; ``T <= window_size`` (SnapKV, PyramidKV, AdaKV
             over a windowed scorer); ``T <= n_sink`` (StreamingLLM, ExpectedAttention); ``T < 2``
-            (TOVA); AdaKV or PyramidKV with ``attn_implementation="eager"``.
+            (TOVA); AdaKV or PyramidKV with ``attn_implementation="eager"``; PyramidKV followed by a
+            multi-token forward.
     """
     if press is None:
         return
@@ -81,6 +85,11 @@ def check_press_input(press, model, context_length: int) -> None:
     if isinstance(inner, PyramidKVPress) and getattr(model.config, "_attn_implementation", None) == "eager":
         raise ValueError(f"{label} keeps a different number of entries per layer, which the eager attention "
                          "mask of the decode step cannot follow (size mismatch): use sdpa")
+    if isinstance(inner, PyramidKVPress) and multi_token_forward:
+        raise ValueError(f"{label} keeps a different number of entries per layer, but transformers builds the "
+                         "attention mask of a multi-token forward after the prefill (the question) from layer 0's "
+                         "cache length, so the other layers fail with a size mismatch: it cannot answer questions "
+                         "through kvpress's pipeline (kvpress 0.5.5, transformers 5.x)")
     if isinstance(inner, SnapKVPress) and T <= inner.window_size:  # PyramidKVPress subclasses SnapKVPress
         raise ValueError(f"{label}: the context has T={T} tokens but needs more than window_size="
                          f"{inner.window_size}: use a longer context or a smaller press.window_size")

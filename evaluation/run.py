@@ -26,6 +26,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from evaluation.guards import check_press_input
+
 logger = logging.getLogger("evaluation.run")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -195,6 +197,7 @@ def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
         max_new = cfg.max_new_tokens or ex.max_new_tokens or 32
         with chat_template(tokenizer, ex.metadata.get("chat_template", True)):
             ids = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))["context_ids"]
+            check_press_input(press, model, int(ids.shape[1]), multi_token_forward=True)  # the question forward
             cache = DynamicCache()
             start = time.perf_counter()
             with torch.inference_mode():

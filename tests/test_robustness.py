@@ -399,11 +399,18 @@ def test_batch_of_two(name):
         single = prefill(build(name, 0.5), model, rows[b: b + 1])
         for i, (a, s) in enumerate(zip(batch.layers, single.layers)):
             assert n_batch[i] == s.keys.shape[2]
-            torch.testing.assert_close(a.keys[b: b + 1, :, : n_batch[i]], s.keys, atol=1e-5, rtol=1e-5)
-            if name == "adakv":  # the same keys masked in row b as in the single run
-                mb, ms = masked_batch[i], model.model.layers[i].self_attn.masked_key_indices
-                got = {(int(h), int(t)) for bb, h, t in zip(*mb) if int(bb) == b}
-                assert got == {(int(h), int(t)) for h, t in zip(ms[1], ms[2])}
+            if name != "adakv":
+                torch.testing.assert_close(a.keys[b: b + 1, :, : n_batch[i]], s.keys, atol=1e-5, rtol=1e-5)
+                continue
+            # AdaKV: the same keys masked in row b as in the single run, and the same unmasked keys (a masked
+            # slot holds a "fake key" that kvpress fits to the whole batch's queries, so it may differ)
+            mb, ms = masked_batch[i], model.model.layers[i].self_attn.masked_key_indices
+            got = {(int(h), int(t)) for bb, h, t in zip(*mb) if int(bb) == b}
+            assert got == {(int(h), int(t)) for h, t in zip(ms[1], ms[2])}
+            keep = torch.ones(s.keys.shape[1:3], dtype=torch.bool)
+            for h, t in got:
+                keep[h, t] = False
+            torch.testing.assert_close(a.keys[b, :, : n_batch[i]][keep], s.keys[0][keep], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["page_entrokv", "streaming_llm"])
@@ -496,6 +503,14 @@ def test_needle_depth_0_and_100_through_the_harness(name, monkeypatch, tmp_path)
     (empty question after compression) for EntroPrefill, whose needle question has no "Question:"."""
     extra = ["query_aware=true", "press.question_pattern='What is the special'"] if name == "entroprefill" else []
     cfg, names = _tiny_harness(monkeypatch, tmp_path, name, *extra)
+    if name == "pyramidkv":  # per-layer lengths break the mask of the question forward: the guard says so
+        with pytest.raises(ValueError, match="different number of entries per layer.*multi-token forward"):
+            harness.run(cfg, names)
+        return
+    if name == "adakv":  # kvpress's fake-key search finds no hyperplane for a random model's isotropic queries
+        with pytest.raises(ValueError, match="Could not find fake keys"):
+            harness.run(cfg, names)
+        return
     metrics = harness.run(cfg, names)
     rows = [json.loads(line) for line in next(tmp_path.rglob("predictions.jsonl")).read_text().splitlines()]
     assert metrics["n"] == 2 and sorted(r["depth"] for r in rows) == [0.0, 100.0]
@@ -533,8 +548,6 @@ def test_killed_run_resumes_without_lost_or_duplicated_rows(monkeypatch, tmp_pat
     assert math.isfinite(metrics["score"])
 
 
-@pytest.mark.xfail(not hasattr(harness, "check_press_input"), strict=True,
-                   reason="pending: evaluation/run.py must call evaluation.guards.check_press_input (docs_limits.md)")
 def test_harness_raises_clear_error_for_too_short_context(monkeypatch, tmp_path):
     cfg, names = _tiny_harness(monkeypatch, tmp_path, "snapkv", "press.window_size=1024")
     with pytest.raises(ValueError, match=r"SnapKVPress: the context has T=\d+ tokens but needs more than window_size=1024"):
