@@ -2,7 +2,7 @@
 ``configs/press/*.yaml``, on tiny random-weight Llamas, under the edge cases of the issue.
 
 Each case asserts today's behaviour of each press (keeps everything / compresses / raises a clear
-error); ``docs_limits.md`` is the table of these results. Where a kvpress baseline fails with an
+error); the README's "Limits" section is the table of these results. Where a kvpress baseline fails with an
 ``assert`` or an obscure error, :func:`evaluation.guards.check_press_input` is the harness's guard and
 is asserted to raise a ``ValueError`` naming the value and the limit.
 """
