@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from presses import kernels
 from presses.observer import window_queries
 from presses.renyi import pool_groups
 
@@ -142,7 +143,7 @@ def attention_column_sums(module, hidden_states: torch.Tensor, keys: torch.Tenso
         end = min(start + block_size, t)
         q = window_queries(module, hidden_states[:, :end], end - start, (cos[:, :end], sin[:, :end]))
         w = None if row_weights is None else row_weights[start:end]
-        part = column_sums(q, keys, w, torch.arange(start, end, device=keys.device), scaling)
+        part = kernels.column_sums(q, keys, w, torch.arange(start, end, device=keys.device), scaling)  # dispatch
         out = part if out is None else out + part
     return out
 
@@ -163,7 +164,8 @@ def head_proposals(name: str, module, hidden_states: torch.Tensor, keys: torch.T
     - ``h2o``:   ``pi^h(i) ~ sum_j p^h_j(i)`` (normalised H2O score, eq. 17)
     - ``h2o_h``: ``pi^h(i) ~ sum_j h_j p^h_j(i)``
 
-    with the harmonic prior ``h_j`` of :func:`harmonic_prior` and ``||v_i||`` the L2 norm of the
+    The column sums go through the dispatch point :func:`presses.kernels.column_sums` (Triton on CUDA,
+    :func:`column_sums` elsewhere). With the harmonic prior ``h_j`` of :func:`harmonic_prior` and ``||v_i||`` the L2 norm of the
     value of entry ``i`` in the head's KV group.
 
     Args:
@@ -188,7 +190,7 @@ def head_proposals(name: str, module, hidden_states: torch.Tensor, keys: torch.T
     if name == "min":
         cos, sin = position_embeddings
         q = window_queries(module, hidden_states, 1, (cos, sin))
-        scores = column_sums(q, keys, scaling=getattr(module, "scaling", None))
+        scores = kernels.column_sums(q, keys, scaling=getattr(module, "scaling", None))  # dispatch
     else:
         prior = harmonic_prior(t, keys.device) if name.endswith("_h") else None
         scores = attention_column_sums(module, hidden_states, keys, position_embeddings, prior, block_size)

@@ -347,18 +347,25 @@ def test_page_entrokv_same_pages_through_dispatch(tiny_llama, monkeypatch):
 
 
 def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
-    """Preview of the proposals wiring: the ``h2o_h`` proposal (harmonic prior, query blocks of 32 rows)
-    computed with the Triton column sums equals the reference one, and the press keeps the same entries."""
+    """The SNIS press computes its ``h2o_h`` proposal (harmonic prior, query blocks of 32 rows) through the
+    dispatch point: with Triton forced it equals the reference path, and the press keeps the same entries."""
+    import presses.kernels.attention_columns as attention_columns
     import presses.proposals as proposals
     import presses.snis_press as snis_press
     from transformers import DynamicCache
 
     model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation="sdpa", seed=4)
     ids = torch.randint(3, 128, (1, 48), generator=_gen(3))
-    results = {}
+    results, triton_calls = {}, []
+    real_triton = attention_columns.column_sums_triton
+
+    def counting_triton(*args, **kwargs):
+        triton_calls.append(1)
+        return real_triton(*args, **kwargs)
+
+    monkeypatch.setattr(attention_columns, "column_sums_triton", counting_triton)
     for mode in ("reference", "triton"):
-        if mode == "triton":
-            monkeypatch.setattr(proposals, "column_sums", column_sums_triton)
+        monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", mode)
         captured = []
         real = proposals.compute_proposal
 
@@ -374,6 +381,8 @@ def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
             model.model(input_ids=ids, past_key_values=cache)
         bias = [layer.self_attn._snis_state.bias for layer in model.model.layers]
         results[mode] = (captured, bias)
+        # reference mode never reaches Triton; triton mode runs 2 query blocks in each of the 2 layers
+        assert len(triton_calls) == (0 if mode == "reference" else 4)
     (pi_ref, bias_ref), (pi_tri, bias_tri) = results["reference"], results["triton"]
     assert len(pi_ref) == len(pi_tri) == 2
     for a, b in zip(pi_tri, pi_ref):
