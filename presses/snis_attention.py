@@ -9,7 +9,9 @@ The bias of a layer lives on its attention module (``module._snis_state``, a :cl
 so that it survives the ``with press(model)`` block: kvpress's pipeline decodes outside it. A wrapper
 around the ``sdpa`` and ``eager`` functions of transformers' ``ALL_ATTENTION_FUNCTIONS`` (installed
 once by :func:`install_snis_attention`, like kvpress's ``attention_patch``) turns the state into a
-float attention mask whenever it is present, and drops a stale state at the next prefill.
+float attention mask whenever it is present, and drops a stale state at the next prefill. On CUDA a
+one-token decode step goes through the dispatch point :func:`presses.kernels.biased_decode_attention`
+(split-K Triton flash decoding with the bias of :func:`decode_bias`) instead.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SNISLayerState", "snis_bias", "snis_mask", "install_snis_attention", "clear_snis_state",
+__all__ = ["SNISLayerState", "snis_bias", "snis_mask", "decode_bias", "install_snis_attention", "clear_snis_state",
            "SUPPORTED_ATTENTION"]
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -134,6 +136,47 @@ def clear_snis_state(model) -> None:
             mod._snis_state = None
 
 
+def decode_bias(state: SNISLayerState, key: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Per-group logit bias ``(B, G, K)`` float32 of a one-token decode step (paper 003 eq. 10; SPEC 3.5).
+
+    The ``P`` prompt slots get ``state.bias``; the ``K - P`` slots written after eviction get ``0``, or the
+    model's own additive mask there (padding) when it passed one that all heads share.
+
+    Args:
+        state: the layer's :class:`SNISLayerState` (``bias`` ``(B, G, P)``).
+        key: ``(B, G, K, d)`` the layer's key cache, ``K >= P``.
+        attention_mask: ``None`` or a boolean keep-mask / additive mask ``(B|1, 1, 1, K')``.
+
+    Returns:
+        ``(B, G, K)`` float32, the ``bias`` argument of :func:`presses.kernels.biased_decode_attention`.
+
+    Raises:
+        ValueError: if the cache is shorter than the prefix.
+    """
+    B, G, K = key.shape[0], key.shape[1], key.shape[2]
+    P = state.prefix_len
+    if K < P:
+        raise ValueError(f"SNIS state has P={P} prompt slots but the layer's cache has K={K}")
+    post = torch.zeros(B, G, K - P, device=key.device, dtype=torch.float32)
+    if attention_mask is not None and K > P:
+        post = post + _additive(attention_mask[..., -(K - P):], torch.float32).reshape(-1, 1, K - P)
+    return torch.cat([state.bias.to(device=key.device, dtype=torch.float32), post], dim=-1)
+
+
+def _kernel_decode(module, query, key, value, attention_mask, state, kwargs):
+    """The one-token decode step through :func:`presses.kernels.biased_decode_attention` when the dispatch
+    picks Triton (CUDA), else ``None`` (the caller then runs the wrapped attention function)."""
+    from presses.kernels import biased_decode_attention, use_triton
+
+    if query.shape[2] != 1 or not use_triton(key) or kwargs.get("sliding_window") or kwargs.get("softcap"):
+        return None
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1:
+        return None  # a per-head mask: leave it to the attention function
+    bias = decode_bias(state, key, attention_mask)
+    out = biased_decode_attention(query, key, value, bias, kwargs.get("scaling", getattr(module, "scaling", None)))
+    return out.transpose(1, 2).contiguous(), None  # transformers' (B, q, H_Q, d), no weights
+
+
 def _wrap(func, name: str):
     def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
         state = getattr(module, "_snis_state", None)
@@ -141,6 +184,9 @@ def _wrap(func, name: str):
             if query.shape[2] == key.shape[2]:  # a new prefill: the correction belongs to an old cache
                 module._snis_state = None
             else:
+                fast = _kernel_decode(module, query, key, value, attention_mask, state, kwargs)
+                if fast is not None:
+                    return fast
                 attention_mask = snis_mask(state, query, key, attention_mask)
         inner = func
         if inner is None:  # eager: the model file's own eager function

@@ -390,3 +390,33 @@ def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
     for a, b in zip(bias_tri, bias_ref):  # same kept entries (finite bias) in the same slots
         assert torch.equal(torch.isfinite(a), torch.isfinite(b))
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_snis_decode_through_biased_decode_kernel(tiny_llama, monkeypatch, attn):
+    """The SNIS press's one-token decode step goes through the biased-decode dispatch when Triton is
+    picked, and its logits equal those of the masked-attention path (reference mode)."""
+    import presses.kernels.biased_decode as biased_decode
+    from presses.snis_press import ProbabilisticEvictionPress
+    from transformers import DynamicCache
+
+    model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation=attn, seed=5)
+    ids = torch.randint(3, 128, (1, 40), generator=_gen(5))
+    nxt = torch.randint(3, 128, (1, 1), generator=_gen(6))
+    calls = []
+    real = biased_decode.biased_decode_triton
+    monkeypatch.setattr(biased_decode, "biased_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits = {}
+    for mode in ("reference", "triton"):
+        monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", mode)
+        press = ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o", budget="head", seed=0)
+        cache = DynamicCache()
+        with torch.no_grad():
+            with press(model):
+                model.model(input_ids=ids, past_key_values=cache)
+            pos = torch.tensor([[ids.shape[1]]])  # decoding continues at position T
+            out = model(input_ids=nxt, past_key_values=cache, position_ids=pos)
+        logits[mode] = out.logits
+        assert len(calls) == (0 if mode == "reference" else 2)  # one call per layer when Triton is picked
+    assert torch.isfinite(logits["triton"]).all()
+    torch.testing.assert_close(logits["triton"], logits["reference"], atol=1e-4, rtol=1e-4)
