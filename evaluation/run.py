@@ -250,13 +250,15 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
-def command_line() -> str:
-    """The command that launched this run, as a user would retype it."""
+def command_line(entry: str = "python -m evaluation.run") -> str:
+    """The command that launched this Hydra job, as a user would retype it: ``entry`` followed by the
+    job's overrides (``" ".join(sys.argv)`` when not under Hydra). Shared by every Hydra entry point
+    (harness, ``evaluation.uor``, ``scripts/bench_speed_memory.py``)."""
     try:
         overrides = " ".join(HydraConfig.get().overrides.task)
     except ValueError:  # not under Hydra
         return " ".join(sys.argv)
-    return f"python -m evaluation.run {overrides}".strip()
+    return f"{entry} {overrides}".strip()
 
 
 @hydra.main(config_path="../configs", config_name="config", version_base="1.3")

@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import platform
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ from kvpress.presses.base_press import BasePress
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from evaluation.run import command_line
 from presses.observer import observer_attention
 from presses.page_entrokv import pooled_group_scores
 from presses.paging import allocation_bytes, page_union, union_bytes
@@ -721,7 +721,7 @@ def run(cfg: DictConfig) -> dict:
         plot_retention_layers(layer_rows, out / "fig6_retention_layers.png")
 
     info = {
-        "command": command_line(), "model": cfg.model.name, "H_Q": HQ, "G": G, "r": r, "L": mc.num_hidden_layers,
+        "command": command_line("python -m evaluation.uor"), "model": cfg.model.name, "H_Q": HQ, "G": G, "r": r, "L": mc.num_hidden_layers,
         "head_dim": head_dim, "prompts": [{"id": p.id, "kind": p.kind, "task": p.task, "T": int(p.context_ids.shape[1]),
                                            "depth": p.depth} for p in prompts],
         "timings": timings, "load_s": t_load, "tau_check": tau_check,
@@ -880,17 +880,6 @@ def table6(retention: list[dict], presses: list[str]) -> str:
     out += [""] + block("(d) End-to-end answer accuracy by context", "score", "length",
                         [f"T={T_of[L]}" for L in lengths], False)
     return "\n".join(out)
-
-
-def command_line() -> str:
-    """The command that launched this run, as a user would retype it."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        overrides = " ".join(HydraConfig.get().overrides.task)
-    except ValueError:  # not under Hydra
-        return " ".join(sys.argv)
-    return f"python -m evaluation.uor {overrides}".strip()
 
 
 @hydra.main(config_path="../configs", config_name="uor", version_base="1.3")

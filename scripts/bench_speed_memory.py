@@ -64,7 +64,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from evaluation.run import CONFIG_DIR, cache_stats, check_ratio, config_choices, needs_eager, write_atomic  # noqa: E402
+from evaluation.run import (  # noqa: E402
+    CONFIG_DIR, cache_stats, check_ratio, command_line, config_choices, needs_eager, write_atomic,
+)
 
 logger = logging.getLogger("bench_speed_memory")
 
@@ -755,17 +757,6 @@ def load_bench_model(cfg: DictConfig, device: str, attn_implementation: str | No
     raise AssertionError("unreachable")
 
 
-def command_line() -> str:
-    """The command as a user would retype it (Hydra overrides included)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        overrides = " ".join(HydraConfig.get().overrides.task)
-    except ValueError:  # not under Hydra
-        return " ".join(["python", *sys.argv])
-    return f"python scripts/bench_speed_memory.py {overrides}".strip()
-
-
 @hydra.main(config_path="../configs", config_name="bench_speed_memory", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point (``configs/bench_speed_memory.yaml``)."""
@@ -783,7 +774,8 @@ def main(cfg: DictConfig) -> None:
     if attn:
         notes.append("A listed press reads attention weights: every press ran with eager attention.")
     logger.info("loaded %s on %s in %.1f s", name, device, time.perf_counter() - t0)
-    run_bench(cfg, model, tok, name, device, command_line(), limit - (time.perf_counter() - t0), notes)
+    command = command_line("python scripts/bench_speed_memory.py")
+    run_bench(cfg, model, tok, name, device, command, limit - (time.perf_counter() - t0), notes)
 
 
 if __name__ == "__main__":
