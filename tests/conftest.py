@@ -17,6 +17,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-shape tests (much faster on a shared 2-core machine), restored
+    afterwards. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_tiny_llama(num_heads: int = 4, num_kv_heads: int = 2, num_layers: int = 2, hidden: int = 64,
                     vocab: int = 128, attn_implementation: str = "eager", seed: int = 0,
                     dtype: torch.dtype = torch.float32):

@@ -39,13 +39,7 @@ class CharTokenizer:
 TOK = CharTokenizer()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes run ~10x faster on one thread on the shared 2-core machine; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def prompt(n_passages=4, question=True, words=8, seed=0):

@@ -33,13 +33,7 @@ VOCAB = 260  # 256 byte tokens + <s>, </s>
 T_LONG = 224  # with the yaml defaults (W=64, B=16, n_sink=4) Page-EntroKV keeps 80 protected + 2 pages at 0.5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes run faster on one thread on the shared machine; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------------------------------------- helpers
