@@ -151,6 +151,63 @@ def cache_stats(cache, model, context_length: int) -> dict:
     return {"effective_compression": logical, "physical_compression": physical}
 
 
+def start_run(cfg: DictConfig, names: dict[str, str]) -> tuple[Path, dict | None]:
+    """Validate the names and ratio of one run, create its directory and write its ``config.yaml``.
+
+    Returns:
+        ``(run directory, metrics)``; ``metrics`` is the finished run's ``metrics.json`` (then nothing
+        was written) or None when the run still has work.
+
+    Raises:
+        ValueError: for a ratio outside ``[0, 1)``, a bad shard, or an unknown config name.
+    """
+    for group, name in names.items():
+        if name not in config_choices(group):
+            raise ValueError(f"unknown {group} '{name}'; valid: {', '.join(config_choices(group))}")
+    check_ratio(cfg.compression_ratio)
+    out = run_dir(cfg, names)
+    if (out / "metrics.json").exists() and not cfg.get("overwrite", False):
+        logger.info("finished run found, skipping: %s", out)
+        return out, json.loads((out / "metrics.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("overwrite", False) and (out / "predictions.jsonl").exists():
+        (out / "predictions.jsonl").unlink()
+    write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    return out, None
+
+
+def run_examples(cfg: DictConfig, dataset, tokenizer) -> list:
+    """The run's examples: the dataset's ``n_samples`` examples for ``seed``, then this run's shard."""
+    examples = dataset.examples(tokenizer, cfg.n_samples, cfg.seed, cfg.query_aware)
+    shard = parse_shard(cfg.get("shard"))
+    return examples[shard[0]::shard[1]] if shard else examples
+
+
+def prediction_row(ex, names: dict[str, str], dataset, prediction: str, cache, model, context_length: int,
+                   seconds: float, press, **extra) -> dict:
+    """One ``predictions.jsonl`` row: the example, the prediction and its score, the cache's effective
+    compression (:func:`cache_stats`), seconds, and ``press.summary()`` when the press has one."""
+    return {"id": ex.id, "task": ex.task or names["dataset"], "context_length": context_length,
+            "depth": ex.metadata.get("depth"), "answers": ex.answers, "prediction": prediction,
+            "score": float(dataset.score(prediction, ex)), **cache_stats(cache, model, context_length),
+            "seconds": seconds,
+            "press_stats": press.summary() if press is not None and hasattr(press, "summary") else None,
+            **extra, "metadata": ex.metadata}
+
+
+def finish_run(out: Path, examples: list, names: dict[str, str], cfg: DictConfig, command: str) -> dict:
+    """Summarise the run's rows (those of ``examples``) into ``metrics.json``, written atomically."""
+    ids = {e.id for e in examples}
+    rows = [r for r in read_predictions(out / "predictions.jsonl") if r["id"] in ids]
+    metrics = summarize(rows)
+    metrics.update({"press": names["press"], "dataset": names["dataset"], "model": names["model"],
+                    "compression_ratio": 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio),
+                    "shard": cfg.get("shard"), "command": command})
+    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2))
+    logger.info("wrote %s: score %.3f over %d examples", out / "metrics.json", metrics["score"], metrics["n"])
+    return metrics
+
+
 def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
     """Run one (model, dataset, press, ratio[, shard]) and return its metrics.
 
@@ -163,19 +220,10 @@ def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
     from transformers import DynamicCache
 
     names = names or {g: HydraConfig.get().runtime.choices[g] for g in ("press", "dataset", "model")}
-    for group, name in names.items():
-        if name not in config_choices(group):
-            raise ValueError(f"unknown {group} '{name}'; valid: {', '.join(config_choices(group))}")
+    out, metrics = start_run(cfg, names)
+    if metrics is not None:
+        return metrics
     ratio = check_ratio(cfg.compression_ratio)
-    out = run_dir(cfg, names)
-    if (out / "metrics.json").exists() and not cfg.get("overwrite", False):
-        logger.info("finished run found, skipping: %s", out)
-        return json.loads((out / "metrics.json").read_text())
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.get("overwrite", False) and (out / "predictions.jsonl").exists():
-        (out / "predictions.jsonl").unlink()
-    write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-
     press = instantiate(cfg.press) if cfg.press.get("_target_") else None
     dataset = instantiate(cfg.dataset)
     attn = "eager" if press is not None and needs_eager(press) else cfg.model.get("attn_implementation", "sdpa")
@@ -184,10 +232,7 @@ def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
 
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(cfg.device))
 
-    examples = dataset.examples(tokenizer, cfg.n_samples, cfg.seed, cfg.query_aware)
-    shard = parse_shard(cfg.get("shard"))
-    if shard:
-        examples = examples[shard[0]::shard[1]]
+    examples = run_examples(cfg, dataset, tokenizer)
     pred_path = out / "predictions.jsonl"
     done = {r["id"] for r in read_predictions(pred_path)}
     todo = [e for e in examples if e.id not in done]
@@ -204,22 +249,9 @@ def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
                 prediction = pipe(ex.context, question=ex.question, answer_prefix=ex.answer_prefix, press=press,
                                   max_new_tokens=max_new, cache=cache)["answer"]
             elapsed = time.perf_counter() - start
-        row = {"id": ex.id, "task": ex.task or names["dataset"], "context_length": int(ids.shape[1]),
-               "depth": ex.metadata.get("depth"), "answers": ex.answers, "prediction": prediction,
-               "score": float(dataset.score(prediction, ex)), **cache_stats(cache, model, ids.shape[1]),
-               "seconds": elapsed,
-               "press_stats": press.summary() if press is not None and hasattr(press, "summary") else None,
-               "metadata": ex.metadata}
-        append_row(pred_path, row)
-
-    rows = [r for r in read_predictions(pred_path) if r["id"] in {e.id for e in examples}]
-    metrics = summarize(rows)
-    metrics.update({"press": names["press"], "dataset": names["dataset"], "model": names["model"],
-                    "compression_ratio": 0.0 if names["press"] == "no_press" else ratio,
-                    "shard": cfg.get("shard"), "command": command_line()})
-    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2))
-    logger.info("wrote %s: score %.3f over %d examples", out / "metrics.json", metrics["score"], metrics["n"])
-    return metrics
+        append_row(pred_path, prediction_row(ex, names, dataset, prediction, cache, model, int(ids.shape[1]),
+                                             elapsed, press))
+    return finish_run(out, examples, names, cfg, command_line())
 
 
 @contextlib.contextmanager
@@ -261,7 +293,7 @@ def command_line(entry: str = "python -m evaluation.run") -> str:
     return f"{entry} {overrides}".strip()
 
 
-@hydra.main(config_path="../configs", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     """Hydra entry point; returns the score so sweepers can optimise it."""
     return run(cfg)["score"]

@@ -1,0 +1,313 @@
+"""Shared-prefill sweep: one uncompressed prefill per example feeds every press of a sweep.
+
+Usage::
+
+    python -m evaluation.fused dataset=needle presses=[no_press,snapkv,page_entrokv] ratios=[0.5,0.75]
+
+Why this is exact. A kvpress press that compresses in its forward hooks (``BasePress.forward_hook``)
+replaces the layer's cache entries *after* the attention output is computed; the hidden states of the
+prefill are those of the uncompressed model, and layer ``i``'s hook reads only layer ``i``'s keys and
+values. So one uncompressed prefill, with the inputs every hook saw recorded (the layer's ``hidden_states``,
+``position_embeddings``, ``cache_position`` and attention output), lets each press's hooks be called again
+afterwards, in the forward's order, on a fresh cache that receives the same keys and values layer by layer.
+Each press then decodes from its own cache exactly as ``KVPressTextGenerationPipeline`` does (question
+forward, greedy decode). ``tests/test_fused.py`` checks that predictions and caches equal those of
+``python -m evaluation.run`` press by press.
+
+Only presses that act through forward hooks on the language model and its attention modules, and leave
+the attention output unchanged, can share a prefill: kvpress's scorer presses (not ObservedAttention,
+which needs eager attention weights), ``PageEntroKVPress`` and ``ProbabilisticEvictionPress``.
+EntroPrefill changes the prefill itself and PyramidKV is rejected by the harness's guard; they raise here.
+
+Each (press, ratio) writes the same run directory, ``config.yaml``, ``predictions.jsonl`` and
+``metrics.json`` as ``python -m evaluation.run`` (so ``make report`` reads both), and resumes the same
+way: an example is prefilled only if some run still lacks its row. A row's ``seconds`` is the shared
+prefill plus that press's hook replay and decode; ``prefill_seconds`` gives the shared part.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from evaluation import run as harness
+from evaluation.guards import check_press_input
+
+logger = logging.getLogger("evaluation.fused")
+
+__all__ = ["PrefillCapture", "replay_prefill", "shared_prefill_presses", "run_fused"]
+
+
+def shared_prefill_presses():
+    """The press classes whose prefill can be shared (see the module docstring)."""
+    from kvpress import ObservedAttentionPress, ScorerPress
+
+    from presses.page_entrokv import PageEntroKVPress
+    from presses.snis_press import ProbabilisticEvictionPress
+
+    return (ScorerPress, PageEntroKVPress, ProbabilisticEvictionPress), (ObservedAttentionPress,)
+
+
+def check_shareable(press, name: str = "") -> None:
+    """Raise unless ``press`` (None = no press) can be evaluated from a shared prefill.
+
+    Raises:
+        ValueError: naming the press and what to use instead.
+    """
+    if press is None:
+        return
+    allowed, excluded = shared_prefill_presses()
+    if not isinstance(press, allowed) or isinstance(press, excluded):
+        raise ValueError(f"press {name or type(press).__name__} ({type(press).__name__}) cannot share a prefill: "
+                         f"only {', '.join(c.__name__ for c in allowed)} (not ObservedAttentionPress) compress "
+                         "in forward hooks without changing the prefill; run it with python -m evaluation.run")
+
+
+def _language_model(model):
+    return model.model.language_model if hasattr(model.model, "language_model") else model.model
+
+
+class PrefillCapture:
+    """Record what the forward hooks of a prefill see: per attention layer ``(args, kwargs, output)``
+    (``kwargs`` without the cache), the layer's keys and values after the forward, and the language
+    model's ``(args, kwargs, output)``.
+
+    Use ``with PrefillCapture(model) as cap: model.model(input_ids=ids, past_key_values=cache)``; then
+    ``cap.layers[i] = (args, kwargs, output, keys, values)`` with keys/values ``(B, H_kv, T, d)``.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.layers: list = []
+        self.lm_call: tuple | None = None
+        self._handles: list = []
+        self._cache = None
+
+    def __enter__(self):
+        lm = _language_model(self.model)
+        self.layers = [None] * len(lm.layers)
+
+        def layer_hook(i, module, args, kwargs, output):
+            cache = kwargs["past_key_values"]
+            self._cache = cache
+            kw = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+            self.layers[i] = (args, kw, output, cache.layers[i].keys, cache.layers[i].values)
+
+        def lm_hook(module, args, kwargs, output):
+            self.lm_call = (args, {k: v for k, v in kwargs.items() if k != "past_key_values"}, output)
+
+        import functools
+
+        for i, layer in enumerate(lm.layers):
+            self._handles.append(layer.self_attn.register_forward_hook(functools.partial(layer_hook, i),
+                                                                       with_kwargs=True))
+        self._handles.append(lm.register_forward_hook(lm_hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return False
+
+
+def _pre_hooks(module, args, kwargs):
+    """Call ``module``'s forward pre-hooks as ``nn.Module.__call__`` does; return ``(args, kwargs)``."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args, kwargs
+
+
+def _post_hooks(module, args, kwargs, output, name: str):
+    """Call ``module``'s forward hooks as ``nn.Module.__call__`` does.
+
+    Raises:
+        ValueError: if a hook replaces the output (the prefill would no longer be the shared one).
+    """
+    for hook_id, hook in list(module._forward_hooks.items()):
+        if hook_id in module._forward_hooks_with_kwargs:
+            result = hook(module, args, kwargs, output)
+        else:
+            result = hook(module, args, output)
+        if result is not None and result is not output:
+            raise ValueError(f"a forward hook on {name} changed its output: the press changes the prefill, "
+                             "so it cannot share one (run it with python -m evaluation.run)")
+    return output
+
+
+def replay_prefill(model, press, capture: PrefillCapture):
+    """Build ``press``'s compressed cache from a captured uncompressed prefill.
+
+    Inside ``with press(model)``: the language model's pre-hooks, then per layer ``i`` the layer's keys
+    and values are written to a fresh ``DynamicCache`` (``cache.update``, as the attention forward does)
+    and the attention module's forward hooks are called with the recorded inputs and output; then the
+    language model's forward hooks. Attention wrappers keep per-module state (the SNIS correction), which
+    a real prefill resets; it is reset here too.
+
+    Args:
+        model: the causal LM the capture was taken on.
+        press: a press accepted by :func:`check_shareable`, or None (the uncompressed cache).
+        capture: a filled :class:`PrefillCapture`.
+
+    Returns:
+        The press's cache, as the pipeline's prefill would have left it.
+
+    Raises:
+        ValueError: for a press that cannot share a prefill, or hooks outside the attention modules and
+            the language model.
+    """
+    import contextlib
+
+    from transformers import DynamicCache
+
+    from presses.snis_attention import clear_snis_state
+
+    check_shareable(press)
+    lm = _language_model(model)
+    cache = DynamicCache()
+    clear_snis_state(model)  # what the SNIS attention wrapper does at every new prefill
+    with press(model) if press is not None else contextlib.nullcontext():
+        for i, layer in enumerate(lm.layers):
+            if layer._forward_pre_hooks or layer._forward_hooks or layer.self_attn._forward_pre_hooks:
+                raise ValueError(f"press {type(press).__name__} hooks decoder layer {i} or its attention's input: "
+                                 "it changes the prefill and cannot share one (run it with python -m evaluation.run)")
+        lm_args, lm_kwargs, lm_output = capture.lm_call
+        _, lm_kwargs = _pre_hooks(lm, lm_args, {**lm_kwargs, "past_key_values": cache})
+        for i, layer in enumerate(lm.layers):
+            args, kwargs, output, keys, values = capture.layers[i]
+            cache.update(keys, values, i)
+            _post_hooks(layer.self_attn, args, {**kwargs, "past_key_values": cache}, output, f"layer {i} attention")
+        _post_hooks(lm, lm_args, {**lm_kwargs, "past_key_values": cache}, lm_output, "the language model")
+    return cache
+
+
+def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str) -> list[dict]:
+    """Run several (press, ratio) configs of ONE model and dataset from shared prefills.
+
+    Args:
+        cfgs: ``(cfg, names)`` per run, each as ``python -m evaluation.run`` would compose it; all must
+            agree on model, dataset, seed, n_samples, shard, query_aware, device and max_new_tokens.
+        command: the command recorded in each ``metrics.json``.
+
+    Returns:
+        The metrics of every run, in ``cfgs`` order.
+
+    Raises:
+        ValueError: for runs that disagree on the shared settings, query-aware runs (the question is part
+            of the compressed context there, which the pipeline's prefill flow does not cover), or a press
+            that cannot share a prefill.
+    """
+    import torch
+    from hydra.utils import instantiate
+    from kvpress import KVPressTextGenerationPipeline
+    from tqdm import tqdm
+
+    shared_keys = ("model", "dataset", "seed", "n_samples", "shard", "query_aware", "device", "max_new_tokens")
+    first = cfgs[0][0]
+    for cfg, names in cfgs[1:]:
+        for key in shared_keys:
+            if cfg.get(key) != first.get(key):
+                raise ValueError(f"fused runs must share {key}: {names['press']} has {cfg.get(key)!r}, "
+                                 f"{cfgs[0][1]['press']} has {first.get(key)!r}")
+    if first.query_aware:
+        raise ValueError("query_aware=true is not supported by the shared-prefill sweep; use python -m evaluation.run")
+
+    runs = []  # (cfg, names, out, press)
+    metrics: dict[int, dict] = {}
+    for k, (cfg, names) in enumerate(cfgs):
+        out, done = harness.start_run(cfg, names)
+        if done is not None:
+            metrics[k] = done
+            continue
+        press = instantiate(cfg.press) if cfg.press.get("_target_") else None
+        check_shareable(press, names["press"])
+        runs.append((k, cfg, names, out, press))
+    if not runs:
+        return [metrics[k] for k in range(len(cfgs))]
+
+    dataset = instantiate(first.dataset)
+    model, tokenizer = harness.get_model(first.model, first.device, first.model.get("attn_implementation", "sdpa"))
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
+    examples = harness.run_examples(first, dataset, tokenizer)
+    done_ids = {k: {r["id"] for r in harness.read_predictions(out / "predictions.jsonl")}
+                for k, _, _, out, _ in runs}
+    todo = [e for e in examples if any(e.id not in done_ids[k] for k, *_ in runs)]
+    logger.info("%d runs x %d examples; %d examples still needed by some run", len(runs), len(examples), len(todo))
+    torch.manual_seed(first.seed)
+    for ex in tqdm(todo, desc="shared prefill", dynamic_ncols=True):
+        max_new = first.max_new_tokens or ex.max_new_tokens or 32
+        with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)):
+            inputs = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
+        context_ids, question_ids = inputs["context_ids"].to(model.device), inputs["questions_ids"][0]
+        T = int(context_ids.shape[1])
+        pending = [run for run in runs if ex.id not in done_ids[run[0]]]
+        for _, _, _, _, press in pending:
+            check_press_input(press, model, T, multi_token_forward=True)
+        start = time.perf_counter()
+        with torch.inference_mode(), PrefillCapture(model) as capture:
+            from transformers import DynamicCache
+
+            model.model(input_ids=context_ids, past_key_values=DynamicCache())
+        prefill_seconds = time.perf_counter() - start
+        for k, cfg, names, out, press in pending:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                cache = replay_prefill(model, press, capture)
+                lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+                prediction = pipe.generate_answer(question_ids=question_ids.to(model.device), cache=cache,
+                                                  context_length=T, max_new_tokens=max_new)
+                pipe._remove_answer_from_cache(cache, lengths)
+            elapsed = time.perf_counter() - start
+            row = harness.prediction_row(ex, names, dataset, prediction, cache, model, T, prefill_seconds + elapsed,
+                                         press, prefill_seconds=prefill_seconds, shared_prefill=True)
+            harness.append_row(out / "predictions.jsonl", row)
+        del capture
+    for k, cfg, names, out, _ in runs:
+        metrics[k] = harness.finish_run(out, examples, names, cfg, command)
+    return [metrics[k] for k in range(len(cfgs))]
+
+
+def compose_runs(cfg: DictConfig, overrides: list[str]) -> list[tuple[DictConfig, dict[str, str]]]:
+    """Compose one harness config per (press, ratio) of ``cfg.presses`` x ``cfg.ratios`` (``no_press``
+    once), with the user's other ``overrides``, as ``python -m evaluation.run`` would.
+
+    Raises:
+        ValueError: for an unknown press name or a ratio outside ``[0, 1)``.
+    """
+    from hydra import compose
+
+    choices = harness.config_choices("press")
+    base = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~") in ("presses", "ratios")]
+    runs = []
+    for press in cfg.presses:
+        if press not in choices:
+            raise ValueError(f"unknown press '{press}'; valid: {', '.join(choices)}")
+        for ratio in ([0.0] if press == "no_press" else cfg.ratios):
+            harness.check_ratio(ratio)
+            run_cfg = compose(config_name="config", overrides=[*base, f"press={press}", f"compression_ratio={ratio}"])
+            names = {"press": press, "dataset": HydraConfig.get().runtime.choices["dataset"],
+                     "model": HydraConfig.get().runtime.choices["model"]}
+            runs.append((run_cfg, names))
+    return runs
+
+
+@hydra.main(config_path=str(harness.CONFIG_DIR), config_name="fused", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point of the shared-prefill sweep (``configs/fused.yaml``)."""
+    overrides = list(HydraConfig.get().overrides.task)
+    run_fused(compose_runs(cfg, overrides), harness.command_line("python -m evaluation.fused"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The shared-prefill sweep (evaluation/fused.py) gives exactly what separate harness runs give.
+
+Tiny random-weight Llama (GQA, sdpa) with a character tokenizer: the hook replay must rebuild each press's
+compressed cache bit for bit, and ``run_fused`` must write the same predictions and compression as
+``evaluation.run.run`` press by press, resume per run, and reject presses that change the prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from transformers import DynamicCache
+
+from evaluation import fused
+from evaluation import run as harness
+from _tiny_tokenizer import char_tokenizer
+from conftest import make_tiny_llama
+from test_harness import composed
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PRESSES = ["no_press", "snapkv", "tova", "streaming_llm", "knorm", "expected_attention", "page_entrokv",
+           "page_entrokv_mean", "snis_min", "snis_h2o_h_uncorrected", "snis_min_h"]
+# end-to-end equality on a representative subset (a scorer press, Page-EntroKV, SNIS with its decode-time
+# correction); the cache-level test above covers every press
+RUN_PRESSES = ["no_press", "snapkv", "page_entrokv", "snis_min"]
+SETTINGS = ["n_samples=2", "dataset.context_length=512", "dataset.max_new_tokens=6", "dataset.depths=[0,50]"]
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    model = make_tiny_llama(num_heads=4, num_kv_heads=2, num_layers=3, hidden=64, attn_implementation="sdpa",
+                            seed=4)
+    with torch.no_grad():  # sharper logits: greedy answers then depend on what the cache kept
+        model.lm_head.weight.mul_(5.0)
+    tok = char_tokenizer()
+    monkeypatch.setattr(harness, "get_model", lambda *args, **kwargs: (model, tok))
+    return model, tok
+
+
+def _runs(presses, ratios, out):
+    runs = []
+    for press in presses:
+        for ratio in ([0.0] if press == "no_press" else ratios):
+            cfg = composed(f"press={press}", f"compression_ratio={ratio}", f"output_dir={out}", *SETTINGS)
+            runs.append((cfg, {"press": press, "dataset": "needle", "model": "smollm2-135m"}))
+    return runs
+
+
+def _rows(out, press, ratio):
+    path = out / "needle" / "smollm2-135m" / press / f"cr{0.0 if press == 'no_press' else ratio:g}" / "predictions.jsonl"
+    return {r["id"]: r for r in harness.read_predictions(path)}
+
+
+@pytest.mark.parametrize("press_name", PRESSES[1:])
+def test_replay_rebuilds_the_compressed_cache_exactly(tiny, press_name):
+    model, _ = tiny
+    cfg = composed(f"press={press_name}", "compression_ratio=0.6")
+    press = instantiate(cfg.press)
+    ids = torch.randint(4, 128, (1, 400), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        direct = DynamicCache()
+        with press(model):
+            model.model(input_ids=ids, past_key_values=direct)
+        direct_bias = [getattr(layer.self_attn, "_snis_state", None) for layer in model.model.layers]
+        direct_bias = [s.bias.clone() if s is not None else None for s in direct_bias]
+        with fused.PrefillCapture(model) as capture:
+            model.model(input_ids=ids, past_key_values=DynamicCache())
+        replayed = fused.replay_prefill(model, press, capture)
+    assert len(replayed) == len(direct) == 3
+    for i in range(3):
+        assert replayed.layers[i].keys.shape[2] < 400  # it did compress
+        assert torch.equal(replayed.layers[i].keys, direct.layers[i].keys)
+        assert torch.equal(replayed.layers[i].values, direct.layers[i].values)
+        state = getattr(model.model.layers[i].self_attn, "_snis_state", None)
+        if direct_bias[i] is None:
+            assert state is None
+        else:  # the SNIS correction left on the module for decoding is the same too
+            assert torch.equal(state.bias, direct_bias[i])
+
+
+def test_fused_predictions_equal_separate_runs_and_resume(tiny, tmp_path):
+    ratios = [0.5, 0.75]
+    for cfg, names in _runs(RUN_PRESSES, ratios, tmp_path / "separate"):
+        harness.run(cfg, names)
+    runs = _runs(RUN_PRESSES, ratios, tmp_path / "fused")
+    metrics = fused.run_fused(runs, "test")
+    assert len(metrics) == len(runs) == 1 + 2 * (len(RUN_PRESSES) - 1)
+    predictions = set()
+    for press in RUN_PRESSES:
+        for ratio in ([0.0] if press == "no_press" else ratios):
+            sep, fus = _rows(tmp_path / "separate", press, ratio), _rows(tmp_path / "fused", press, ratio)
+            assert sorted(sep) == sorted(fus) and len(sep) == 2
+            for i in sep:
+                assert fus[i]["prediction"] == sep[i]["prediction"], (press, ratio, i)
+                assert fus[i]["score"] == sep[i]["score"]
+                assert fus[i]["effective_compression"] == pytest.approx(sep[i]["effective_compression"])
+                assert fus[i]["press_stats"] == sep[i]["press_stats"]
+                assert fus[i]["shared_prefill"] and 0 < fus[i]["prefill_seconds"] <= fus[i]["seconds"]
+                predictions.add(fus[i]["prediction"])
+                if press != "no_press":
+                    assert fus[i]["effective_compression"] > 0.4
+    assert len(predictions) > 3  # compression changes what the model says: the comparison is not trivial
+    metrics_sep = json.loads((tmp_path / "separate/needle/smollm2-135m/snapkv/cr0.5/metrics.json").read_text())
+    metrics_fus = json.loads((tmp_path / "fused/needle/smollm2-135m/snapkv/cr0.5/metrics.json").read_text())
+    assert metrics_fus["score"] == metrics_sep["score"] and metrics_fus["n"] == 2
+    assert metrics_fus["command"] == "test"
+
+    # resume: one run loses its metrics and its last row; only that row is redone
+    out = tmp_path / "fused/needle/smollm2-135m/page_entrokv/cr0.75"
+    rows = harness.read_predictions(out / "predictions.jsonl")
+    (out / "metrics.json").unlink()
+    harness.write_atomic(out / "predictions.jsonl", json.dumps(rows[0]) + "\n")
+    before = (tmp_path / "fused/needle/smollm2-135m/snapkv/cr0.5/predictions.jsonl").read_text()
+    fused.run_fused(runs, "test")
+    again = harness.read_predictions(out / "predictions.jsonl")
+    assert [r["id"] for r in again] == [r["id"] for r in rows]
+    assert again[1]["prediction"] == rows[1]["prediction"]
+    assert (tmp_path / "fused/needle/smollm2-135m/snapkv/cr0.5/predictions.jsonl").read_text() == before
+    assert (out / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("press_name", ["entroprefill", "observed_attention"])
+def test_presses_that_change_the_prefill_are_rejected(tiny, tmp_path, press_name):
+    runs = _runs(["snapkv", press_name], [0.5], tmp_path)
+    with pytest.raises(ValueError, match=f"{press_name}.*cannot share a prefill"):
+        fused.run_fused(runs, "test")
+
+
+def test_runs_must_share_model_and_dataset_settings(tiny, tmp_path):
+    a = composed("press=snapkv", f"output_dir={tmp_path}", "n_samples=2")
+    b = composed("press=knorm", f"output_dir={tmp_path}", "n_samples=3")
+    names = {"dataset": "needle", "model": "smollm2-135m"}
+    with pytest.raises(ValueError, match="must share n_samples"):
+        fused.run_fused([(a, {**names, "press": "snapkv"}), (b, {**names, "press": "knorm"})], "test")
+
+
+def test_command_line_entry_point(tiny, tmp_path, monkeypatch):
+    """``python -m evaluation.fused presses=[...] ratios=[...]`` composes one harness config per run."""
+    monkeypatch.setattr(sys, "argv", ["evaluation.fused", "presses=[no_press,snapkv,page_entrokv]", "ratios=[0.5]",
+                                      f"output_dir={tmp_path}", f"hydra.run.dir={tmp_path}/.hydra", *SETTINGS])
+    GlobalHydra.instance().clear()
+    try:
+        fused.main()
+    finally:
+        GlobalHydra.instance().clear()
+    done = sorted(p.parent.parent.name + "/" + p.parent.name
+                  for p in (tmp_path / "needle" / "smollm2-135m").glob("*/*/metrics.json"))
+    assert done == ["no_press/cr0", "page_entrokv/cr0.5", "snapkv/cr0.5"]
+    metrics = json.loads((tmp_path / "needle/smollm2-135m/snapkv/cr0.5/metrics.json").read_text())
+    assert metrics["command"].startswith("python -m evaluation.fused presses=[no_press,snapkv,page_entrokv]")
+    config = (tmp_path / "needle/smollm2-135m/snapkv/cr0.5/config.yaml").read_text()
+    assert "kvpress.SnapKVPress" in config and "context_length: 512" in config
