@@ -9,8 +9,10 @@ RATIO ?= 0.75
 N ?= 10
 OUTPUT ?= runs
 RESULTS ?= results
-# The committed needle table (results/needle/smollm2-135m): 8 presses x {0.5, 0.75}, 5 depths x 8 samples, 2k tokens.
-SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean
+# The committed needle table (results/needle/smollm2-135m): 8 presses x {0.5, 0.75}, 5 depths x 8 samples, 2k tokens,
+# plus the probabilistic-eviction presses (issue 3). `make sweep` shares one prefill per example across them
+# (python -m evaluation.fused); `make sweep SWEEP_PRESSES=snapkv,page_entrokv` runs a subset.
+SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean,snis_min,snis_min_uncorrected,snis_min_h,snis_min_h_uncorrected,snis_h2o,snis_h2o_uncorrected,snis_h2o_h,snis_h2o_h_uncorrected
 SWEEP_RATIOS ?= 0.5,0.75
 
 .PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels bench-speed
@@ -29,7 +31,7 @@ eval: install
 	$(PY) -m evaluation.run model=$(MODEL) press=$(PRESS) dataset=$(DATASET) compression_ratio=$(RATIO) n_samples=$(N) output_dir=$(OUTPUT)
 
 sweep: install
-	$(PY) -m evaluation.run -m model=$(MODEL) dataset=$(DATASET) press=$(SWEEP_PRESSES) compression_ratio=$(SWEEP_RATIOS) output_dir=$(RESULTS)
+	$(PY) -m evaluation.fused model=$(MODEL) dataset=$(DATASET) presses=[$(SWEEP_PRESSES)] ratios=[$(SWEEP_RATIOS)] output_dir=$(RESULTS)
 
 report: install
 	$(PY) -m evaluation.report $(RESULTS) --out $(RESULTS)
@@ -49,8 +51,8 @@ bench-kernels: install       # Triton kernels vs references on a CUDA GPU -> res
 bench-speed: install         # speed and memory of every press at T in {1k,2k,4k,8k} -> results/speed_memory/
 	$(PY) scripts/bench_speed_memory.py
 
-test: install
-	$(PY) -m pytest -q -x tests
+test: install                # two pytest workers (pytest-xdist), one per core; files stay whole on a worker
+	$(PY) -m pytest -q -x -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(OUTPUT) outputs multirun .pytest_cache

@@ -73,6 +73,9 @@ def embedded_model_dir(name: str = "smollm2-135m") -> Path:
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
+        shutil.rmtree(tmp)  # another process (a parallel test worker) finished its copy first
+        return target
     if target.exists():  # a partial copy from an interrupted conversion
         shutil.rmtree(target)
     tmp.replace(target)  # atomic: readers see either nothing or a complete copy

@@ -14,7 +14,8 @@ import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one thread per pytest-xdist worker (make test runs one worker per core); two threads otherwise
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="module")
