@@ -42,7 +42,8 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
     criterion is the MEAN of ``E[J]`` over those dimensions, so one ``m`` serves all of them
     (``budget="global"``, appendix F.1 eq. 33). The search starts from ``[0, max_samples]``, takes
     the midpoint ``floor((low + high) / 2)`` and stops at the first midpoint within ``tol`` of
-    ``j*``; when ``j*`` is unreachable (entries with ``pi_i = 0`` cap ``E[J]``) it returns the
+    ``j*``; ``E[J(mid)]`` of every row goes through the kernel dispatch
+    :func:`presses.kernels.expected_unique_many` (one candidate per row). When ``j*`` is unreachable (entries with ``pi_i = 0`` cap ``E[J]``) it returns the
     smallest ``m`` it could not rule out, at most ``max_samples``. ``E[J]`` is monotone in ``m``.
 
     Args:
@@ -69,9 +70,10 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
     dims = tuple(d % nd for d in pool_dims)
     if nd - 1 in dims:
         raise ValueError(f"pool_dims={pool_dims} may not contain the entry axis (the last one)")
+    from presses.kernels import expected_unique_many  # dispatch: Triton on CUDA, this module's formula elsewhere
+
     pi = pi.double()
     j_star = (1.0 - compression_ratio) * pi.shape[-1]
-    log_q = torch.log1p(-pi)
     out_shape = [1 if d in dims else s for d, s in enumerate(pi.shape[:-1])]
     low = torch.zeros(out_shape, dtype=torch.int64, device=pi.device)
     high = torch.full_like(low, max_samples)
@@ -79,7 +81,7 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
     active = torch.ones_like(low, dtype=torch.bool)
     while bool(active.any()):
         mid = torch.div(low + high, 2, rounding_mode="floor")
-        e = (-torch.expm1(mid.double().unsqueeze(-1) * log_q)).sum(-1)
+        e = expected_unique_many(pi, mid.unsqueeze(-1)).squeeze(-1)  # E[J(mid)] per row, eq. 24
         if dims:
             e = e.mean(dim=dims, keepdim=True)
         hit = active & ((e - j_star).abs() <= tol)

@@ -420,3 +420,33 @@ def test_snis_decode_through_biased_decode_kernel(tiny_llama, monkeypatch, attn)
         assert len(calls) == (0 if mode == "reference" else 2)  # one call per layer when Triton is picked
     assert torch.isfinite(logits["triton"]).all()
     torch.testing.assert_close(logits["triton"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pool_dims", [(), (1, 2)])
+def test_budget_search_through_expected_unique_kernel(monkeypatch, pool_dims):
+    """Algorithm 2 scores every row's midpoint through the ``E[J(m)]`` dispatch: forced Triton (interpreted
+    here) gives the same ``m`` as the reference, head-wise and with the global (pooled) budget, and the
+    search meets its tolerance (paper 003 Alg. 2, eq. 24)."""
+    import presses.kernels.expected_unique as expected_unique_module
+    from presses.budget import expected_unique, search_num_samples
+
+    pi = torch.softmax(3 * torch.randn(1, 2, 3, 50, generator=_gen(5), dtype=torch.float64), -1)
+    calls = []
+    real = expected_unique_module.expected_unique_many_triton
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(expected_unique_module, "expected_unique_many_triton", counting)
+    monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", "reference")
+    m_ref = search_num_samples(pi, 0.6, pool_dims=pool_dims)
+    assert not calls
+    monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", "triton")
+    m_tri = search_num_samples(pi, 0.6, pool_dims=pool_dims)
+    assert len(calls) > 10  # one launch per level of the binary search (~log2(1e12))
+    assert torch.equal(m_tri, m_ref)
+    e = expected_unique(pi, m_ref)
+    if pool_dims:
+        e = e.mean(dim=pool_dims)
+    assert torch.all((e - 0.4 * 50).abs() <= 0.5)
