@@ -192,13 +192,83 @@ def replay_prefill(model, press, capture: PrefillCapture):
     return cache
 
 
-def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str) -> list[dict]:
+def generate_answers(pipe, question_ids, caches: list, context_length: int, max_new_tokens: int) -> list[str]:
+    """Greedy answers for several caches of equal per-layer lengths in one batch.
+
+    The batched form of ``KVPressTextGenerationPipeline.generate_answer`` (question forward at positions
+    ``context_length ...``, then greedy decoding until EOS or ``max_new_tokens``), one row per cache; a
+    row's answer stops at its first EOS. One cache is decoded by the pipeline's own method. Rows of a
+    batch see no padding, so each row computes what it would alone, up to floating-point rounding of
+    batched matrix products.
+
+    Raises:
+        ValueError: if the caches' per-layer lengths differ.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    if len(caches) == 1:
+        lengths = [caches[0].get_seq_length(i) for i in range(len(caches[0]))]
+        answer = pipe.generate_answer(question_ids=question_ids, cache=caches[0], context_length=context_length,
+                                      max_new_tokens=max_new_tokens)
+        pipe._remove_answer_from_cache(caches[0], lengths)  # as the pipeline does: the cache holds the context
+        return [answer]
+    lengths = {tuple(c.get_seq_length(i) for i in range(len(c))) for c in caches}
+    if len(lengths) != 1:
+        raise ValueError(f"batched decoding needs equal per-layer cache lengths, got {sorted(lengths)}")
+    model, n = pipe.model, len(caches)
+    cache = DynamicCache()
+    for i in range(len(caches[0])):
+        cache.update(torch.cat([c.layers[i].keys for c in caches]), torch.cat([c.layers[i].values for c in caches]), i)
+    position_ids = torch.arange(context_length, context_length + question_ids.shape[1],
+                                device=model.device).unsqueeze(0).expand(n, -1)
+    outputs = model(input_ids=question_ids.expand(n, -1), past_key_values=cache, position_ids=position_ids,
+                    logits_to_keep=1)
+    position_ids = position_ids[:, -1:] + 1
+    generated = [outputs.logits[:, -1].argmax(-1)]
+    stop = model.generation_config.eos_token_id
+    stop = torch.tensor(stop if isinstance(stop, list) else [stop], device=model.device)
+    done = torch.isin(generated[0], stop)
+    for i in range(max_new_tokens - 1):
+        if bool(done.all()):
+            break
+        outputs = model(input_ids=generated[-1].unsqueeze(1), past_key_values=cache, position_ids=position_ids + i)
+        generated.append(outputs.logits[:, -1].argmax(-1))
+        done = done | torch.isin(generated[-1], stop)
+    tokens = torch.stack(generated, dim=1)  # (n, steps)
+    answers = []
+    for row in tokens:
+        hits = torch.isin(row, stop).nonzero()
+        end = int(hits[0]) + 1 if len(hits) else len(row)
+        answers.append(str(pipe.tokenizer.decode(row[:end], skip_special_tokens=True)))
+    return answers
+
+
+def _decode_and_write(group: list, pipe, question_ids, T: int, max_new: int, ex, dataset, model,
+                      prefill_seconds: float) -> None:
+    """Decode a group of replayed runs (one batch) and append each run's prediction row."""
+    import torch
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        predictions = generate_answers(pipe, question_ids.to(model.device), [c for _, c, _ in group], T, max_new)
+    decode_s = (time.perf_counter() - start) / len(group)
+    for ((_, _, names, out, press), cache, replay_s), prediction in zip(group, predictions):
+        row = harness.prediction_row(ex, names, dataset, prediction, cache, model, T, prefill_seconds + replay_s + decode_s,
+                                     press, prefill_seconds=prefill_seconds, shared_prefill=True,
+                                     decode_batch=len(group))
+        harness.append_row(out / "predictions.jsonl", row)
+
+
+def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch_decode: bool = True) -> list[dict]:
     """Run several (press, ratio) configs of ONE model and dataset from shared prefills.
 
     Args:
         cfgs: ``(cfg, names)`` per run, each as ``python -m evaluation.run`` would compose it; all must
             agree on model, dataset, seed, n_samples, shard, query_aware, device and max_new_tokens.
         command: the command recorded in each ``metrics.json``.
+        batch_decode: decode the runs of an example whose caches have equal per-layer lengths in one batch
+            (:func:`generate_answers`); SNIS runs always decode alone (their correction is module state).
 
     Returns:
         The metrics of every run, in ``cfgs`` order.
@@ -212,6 +282,8 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str) -> li
     from hydra.utils import instantiate
     from kvpress import KVPressTextGenerationPipeline
     from tqdm import tqdm
+
+    from presses.snis_press import ProbabilisticEvictionPress
 
     shared_keys = ("model", "dataset", "seed", "n_samples", "shard", "query_aware", "device", "max_new_tokens")
     first = cfgs[0][0]
@@ -260,18 +332,23 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str) -> li
 
             model.model(input_ids=context_ids, past_key_values=DynamicCache())
         prefill_seconds = time.perf_counter() - start
-        for k, cfg, names, out, press in pending:
+        replayed = []  # (run, cache, replay seconds)
+        for run in pending:
             start = time.perf_counter()
             with torch.inference_mode():
-                cache = replay_prefill(model, press, capture)
-                lengths = [cache.get_seq_length(i) for i in range(len(cache))]
-                prediction = pipe.generate_answer(question_ids=question_ids.to(model.device), cache=cache,
-                                                  context_length=T, max_new_tokens=max_new)
-                pipe._remove_answer_from_cache(cache, lengths)
-            elapsed = time.perf_counter() - start
-            row = harness.prediction_row(ex, names, dataset, prediction, cache, model, T, prefill_seconds + elapsed,
-                                         press, prefill_seconds=prefill_seconds, shared_prefill=True)
-            harness.append_row(out / "predictions.jsonl", row)
+                cache = replay_prefill(model, run[4], capture)
+            replayed.append((run, cache, time.perf_counter() - start))
+            if isinstance(run[4], ProbabilisticEvictionPress) or not batch_decode:
+                # the SNIS correction lives on the attention modules: decode before the next replay
+                _decode_and_write([replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+        groups: dict = {}
+        for item in replayed:  # equal per-layer cache lengths decode as one batch
+            groups.setdefault(tuple(item[1].get_seq_length(i) for i in range(len(item[1]))), []).append(item)
+        from presses.snis_attention import clear_snis_state
+
+        clear_snis_state(model)
+        for group in groups.values():
+            _decode_and_write(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
         del capture
     for k, cfg, names, out, _ in runs:
         metrics[k] = harness.finish_run(out, examples, names, cfg, command)
@@ -306,7 +383,7 @@ def compose_runs(cfg: DictConfig, overrides: list[str]) -> list[tuple[DictConfig
 def main(cfg: DictConfig) -> None:
     """Hydra entry point of the shared-prefill sweep (``configs/fused.yaml``)."""
     overrides = list(HydraConfig.get().overrides.task)
-    run_fused(compose_runs(cfg, overrides), harness.command_line("python -m evaluation.fused"))
+    run_fused(compose_runs(cfg, overrides), harness.command_line("python -m evaluation.fused"), cfg.batch_decode)
 
 
 if __name__ == "__main__":

@@ -156,3 +156,30 @@ def test_command_line_entry_point(tiny, tmp_path, monkeypatch):
     assert metrics["command"].startswith("python -m evaluation.fused presses=[no_press,snapkv,page_entrokv]")
     config = (tmp_path / "needle/smollm2-135m/snapkv/cr0.5/config.yaml").read_text()
     assert "kvpress.SnapKVPress" in config and "context_length: 512" in config
+
+
+def test_batched_decode_equals_one_by_one(tiny):
+    """generate_answers on a batch of equal-length caches gives each cache's own greedy answer, leaves the
+    caches holding only the context, and refuses caches of different lengths."""
+    from kvpress import KVPressTextGenerationPipeline
+
+    model, tok = tiny
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
+    ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    question = torch.randint(4, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        with fused.PrefillCapture(model) as capture:
+            model.model(input_ids=ids, past_key_values=DynamicCache())
+        presses = [instantiate(composed(f"press={p}", "compression_ratio=0.5").press)
+                   for p in ("snapkv", "knorm", "tova", "streaming_llm", "expected_attention")]
+        alone = []
+        for press in presses:
+            cache = fused.replay_prefill(model, press, capture)
+            alone.append(fused.generate_answers(pipe, question, [cache], 300, 8)[0])
+            assert cache.get_seq_length(0) == 150  # the answer was removed again
+        caches = [fused.replay_prefill(model, press, capture) for press in presses]
+        batched = fused.generate_answers(pipe, question, caches, 300, 8)
+        assert all(c.get_seq_length(0) == 150 for c in caches)
+        with pytest.raises(ValueError, match="equal per-layer cache lengths"):
+            fused.generate_answers(pipe, question, [caches[0], fused.replay_prefill(model, None, capture)], 300, 8)
+    assert batched == alone and len(set(alone)) > 1
