@@ -19,10 +19,18 @@ the attention output unchanged, can share a prefill: kvpress's scorer presses (n
 which needs eager attention weights), ``PageEntroKVPress`` and ``ProbabilisticEvictionPress``.
 EntroPrefill changes the prefill itself and PyramidKV is rejected by the harness's guard; they raise here.
 
+Decoding: runs of one example whose caches have equal per-layer lengths (kvpress's scorer presses at one
+ratio keep ``int(T (1 - r))`` entries per layer) are decoded as one batch (``batch_decode=true``, the
+default); rows see no padding, so a row computes what it would alone up to the rounding of batched matrix
+products. On the embedded model, batched predictions equal the single-run predictions committed under
+``results/needle`` (checked on 10 rows, 5 presses x 2 examples). SNIS runs always decode alone: their
+correction lives on the attention modules. ``batch_decode=false`` decodes every run alone.
+
 Each (press, ratio) writes the same run directory, ``config.yaml``, ``predictions.jsonl`` and
 ``metrics.json`` as ``python -m evaluation.run`` (so ``make report`` reads both), and resumes the same
 way: an example is prefilled only if some run still lacks its row. A row's ``seconds`` is the shared
-prefill plus that press's hook replay and decode; ``prefill_seconds`` gives the shared part.
+prefill plus that press's hook replay plus its share of the (batched) decode; ``prefill_seconds`` gives
+the shared part and ``decode_batch`` the batch size.
 """
 
 from __future__ import annotations
