@@ -306,7 +306,8 @@ def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bo
             continue
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         if err:
-            yerr = [[y - p[2] for y, p in zip(ys, pts)], [p[3] - y for y, p in zip(ys, pts)]]
+            # clipped at 0: an interval end can sit a rounding error inside the mean (matplotlib refuses < 0)
+            yerr = [[max(0.0, y - p[2]) for y, p in zip(ys, pts)], [max(0.0, p[3] - y) for y, p in zip(ys, pts)]]
             ax.errorbar(xs, ys, yerr=yerr, marker="o", capsize=3, label=press)
         else:
             ax.plot(xs, ys, marker="o", label=press)
