@@ -146,3 +146,16 @@ def test_length_and_depth_breakdowns(tmp_path):
                                 "metadata": {"context_length": 512}}) + "\n")
     build_report(root, out, plots=False)
     assert not (out / "tables" / "needle__tiny__by_depth.csv").exists()  # pruned
+
+
+def test_all_zero_run_plots_with_its_interval(tmp_path):
+    """An all-zero run has a Wilson lower end a rounding error above 0; its error bar must still plot."""
+    root = tmp_path / "runs"
+    ids = [f"a{i}" for i in range(24)]  # 24 zeros: Wilson's lower end is 1.4e-17, not 0
+    _write_run(root, "no_press", "0", [(i, "A", 1) for i in ids], dataset="needle")
+    _write_run(root, "knorm", "0.5", [(i, "A", 0) for i in ids], dataset="needle")
+    _write_run(root, "snapkv", "0.5", [(i, "A", k % 2) for k, i in enumerate(ids)], dataset="needle")
+    out = tmp_path / "results"
+    build_report(root, out)
+    assert (out / "plots" / "needle__tiny__score.png").stat().st_size > 1000
+    assert _cell(_csv(out / "tables" / "needle__tiny__summary.csv"), "knorm", 0.5, "score") == 0.0
