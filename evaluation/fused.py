@@ -205,8 +205,8 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
 
     The batched form of ``KVPressTextGenerationPipeline.generate_answer`` (question forward at positions
     ``context_length ...``, then greedy decoding until EOS or ``max_new_tokens``), one row per cache; a
-    row's answer stops at its first EOS. One cache is decoded by the pipeline's own method. Rows of a
-    batch see no padding, so each row computes what it would alone, up to floating-point rounding of
+    row's answer stops at its first EOS after the first token (the pipeline never tests the first one).
+    One cache is decoded by the pipeline's own method. Rows of a batch see no padding, so each row computes what it would alone, up to floating-point rounding of
     batched matrix products.
 
     Raises:
@@ -236,7 +236,7 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     generated = [outputs.logits[:, -1].argmax(-1)]
     stop = model.generation_config.eos_token_id
     stop = torch.tensor(stop if isinstance(stop, list) else [stop], device=model.device)
-    done = torch.isin(generated[0], stop)
+    done = torch.zeros_like(generated[0], dtype=torch.bool)  # as generate_answer: the first token is never a stop
     for i in range(max_new_tokens - 1):
         if bool(done.all()):
             break
@@ -246,8 +246,8 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     tokens = torch.stack(generated, dim=1)  # (n, steps)
     answers = []
     for row in tokens:
-        hits = torch.isin(row, stop).nonzero()
-        end = int(hits[0]) + 1 if len(hits) else len(row)
+        hits = torch.isin(row[1:], stop).nonzero()
+        end = int(hits[0]) + 2 if len(hits) else len(row)
         answers.append(str(pipe.tokenizer.decode(row[:end], skip_special_tokens=True)))
     return answers
 
