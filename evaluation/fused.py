@@ -35,6 +35,7 @@ the shared part and ``decode_batch`` the batch size.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -93,7 +94,6 @@ class PrefillCapture:
         self.layers: list = []
         self.lm_call: tuple | None = None
         self._handles: list = []
-        self._cache = None
 
     def __enter__(self):
         lm = _language_model(self.model)
@@ -101,14 +101,11 @@ class PrefillCapture:
 
         def layer_hook(i, module, args, kwargs, output):
             cache = kwargs["past_key_values"]
-            self._cache = cache
             kw = {k: v for k, v in kwargs.items() if k != "past_key_values"}
             self.layers[i] = (args, kw, output, cache.layers[i].keys, cache.layers[i].values)
 
         def lm_hook(module, args, kwargs, output):
             self.lm_call = (args, {k: v for k, v in kwargs.items() if k != "past_key_values"}, output)
-
-        import functools
 
         for i, layer in enumerate(lm.layers):
             self._handles.append(layer.self_attn.register_forward_hook(functools.partial(layer_hook, i),
@@ -206,8 +203,8 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     The batched form of ``KVPressTextGenerationPipeline.generate_answer`` (question forward at positions
     ``context_length ...``, then greedy decoding until EOS or ``max_new_tokens``), one row per cache; a
     row's answer stops at its first EOS after the first token (the pipeline never tests the first one).
-    One cache is decoded by the pipeline's own method. Rows of a batch see no padding, so each row computes what it would alone, up to floating-point rounding of
-    batched matrix products.
+    One cache is decoded by the pipeline's own method. Rows of a batch see no padding, so each row
+    computes what it would alone, up to floating-point rounding of batched matrix products.
 
     Raises:
         ValueError: if the caches' per-layer lengths differ.
@@ -262,9 +259,9 @@ def _decode_and_write(group: list, pipe, question_ids, T: int, max_new: int, ex,
         predictions = generate_answers(pipe, question_ids.to(model.device), [c for _, c, _ in group], T, max_new)
     decode_s = (time.perf_counter() - start) / len(group)
     for ((_, _, names, out, press), cache, replay_s), prediction in zip(group, predictions):
-        row = harness.prediction_row(ex, names, dataset, prediction, cache, model, T, prefill_seconds + replay_s + decode_s,
-                                     press, prefill_seconds=prefill_seconds, shared_prefill=True,
-                                     decode_batch=len(group))
+        seconds = prefill_seconds + replay_s + decode_s
+        row = harness.prediction_row(ex, names, dataset, prediction, cache, model, T, seconds, press,
+                                     prefill_seconds=prefill_seconds, shared_prefill=True, decode_batch=len(group))
         harness.append_row(out / "predictions.jsonl", row)
 
 
@@ -290,7 +287,9 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
     from hydra.utils import instantiate
     from kvpress import KVPressTextGenerationPipeline
     from tqdm import tqdm
+    from transformers import DynamicCache
 
+    from presses.snis_attention import clear_snis_state
     from presses.snis_press import ProbabilisticEvictionPress
 
     shared_keys = ("model", "dataset", "seed", "n_samples", "shard", "query_aware", "device", "max_new_tokens")
@@ -303,7 +302,7 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
     if first.query_aware:
         raise ValueError("query_aware=true is not supported by the shared-prefill sweep; use python -m evaluation.run")
 
-    runs = []  # (cfg, names, out, press)
+    runs = []  # (index in cfgs, cfg, names, out, press)
     metrics: dict[int, dict] = {}
     for k, (cfg, names) in enumerate(cfgs):
         out, done = harness.start_run(cfg, names)
@@ -336,8 +335,6 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
             check_press_input(press, model, T, multi_token_forward=True)
         start = time.perf_counter()
         with torch.inference_mode(), PrefillCapture(model) as capture:
-            from transformers import DynamicCache
-
             model.model(input_ids=context_ids, past_key_values=DynamicCache())
         prefill_seconds = time.perf_counter() - start
         replayed = []  # (run, cache, replay seconds)
@@ -352,8 +349,6 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
         groups: dict = {}
         for item in replayed:  # equal per-layer cache lengths decode as one batch
             groups.setdefault(tuple(item[1].get_seq_length(i) for i in range(len(item[1]))), []).append(item)
-        from presses.snis_attention import clear_snis_state
-
         clear_snis_state(model)
         for group in groups.values():
             _decode_and_write(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
