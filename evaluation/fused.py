@@ -30,7 +30,9 @@ Each (press, ratio) writes the same run directory, ``config.yaml``, ``prediction
 ``metrics.json`` as ``python -m evaluation.run`` (so ``make report`` reads both), and resumes the same
 way: an example is prefilled only if some run still lacks its row. A row's ``seconds`` is the shared
 prefill plus that press's hook replay plus its share of the (batched) decode; ``prefill_seconds`` gives
-the shared part and ``decode_batch`` the batch size.
+the shared part and ``decode_batch`` the batch size. Within one example the probabilistic-eviction presses
+share their proposals (:func:`presses.proposals.shared_proposals`): a proposal is computed by the first run
+that needs it, so that run's ``seconds`` carries it and the later runs' do not.
 """
 
 from __future__ import annotations
@@ -289,6 +291,7 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
     from tqdm import tqdm
     from transformers import DynamicCache
 
+    from presses.proposals import shared_proposals
     from presses.snis_attention import clear_snis_state
     from presses.snis_press import ProbabilisticEvictionPress
 
@@ -338,14 +341,16 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
             model.model(input_ids=context_ids, past_key_values=DynamicCache())
         prefill_seconds = time.perf_counter() - start
         replayed = []  # (run, cache, replay seconds)
-        for run in pending:
-            start = time.perf_counter()
-            with torch.inference_mode():
-                cache = replay_prefill(model, run[4], capture)
-            replayed.append((run, cache, time.perf_counter() - start))
-            if isinstance(run[4], ProbabilisticEvictionPress) or not batch_decode:
-                # the SNIS correction lives on the attention modules: decode before the next replay
-                _decode_and_write([replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+        with shared_proposals():  # presses differing only in ratio / correction / seed compute a proposal once
+            for run in pending:
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    cache = replay_prefill(model, run[4], capture)
+                replayed.append((run, cache, time.perf_counter() - start))
+                if isinstance(run[4], ProbabilisticEvictionPress) or not batch_decode:
+                    # the SNIS correction lives on the attention modules: decode before the next replay
+                    _decode_and_write([replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model,
+                                      prefill_seconds)
         groups: dict = {}
         for item in replayed:  # equal per-layer cache lengths decode as one batch
             groups.setdefault(tuple(item[1].get_seq_length(i) for i in range(len(item[1]))), []).append(item)

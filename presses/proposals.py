@@ -12,6 +12,8 @@ computed in query blocks (``block_size`` rows at a time), never as a full ``t x 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from presses import kernels
@@ -31,11 +33,14 @@ __all__ = [
     "score_to_proposal",
     "scorer_scores",
     "compute_proposal",
+    "shared_proposals",
 ]
 
 ATTENTION_PROPOSALS = ("min", "min_h", "h2o", "h2o_h")
 SCORER_PROPOSALS = ("snapkv", "tova", "knorm")
 PROPOSALS = ATTENTION_PROPOSALS + SCORER_PROPOSALS
+
+_shared: dict | None = None  # the memo of an active shared_proposals() block
 
 
 def harmonic_prior(t: int, device=None) -> torch.Tensor:
@@ -334,6 +339,13 @@ def compute_proposal(name: str, module, hidden_states: torch.Tensor, keys: torch
     Raises:
         ValueError: for an unknown ``name`` or invalid option (see the helpers).
     """
+    memo_key = None
+    if _shared is not None:
+        memo_key = (name, id(module), id(hidden_states), id(attentions), tuple(keys.shape), float(temperature),
+                    float(uniform_mix), int(block_size), int(window_size), int(kernel_size), score_normalization)
+        hit = _shared.get(memo_key)
+        if hit is not None and hit[0] is hidden_states and hit[1] is module:
+            return hit[2]
     if name in ATTENTION_PROPOSALS:
         pi = head_proposals(name, module, hidden_states, keys, values, kwargs["position_embeddings"], block_size)
         pi = adjust_proposal(group_mixture(pi, keys.shape[1]), temperature, uniform_mix)
@@ -345,5 +357,27 @@ def compute_proposal(name: str, module, hidden_states: torch.Tensor, keys: torch
         raise ValueError(f"proposal={name!r} must be one of {PROPOSALS}")
     if not bool(torch.isfinite(pi).all()):
         raise FloatingPointError(f"proposal {name!r} produced non-finite values")
+    if memo_key is not None:
+        _shared[memo_key] = (hidden_states, module, pi)
     return pi
+
+
+@contextmanager
+def shared_proposals():
+    """Compute each layer's proposal once for several presses that replay the same prefill.
+
+    Inside the block, :func:`compute_proposal` returns the proposal it already computed for the same
+    attention module, the same ``hidden_states`` tensor object (and ``attentions``) and the same proposal
+    options. The proposal does not depend on ``compression_ratio``, ``correction``, ``tau``, ``budget`` or
+    ``seed``, so e.g. the corrected and uncorrected presses at two ratios share one computation. Used by
+    :mod:`evaluation.fused`, whose replays pass the recorded (never modified) inputs of one prefill; it is
+    only valid while the tensors a call sees are not changed in place, so keep the block to one prefill.
+    The memo is dropped when the block exits; blocks nest (the inner one starts empty).
+    """
+    global _shared
+    previous, _shared = _shared, {}
+    try:
+        yield
+    finally:
+        _shared = previous
 

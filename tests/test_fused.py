@@ -84,6 +84,47 @@ def test_replay_rebuilds_the_compressed_cache_exactly(tiny, press_name):
             assert torch.equal(state.bias, direct_bias[i])
 
 
+def test_shared_proposals_compute_once_and_change_nothing(tiny, monkeypatch):
+    """Presses differing only in ratio and correction share one proposal per layer, bit for bit."""
+    import presses.proposals as proposals
+
+    model, _ = tiny
+    calls = []
+    real = proposals.head_proposals
+    monkeypatch.setattr(proposals, "head_proposals", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    specs = [("snis_h2o_h", 0.5), ("snis_h2o_h_uncorrected", 0.75), ("snis_min", 0.5)]
+    presses = [instantiate(composed(f"press={p}", f"compression_ratio={r}").press) for p, r in specs]
+    ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        with fused.PrefillCapture(model) as capture:
+            model.model(input_ids=ids, past_key_values=DynamicCache())
+
+        def replay_all():
+            caches = []
+            for press in presses:
+                cache = fused.replay_prefill(model, press, capture)
+                biases = [model.model.layers[i].self_attn._snis_state.bias.clone() for i in range(3)]
+                caches.append(([layer.keys.clone() for layer in cache.layers], biases))
+            return caches
+
+        alone = replay_all()
+        assert calls == ["h2o_h"] * 6 + ["min"] * 3  # 3 layers per press, nothing shared
+        calls.clear()
+        with proposals.shared_proposals():
+            shared = replay_all()
+        assert calls == ["h2o_h"] * 3 + ["min"] * 3  # h2o_h once per layer for its two presses
+        calls.clear()
+        with proposals.shared_proposals():  # a new block starts empty
+            replay_all()
+        assert len(calls) == 6
+    for (keys_a, bias_a), (keys_s, bias_s) in zip(alone, shared):
+        assert all(torch.equal(a, b) for a, b in zip(keys_a, keys_s))
+        assert all(torch.equal(a, b) for a, b in zip(bias_a, bias_s))
+    corrected, uncorrected = alone[0][1][0], alone[1][1][0]  # layer 0's bias of the first two presses
+    assert bool((uncorrected == 0).any()) and bool(((uncorrected == 0) | (uncorrected == float("-inf"))).all())
+    assert bool((torch.isfinite(corrected) & (corrected != 0)).any())  # the shared proposal kept its own bias
+
+
 def test_fused_predictions_equal_separate_runs_and_resume(tiny, tmp_path):
     ratios = [0.5, 0.75]
     for cfg, names in _runs(RUN_PRESSES, ratios, tmp_path / "separate"):
