@@ -23,8 +23,11 @@ Decoding: runs of one example whose caches have equal per-layer lengths (kvpress
 ratio keep ``int(T (1 - r))`` entries per layer) are decoded as one batch (``batch_decode=true``, the
 default); rows see no padding, so a row computes what it would alone up to the rounding of batched matrix
 products. On the embedded model, batched predictions equal the single-run predictions committed under
-``results/needle`` (checked on 10 rows, 5 presses x 2 examples). SNIS runs always decode alone: their
-correction lives on the attention modules. ``batch_decode=false`` decodes every run alone.
+``results/needle`` (checked on 10 rows, 5 presses x 2 examples). The SNIS correction lives on the
+attention modules: it is taken off after each replay (:func:`take_snis_states`) and
+the batch's corrections are stacked row by row for its decode (:func:`install_snis_states`), so SNIS runs of
+equal per-layer lengths (e.g. corrected and uncorrected at one ratio, which keep the same entries) decode as
+one batch too. ``batch_decode=false`` decodes every run alone.
 
 Each (press, ratio) writes the same run directory, ``config.yaml``, ``predictions.jsonl`` and
 ``metrics.json`` as ``python -m evaluation.run`` (so ``make report`` reads both), and resumes the same
@@ -50,7 +53,8 @@ from evaluation.guards import check_press_input
 
 logger = logging.getLogger("evaluation.fused")
 
-__all__ = ["PrefillCapture", "replay_prefill", "shared_prefill_presses", "run_fused"]
+__all__ = ["PrefillCapture", "replay_prefill", "shared_prefill_presses", "run_fused", "take_snis_states",
+           "install_snis_states"]
 
 
 def shared_prefill_presses():
@@ -251,16 +255,64 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     return answers
 
 
-def _decode_and_write(group: list, pipe, question_ids, T: int, max_new: int, ex, dataset, model,
-                      prefill_seconds: float) -> None:
-    """Decode a group of replayed runs (one batch) and append each run's prediction row."""
+def take_snis_states(model) -> tuple:
+    """Detach the SNIS correction a replay left on ``model``'s attention modules.
+
+    Returns:
+        One entry per decoder layer: its :class:`presses.snis_attention.SNISLayerState` (bias ``(B, G, P)``)
+        or ``None``. The modules are cleared, so the next replay starts clean.
+    """
+    from presses.snis_attention import clear_snis_state
+
+    states = tuple(getattr(layer.self_attn, "_snis_state", None) for layer in _language_model(model).layers)
+    clear_snis_state(model)
+    return states
+
+
+def install_snis_states(model, states_per_run: list) -> None:
+    """Put the SNIS corrections of the runs of one decode batch back on ``model``'s attention modules.
+
+    Layer ``i`` gets the batch-wise concatenation of the runs' biases (row ``k`` of the batch is run ``k``),
+    which :func:`presses.snis_attention.snis_mask` applies per row; a layer without a state in every run
+    gets none.
+
+    Raises:
+        ValueError: if some but not all runs have a state at a layer, or their padded lengths ``P`` differ.
+    """
     import torch
 
+    from presses.snis_attention import SNISLayerState
+
+    for i, layer in enumerate(_language_model(model).layers):
+        layer_states = [states[i] for states in states_per_run]
+        present = [s is not None for s in layer_states]
+        if not any(present):
+            layer.self_attn._snis_state = None
+            continue
+        if not all(present) or len({s.prefix_len for s in layer_states}) != 1:
+            raise ValueError(f"layer {i}: runs decoded in one batch need SNIS states of equal padded length "
+                             f"(present={present})")
+        layer.self_attn._snis_state = SNISLayerState(torch.cat([s.bias for s in layer_states], dim=0))
+
+
+def _decode_and_write(group: list, pipe, question_ids, T: int, max_new: int, ex, dataset, model,
+                      prefill_seconds: float) -> None:
+    """Decode a group of replayed runs (one batch, their SNIS corrections stacked) and append each run's
+    prediction row."""
+    import torch
+
+    from presses.snis_attention import clear_snis_state
+
     start = time.perf_counter()
-    with torch.inference_mode():
-        predictions = generate_answers(pipe, question_ids.to(model.device), [c for _, c, _ in group], T, max_new)
+    install_snis_states(model, [states for *_, states in group])
+    try:
+        with torch.inference_mode():
+            predictions = generate_answers(pipe, question_ids.to(model.device), [item[1] for item in group], T,
+                                           max_new)
+    finally:
+        clear_snis_state(model)
     decode_s = (time.perf_counter() - start) / len(group)
-    for ((_, _, names, out, press), cache, replay_s), prediction in zip(group, predictions):
+    for ((_, _, names, out, press), cache, replay_s, _), prediction in zip(group, predictions):
         seconds = prefill_seconds + replay_s + decode_s
         row = harness.prediction_row(ex, names, dataset, prediction, cache, model, T, seconds, press,
                                      prefill_seconds=prefill_seconds, shared_prefill=True, decode_batch=len(group))
@@ -292,8 +344,6 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
     from transformers import DynamicCache
 
     from presses.proposals import shared_proposals
-    from presses.snis_attention import clear_snis_state
-    from presses.snis_press import ProbabilisticEvictionPress
 
     shared_keys = ("model", "dataset", "seed", "n_samples", "shard", "query_aware", "device", "max_new_tokens")
     first = cfgs[0][0]
@@ -340,21 +390,22 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
         with torch.inference_mode(), PrefillCapture(model) as capture:
             model.model(input_ids=context_ids, past_key_values=DynamicCache())
         prefill_seconds = time.perf_counter() - start
-        replayed = []  # (run, cache, replay seconds)
+        replayed = []  # (run, cache, replay seconds, SNIS states per layer)
         with shared_proposals():  # presses differing only in ratio / correction / seed compute a proposal once
             for run in pending:
                 start = time.perf_counter()
                 with torch.inference_mode():
                     cache = replay_prefill(model, run[4], capture)
-                replayed.append((run, cache, time.perf_counter() - start))
-                if isinstance(run[4], ProbabilisticEvictionPress) or not batch_decode:
-                    # the SNIS correction lives on the attention modules: decode before the next replay
+                # the SNIS correction lives on the attention modules: keep it with the run until its decode
+                replayed.append((run, cache, time.perf_counter() - start, take_snis_states(model)))
+                if not batch_decode:
                     _decode_and_write([replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model,
                                       prefill_seconds)
         groups: dict = {}
-        for item in replayed:  # equal per-layer cache lengths decode as one batch
-            groups.setdefault(tuple(item[1].get_seq_length(i) for i in range(len(item[1]))), []).append(item)
-        clear_snis_state(model)
+        for item in replayed:  # equal per-layer cache lengths (and SNIS layers) decode as one batch
+            key = (tuple(item[1].get_seq_length(i) for i in range(len(item[1]))),
+                   tuple(state is not None for state in item[3]))
+            groups.setdefault(key, []).append(item)
         for group in groups.values():
             _decode_and_write(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
         del capture

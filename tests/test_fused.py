@@ -224,3 +224,39 @@ def test_batched_decode_equals_one_by_one(tiny):
         with pytest.raises(ValueError, match="equal per-layer cache lengths"):
             fused.generate_answers(pipe, question, [caches[0], fused.replay_prefill(model, None, capture)], 300, 8)
     assert batched == alone and len(set(alone)) > 1
+
+
+def test_snis_runs_of_equal_lengths_decode_as_one_batch(tiny, tmp_path):
+    """Corrected and uncorrected SNIS at one ratio keep the same entries: they decode as one batch, each row
+    with its own correction, and write what separate harness runs write."""
+    presses = ["snis_h2o_h", "snis_h2o_h_uncorrected"]
+    for cfg, names in _runs(presses, [0.6], tmp_path / "separate"):
+        harness.run(cfg, names)
+    fused.run_fused(_runs(presses, [0.6], tmp_path / "fused"), "test")
+    answers = {}
+    for press in presses:
+        sep, fus = _rows(tmp_path / "separate", press, 0.6), _rows(tmp_path / "fused", press, 0.6)
+        assert sorted(sep) == sorted(fus) and len(sep) == 2
+        for i in sep:
+            assert fus[i]["decode_batch"] == 2
+            assert fus[i]["prediction"] == sep[i]["prediction"], (press, i)
+            assert fus[i]["press_stats"] == sep[i]["press_stats"]
+            answers[press, i] = fus[i]["prediction"]
+    # the rows differ somewhere, so a batch that applied one row's correction to both would be caught
+    assert any(answers["snis_h2o_h", i] != answers["snis_h2o_h_uncorrected", i] for i in sep)
+
+
+def test_install_snis_states_refuses_mismatched_runs(tiny):
+    from presses.snis_attention import SNISLayerState
+
+    model, _ = tiny
+    a = tuple(SNISLayerState(torch.zeros(1, 2, 5)) for _ in range(3))
+    b = tuple(SNISLayerState(torch.zeros(1, 2, 6)) for _ in range(3))
+    with pytest.raises(ValueError, match="equal padded length"):
+        fused.install_snis_states(model, [a, b])
+    with pytest.raises(ValueError, match="equal padded length"):
+        fused.install_snis_states(model, [a, (None, None, None)])
+    fused.install_snis_states(model, [a, a])
+    assert model.model.layers[0].self_attn._snis_state.bias.shape == (2, 2, 5)
+    fused.take_snis_states(model)
+    assert model.model.layers[0].self_attn._snis_state is None
