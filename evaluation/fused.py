@@ -327,7 +327,8 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
             agree on model, dataset, seed, n_samples, shard, query_aware, device and max_new_tokens.
         command: the command recorded in each ``metrics.json``.
         batch_decode: decode the runs of an example whose caches have equal per-layer lengths in one batch
-            (:func:`generate_answers`); SNIS runs always decode alone (their correction is module state).
+            (:func:`generate_answers`); SNIS runs batch with SNIS runs of the same padded lengths, their
+            corrections stacked per row (:func:`install_snis_states`).
 
     Returns:
         The metrics of every run, in ``cfgs`` order.
