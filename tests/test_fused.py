@@ -260,3 +260,34 @@ def test_install_snis_states_refuses_mismatched_runs(tiny):
     assert model.model.layers[0].self_attn._snis_state.bias.shape == (2, 2, 5)
     fused.take_snis_states(model)
     assert model.model.layers[0].self_attn._snis_state is None
+
+
+def test_batched_decode_never_stops_at_the_first_token(tiny):
+    """Like ``generate_answer``, the batched decode does not treat the first generated token as a stop,
+    even when it is the EOS token, and stops at a later one."""
+    from kvpress import KVPressTextGenerationPipeline
+
+    model, tok = tiny
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
+    ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    question = torch.randint(4, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    # two rows whose first token is EOS: a batch that counted it as a stop would end after one token
+    presses = [instantiate(composed(f"press={p}", "compression_ratio=0.5").press) for p in ("snapkv", "snapkv")]
+    eos = model.generation_config.eos_token_id
+    with torch.inference_mode():
+        with fused.PrefillCapture(model) as capture:
+            model.model(input_ids=ids, past_key_values=DynamicCache())
+        cache = fused.replay_prefill(model, presses[0], capture)
+        # make the first token this cache generates the EOS token
+        first = model(input_ids=question, past_key_values=cache,
+                      position_ids=torch.arange(300, 312).unsqueeze(0)).logits[0, -1].argmax().item()
+        model.generation_config.eos_token_id = first
+        try:
+            alone = [fused.generate_answers(pipe, question, [fused.replay_prefill(model, p, capture)], 300, 8)[0]
+                     for p in presses]
+            batched = fused.generate_answers(pipe, question, [fused.replay_prefill(model, p, capture)
+                                                              for p in presses], 300, 8)
+        finally:
+            model.generation_config.eos_token_id = eos
+    assert batched == alone
+    assert len(alone[0]) > 1  # the snapkv row went on past its first token, the EOS
