@@ -343,9 +343,8 @@ def compute_proposal(name: str, module, hidden_states: torch.Tensor, keys: torch
     if _shared is not None:
         memo_key = (name, id(module), id(hidden_states), id(attentions), tuple(keys.shape), float(temperature),
                     float(uniform_mix), int(block_size), int(window_size), int(kernel_size), score_normalization)
-        hit = _shared.get(memo_key)
-        if hit is not None and hit[0] is hidden_states and hit[1] is module:
-            return hit[2]
+        if memo_key in _shared:
+            return _shared[memo_key][0]
     if name in ATTENTION_PROPOSALS:
         pi = head_proposals(name, module, hidden_states, keys, values, kwargs["position_embeddings"], block_size)
         pi = adjust_proposal(group_mixture(pi, keys.shape[1]), temperature, uniform_mix)
@@ -358,7 +357,8 @@ def compute_proposal(name: str, module, hidden_states: torch.Tensor, keys: torch
     if not bool(torch.isfinite(pi).all()):
         raise FloatingPointError(f"proposal {name!r} produced non-finite values")
     if memo_key is not None:
-        _shared[memo_key] = (hidden_states, module, pi)
+        # the memo holds the keyed objects, so their ids cannot be reused by other objects while it lives
+        _shared[memo_key] = (pi, module, hidden_states, attentions)
     return pi
 
 
