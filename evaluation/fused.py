@@ -22,7 +22,10 @@ EntroPrefill changes the prefill itself and PyramidKV is rejected by the harness
 Decoding: runs of one example whose caches have equal per-layer lengths (kvpress's scorer presses at one
 ratio keep ``int(T (1 - r))`` entries per layer) are decoded as one batch (``batch_decode=true``, the
 default); rows see no padding, so a row computes what it would alone up to the rounding of batched matrix
-products. On the embedded model, batched predictions equal the single-run predictions committed under
+products. With ``pad_decode=true`` (the default) all runs of one compression ratio decode as one batch:
+each layer's caches are padded at their end to the layer's longest one, and the padded slots get a
+``-inf`` logit bias through the SNIS attention wrapper (:func:`pad_to_common_lengths`), so they get
+exactly zero attention and a row again computes what it would alone up to rounding. On the embedded model, batched predictions equal the single-run predictions committed under
 ``results/needle`` (checked on 10 rows, 5 presses x 2 examples). The SNIS correction lives on the
 attention modules: it is taken off after each replay (:func:`take_snis_states`) and
 the batch's corrections are stacked row by row for its decode (:func:`install_snis_states`), so SNIS runs of
@@ -281,8 +284,10 @@ def install_snis_states(model, states_per_run: list) -> None:
     """
     import torch
 
-    from presses.snis_attention import SNISLayerState
+    from presses.snis_attention import SNISLayerState, install_snis_attention
 
+    if any(state is not None for states in states_per_run for state in states):
+        install_snis_attention()  # the states act through the wrapper (padding masks need it without SNIS presses)
     for i, layer in enumerate(_language_model(model).layers):
         layer_states = [states[i] for states in states_per_run]
         present = [s is not None for s in layer_states]
@@ -295,20 +300,71 @@ def install_snis_states(model, states_per_run: list) -> None:
         layer.self_attn._snis_state = SNISLayerState(torch.cat([s.bias for s in layer_states], dim=0))
 
 
+def pad_to_common_lengths(caches: list, states_per_run: list) -> tuple[list, list]:
+    """Pad the caches of several runs to common per-layer lengths so that they decode as one batch.
+
+    Layer ``i`` of every cache is padded at its end with zero keys and values to ``P_i``, the longest
+    length of that layer among the runs. The padded slots are masked with a ``-inf`` logit bias carried by a
+    :class:`presses.snis_attention.SNISLayerState` (the SNIS attention wrapper turns it into the attention
+    mask), so they get exactly zero attention weight; a run's own SNIS bias is kept on its real slots and a
+    run without one gets ``0`` there. Layers where no run is padded and no run has an SNIS state get none.
+    Keys carry their RoPE positions already, so where the padding sits does not matter to the real slots.
+
+    Args:
+        caches: one ``DynamicCache`` per run (keys/values ``(1, G, L_i, d)`` per layer), not modified.
+        states_per_run: per run, one SNIS state or ``None`` per layer (:func:`take_snis_states`).
+
+    Returns:
+        ``(caches, states_per_run)``: the inputs themselves when every layer already has equal lengths,
+        else new padded caches (``(1, G, P_i, d)``) and states (bias ``(1, G, P_i)`` float32).
+
+    Raises:
+        ValueError: if a run's SNIS state does not cover exactly its cache at some layer.
+    """
+    import torch
+    import torch.nn.functional as F
+    from transformers import DynamicCache
+
+    from presses.snis_attention import SNISLayerState
+
+    n_layers = len(caches[0])
+    lengths = [[c.get_seq_length(i) for i in range(n_layers)] for c in caches]
+    for k, states in enumerate(states_per_run):
+        for i, state in enumerate(states):
+            if state is not None and state.prefix_len != lengths[k][i]:
+                raise ValueError(f"run {k}, layer {i}: SNIS state covers {state.prefix_len} slots but the cache "
+                                 f"holds {lengths[k][i]}")
+    if all(row == lengths[0] for row in lengths):
+        return caches, states_per_run
+    padded = [DynamicCache() for _ in caches]
+    padded_states = [[None] * n_layers for _ in caches]
+    for i in range(n_layers):
+        longest = max(row[i] for row in lengths)
+        masked = any(row[i] < longest for row in lengths) or any(states[i] is not None for states in states_per_run)
+        for k, cache in enumerate(caches):
+            keys, values, extra = cache.layers[i].keys, cache.layers[i].values, longest - lengths[k][i]
+            padded[k].update(F.pad(keys, (0, 0, 0, extra)), F.pad(values, (0, 0, 0, extra)), i)
+            if masked:
+                state = states_per_run[k][i]
+                bias = state.bias if state is not None else torch.zeros(keys.shape[:3], device=keys.device)
+                padded_states[k][i] = SNISLayerState(F.pad(bias.float(), (0, extra), value=float("-inf")))
+    return padded, [tuple(states) for states in padded_states]
+
+
 def _decode_and_write(group: list, pipe, question_ids, T: int, max_new: int, ex, dataset, model,
                       prefill_seconds: float) -> None:
-    """Decode a group of replayed runs (one batch, their SNIS corrections stacked) and append each run's
-    prediction row."""
+    """Decode a group of replayed runs (one batch, padded to common per-layer lengths where they differ,
+    their SNIS corrections stacked) and append each run's prediction row (with its own, unpadded cache)."""
     import torch
 
     from presses.snis_attention import clear_snis_state
 
     start = time.perf_counter()
-    install_snis_states(model, [states for *_, states in group])
+    caches, states = pad_to_common_lengths([item[1] for item in group], [item[3] for item in group])
+    install_snis_states(model, states)
     try:
         with torch.inference_mode():
-            predictions = generate_answers(pipe, question_ids.to(model.device), [item[1] for item in group], T,
-                                           max_new)
+            predictions = generate_answers(pipe, question_ids.to(model.device), caches, T, max_new)
     finally:
         clear_snis_state(model)
     decode_s = (time.perf_counter() - start) / len(group)
@@ -319,7 +375,8 @@ def _decode_and_write(group: list, pipe, question_ids, T: int, max_new: int, ex,
         harness.append_row(out / "predictions.jsonl", row)
 
 
-def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch_decode: bool = True) -> list[dict]:
+def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch_decode: bool = True,
+              pad_decode: bool = False) -> list[dict]:
     """Run several (press, ratio) configs of ONE model and dataset from shared prefills.
 
     Args:
@@ -329,6 +386,8 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
         batch_decode: decode the runs of an example whose caches have equal per-layer lengths in one batch
             (:func:`generate_answers`); SNIS runs batch with SNIS runs of the same padded lengths, their
             corrections stacked per row (:func:`install_snis_states`).
+        pad_decode: with ``batch_decode``, decode all runs of one compression ratio as one batch, their
+            caches padded to common per-layer lengths with the padding masked (:func:`pad_to_common_lengths`).
 
     Returns:
         The metrics of every run, in ``cfgs`` order.
@@ -403,9 +462,10 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
                     _decode_and_write([replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model,
                                       prefill_seconds)
         groups: dict = {}
-        for item in replayed:  # equal per-layer cache lengths (and SNIS layers) decode as one batch
-            key = (tuple(item[1].get_seq_length(i) for i in range(len(item[1]))),
-                   tuple(state is not None for state in item[3]))
+        for item in replayed:  # one ratio (padded) or equal per-layer cache lengths (and SNIS layers): one batch
+            key = (item[0][1].compression_ratio if pad_decode else
+                   (tuple(item[1].get_seq_length(i) for i in range(len(item[1]))),
+                    tuple(state is not None for state in item[3])))
             groups.setdefault(key, []).append(item)
         for group in groups.values():
             _decode_and_write(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
@@ -443,7 +503,8 @@ def compose_runs(cfg: DictConfig, overrides: list[str]) -> list[tuple[DictConfig
 def main(cfg: DictConfig) -> None:
     """Hydra entry point of the shared-prefill sweep (``configs/fused.yaml``)."""
     overrides = list(HydraConfig.get().overrides.task)
-    run_fused(compose_runs(cfg, overrides), harness.command_line("python -m evaluation.fused"), cfg.batch_decode)
+    run_fused(compose_runs(cfg, overrides), harness.command_line("python -m evaluation.fused"), cfg.batch_decode,
+              cfg.get("pad_decode", False))
 
 
 if __name__ == "__main__":

@@ -291,3 +291,48 @@ def test_batched_decode_never_stops_at_the_first_token(tiny):
             model.generation_config.eos_token_id = eos
     assert batched == alone
     assert len(alone[0]) > 1  # the snapkv row went on past its first token, the EOS
+
+
+def test_pad_to_common_lengths_masks_only_the_padding(tiny):
+    """Caches of different per-layer lengths are padded at their end to the longest; the padded slots get a
+    -inf bias, real slots keep the run's SNIS bias (or 0); equal lengths come back untouched."""
+    from presses.snis_attention import SNISLayerState
+
+    def cache(lengths):
+        c = DynamicCache()
+        for i, n in enumerate(lengths):
+            c.update(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8), i)
+        return c
+
+    a, b = cache([5, 7]), cache([6, 7])
+    snis = (SNISLayerState(torch.randn(1, 2, 5)), None)
+    caches, states = fused.pad_to_common_lengths([a, b], [snis, (None, None)])
+    assert [c.get_seq_length(0) for c in caches] == [6, 6] and [c.get_seq_length(1) for c in caches] == [7, 7]
+    assert a.get_seq_length(0) == 5  # the run's own cache is not modified
+    assert torch.equal(caches[0].layers[0].keys[:, :, :5], a.layers[0].keys)
+    assert torch.equal(states[0][0].bias[..., :5], snis[0].bias) and torch.isneginf(states[0][0].bias[..., 5]).all()
+    assert torch.equal(states[1][0].bias, torch.zeros(1, 2, 6))  # b's layer 0 is the longest: nothing masked
+    assert states[0][1] is None and states[1][1] is None  # layer 1: equal lengths, no SNIS state
+    same = [cache([4, 4]), cache([4, 4])]
+    assert fused.pad_to_common_lengths(same, [(None, None)] * 2)[0] is same
+    with pytest.raises(ValueError, match="covers 4 slots but the cache holds 5"):
+        fused.pad_to_common_lengths([a, b], [(SNISLayerState(torch.zeros(1, 2, 4)), None), (None, None)])
+
+
+def test_one_ratio_decodes_as_one_padded_batch(tiny, tmp_path):
+    """pad_decode: every run of one ratio (kvpress, Page-EntroKV with its page-rounded lengths, SNIS with its
+    per-layer lengths and correction) decodes in one batch and writes what separate harness runs write."""
+    presses = ["snapkv", "page_entrokv", "snis_min", "snis_h2o_h_uncorrected"]
+    for cfg, names in _runs(presses, [0.6], tmp_path / "separate"):
+        harness.run(cfg, names)
+    fused.run_fused(_runs(presses, [0.6], tmp_path / "fused"), "test", pad_decode=True)
+    lengths = set()
+    for press in presses:
+        sep, fus = _rows(tmp_path / "separate", press, 0.6), _rows(tmp_path / "fused", press, 0.6)
+        assert sorted(sep) == sorted(fus) and len(sep) == 2
+        for i in sep:
+            assert fus[i]["decode_batch"] == len(presses)
+            assert fus[i]["prediction"] == sep[i]["prediction"], (press, i)
+            assert fus[i]["effective_compression"] == sep[i]["effective_compression"]
+            lengths.add(round(fus[i]["physical_compression"], 6))
+    assert len(lengths) > 2  # the batch really mixed cache lengths
