@@ -238,6 +238,10 @@ def make_press(name: str, compression_ratio: float, seed: int, tokenizer=None, o
 
 
 # ---------------------------------------------------------------------------------------------- contexts
+MIN_CONTEXT_FRACTION = 0.9
+"""A context must reach this fraction of its target length ``T`` to be measured as length ``T``."""
+
+
 def build_context(ds_cfg: DictConfig, pipe, tokenizer, T: int, seed: int, query_aware: bool):
     """Token ids of one prose context of about ``T`` tokens (chat template included) and its question.
 
@@ -249,7 +253,8 @@ def build_context(ds_cfg: DictConfig, pipe, tokenizer, T: int, seed: int, query_
         (empty when ``query_aware``), the template suffix and the answer prefix, as kvpress's pipeline.
 
     Raises:
-        ValueError: when the dataset cannot build a context that short.
+        ValueError: when the dataset cannot build a context that short, or builds one shorter than
+            ``MIN_CONTEXT_FRACTION`` of ``T`` (e.g. a multi-document context that runs out of passages).
     """
     from hydra.utils import get_class, instantiate
 
@@ -260,6 +265,10 @@ def build_context(ds_cfg: DictConfig, pipe, tokenizer, T: int, seed: int, query_
     dataset = instantiate(ds_cfg, **length)
     example = dataset.examples(tokenizer, 1, seed, query_aware)[0]
     inputs = pipe.preprocess(example.context, [example.question], example.answer_prefix, int(1e10))
+    if inputs["context_ids"].shape[1] < MIN_CONTEXT_FRACTION * T:
+        raise ValueError(f"{ds_cfg._target_} built a context of {inputs['context_ids'].shape[1]} tokens for T={T}, "
+                         f"below {MIN_CONTEXT_FRACTION:.0%} of T: it cannot hold that many tokens (for the "
+                         "multi-document contexts, use fact_kinds=[code], which has 200 passages, not 40)")
     return inputs["context_ids"], inputs["questions_ids"][0]
 
 

@@ -177,3 +177,19 @@ def test_bad_config_is_rejected(tmp_path, override, match):
         bench.validate(_cfg(tmp_path, override))
     with pytest.raises(ValueError, match="time_limit_s=-1"):
         bench.resolve_time_limit(-1, "cpu")
+
+
+def test_context_that_falls_short_of_T_is_an_error(tmp_path, model):
+    """A multi-document context with too few passages for T (city facts: 40 passages) is refused with the
+    length it reached, instead of being measured as length T; the configured code facts reach T."""
+    from kvpress import KVPressTextGenerationPipeline
+
+    tok = _tokenizer()
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device="cpu")
+    cfg = _cfg(tmp_path)
+    ds = copy.deepcopy(cfg.contexts.query_aware)
+    ids, _ = bench.build_context(ds, pipe, tok, 8192, 0, True)
+    assert ids.shape[1] >= 0.9 * 8192
+    ds.fact_kinds = ["city"]
+    with pytest.raises(ValueError, match=r"built a context of \d+ tokens for T=8192, below 90% of T"):
+        bench.build_context(ds, pipe, tok, 8192, 0, True)
