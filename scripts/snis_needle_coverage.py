@@ -1,0 +1,177 @@
+"""Why probabilistic eviction loses the needle: how often the needle's answer tokens survive eviction.
+
+For needle examples of the committed table (question asked after compression, as kvpress's pipeline does),
+run the prefill with each press and record, per layer and KV group, which context positions it keeps:
+
+- probabilistic eviction (``snis_*`` configs): the draw counts ``c_i`` of :func:`presses.budget.sample_counts`
+  (kept = ``c_i > 0``) and the proposal ``pi`` they were drawn from;
+- kvpress scorer presses (``snapkv``, ...): the top ``int(T (1 - r))`` of the press's ``score``, as
+  ``ScorerPress.compress`` keeps them.
+
+The answer tokens are the context tokens that overlap the needle's number. Per example and press:
+``kept_all``, the fraction of (layer, group) pairs that keep every answer token; ``kept_every_layer``, whether
+some group of every layer keeps them all; ``pi_ratio``, the mean proposal mass of an answer token relative to
+uniform ``1 / T`` (SNIS only).
+
+Usage::
+
+    python scripts/snis_needle_coverage.py [--presses snis_min snis_h2o_h snapkv] [--ratio 0.5] [--per-depth 2]
+
+Writes ``<out>/needle_coverage.csv`` (one row per example and press) and ``<out>/needle_coverage.md`` (the
+mean per press and depth, and the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from kvpress import KVPressTextGenerationPipeline, ScorerPress
+from transformers import DynamicCache
+
+import presses.snis_press as snis_module
+from evaluation import run as harness
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def answer_positions(tokenizer, context_ids: torch.Tensor, answer: str) -> list[int]:
+    """Positions of the context tokens that overlap the first occurrence of ``answer`` in the decoded context.
+
+    Raises:
+        ValueError: if the answer is not in the decoded context.
+    """
+    pieces = [tokenizer.decode([int(t)]) for t in context_ids[0]]
+    ends, total = [], 0
+    for piece in pieces:
+        total += len(piece)
+        ends.append(total)
+    text = "".join(pieces)
+    start = text.find(answer)
+    if start < 0:
+        raise ValueError(f"answer {answer!r} not found in the decoded context")
+    stop, begin = start + len(answer), 0
+    positions = []
+    for i, end in enumerate(ends):
+        if end > start and begin < stop:
+            positions.append(i)
+        begin = end
+    return positions
+
+
+def kept_masks(model, press, context_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Run the prefill with ``press``; return per layer the ``(G, T)`` kept mask and (SNIS) the ``(G, T)`` proposal."""
+    kept, proposals = [], []
+    if isinstance(press, ScorerPress):
+        original = press.score
+        T = context_ids.shape[1]
+
+        def score(*args, **kwargs):
+            scores = original(*args, **kwargs)
+            n_kept = int(T * (1 - press.compression_ratio))
+            idx = scores.topk(n_kept, dim=-1).indices
+            kept.append(torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)[0])
+            return scores
+
+        press.score = score
+    original_counts = snis_module.sample_counts
+
+    def counts(pi, m, generator):
+        c = original_counts(pi, m, generator)
+        kept.append((c > 0)[0])
+        proposals.append(pi[0])
+        return c
+
+    snis_module.sample_counts = counts
+    try:
+        with torch.inference_mode(), press(model):
+            model.model(input_ids=context_ids, past_key_values=DynamicCache())
+    finally:
+        snis_module.sample_counts = original_counts
+        if isinstance(press, ScorerPress):
+            del press.score
+    return kept, proposals
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--presses", nargs="+", default=["snis_min", "snis_min_h", "snis_h2o", "snis_h2o_h", "snapkv"])
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--per-depth", type=int, default=2, help="examples per needle depth")
+    parser.add_argument("--out", default="results/snis")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    with initialize_config_dir(str(harness.CONFIG_DIR), version_base="1.3"):
+        cfgs = {p: compose("config", [f"model={args.model}", "dataset=needle", f"press={p}",
+                                      f"compression_ratio={args.ratio}", f"dataset.n_per_depth={args.per_depth}"])
+                for p in args.presses}
+    first = next(iter(cfgs.values()))
+    dataset = instantiate(first.dataset)
+    model, tokenizer = harness.get_model(first.model, "cpu", first.model.get("attn_implementation", "sdpa"))
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device("cpu"))
+    rows = []
+    for ex in harness.run_examples(first, dataset, tokenizer):
+        with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)):
+            inputs = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
+        context_ids = inputs["context_ids"]
+        T = context_ids.shape[1]
+        positions = answer_positions(tokenizer, context_ids, ex.answers[0])
+        for name, cfg in cfgs.items():
+            kept, proposals = kept_masks(model, instantiate(cfg.press), context_ids)
+            per_layer = torch.stack([k[:, positions].all(-1) for k in kept])  # (L, G)
+            row = {"id": ex.id, "depth": ex.metadata["depth"], "press": name, "ratio": args.ratio, "T": T,
+                   "answer_tokens": len(positions), "kept_all": float(per_layer.float().mean()),
+                   "kept_every_layer": bool(per_layer.any(-1).all()),
+                   "pi_ratio": (float(torch.stack([p[:, positions].mean() for p in proposals]).mean() * T)
+                                if proposals else "")}
+            rows.append(row)
+            print(row, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "needle_coverage.csv.tmp"
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(out / "needle_coverage.csv")
+    import pandas as pd
+
+    table = pd.DataFrame(rows)
+    table["pi_ratio"] = pd.to_numeric(table["pi_ratio"], errors="coerce")
+    summary = table.groupby(["press", "depth"])[["kept_all", "kept_every_layer", "pi_ratio"]].mean().unstack("depth")
+    command = "python " + " ".join(shlex.quote(a) for a in ["scripts/snis_needle_coverage.py", *(argv or sys.argv[1:])])
+    text = [
+        "# Needle coverage: do the needle's answer tokens survive eviction?",
+        "",
+        f"Produced by `{command}` in {time.perf_counter() - start:.0f} s ({args.model}, compression_ratio "
+        f"{args.ratio}, {args.per_depth} needle examples per depth, question asked after compression).",
+        "",
+        "`kept_all`: fraction of (layer, KV group) pairs that keep every answer token; `kept_every_layer`: "
+        "fraction of examples where every layer keeps them in some group; `pi_ratio`: mean proposal mass of an "
+        "answer token relative to uniform (SNIS only). Per-example rows: `needle_coverage.csv`.",
+        "",
+    ]
+    for metric in ("kept_all", "kept_every_layer", "pi_ratio"):
+        block = summary[metric]
+        text += [f"### {metric} by needle depth (%)", "",
+                 "| press | " + " | ".join(f"{d:g}" for d in block.columns) + " |",
+                 "| --- | " + " | ".join("---:" for _ in block.columns) + " |"]
+        text += ["| " + press + " | " + " | ".join("–" if pd.isna(v) else f"{v:.3f}" for v in vals) + " |"
+                 for press, vals in block.iterrows()]
+        text.append("")
+    tmp = out / "needle_coverage.md.tmp"
+    tmp.write_text("\n".join(text))
+    tmp.replace(out / "needle_coverage.md")
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
