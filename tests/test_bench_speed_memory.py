@@ -181,7 +181,7 @@ def test_bad_config_is_rejected(tmp_path, override, match):
 
 def test_context_that_falls_short_of_T_is_an_error(tmp_path, model):
     """A multi-document context with too few passages for T (city facts: 40 passages) is refused with the
-    length it reached, instead of being measured as length T; the configured code facts reach T."""
+    length it reached, instead of being measured as length T; the configured code facts reach it."""
     from kvpress import KVPressTextGenerationPipeline
 
     tok = _tokenizer()
@@ -189,7 +189,7 @@ def test_context_that_falls_short_of_T_is_an_error(tmp_path, model):
     cfg = _cfg(tmp_path)
     ds = copy.deepcopy(cfg.contexts.query_aware)
     ids, _ = bench.build_context(ds, pipe, tok, 8192, 0, True)
-    assert ids.shape[1] >= 0.9 * 8192
+    assert ids.shape[1] >= 0.8 * 8192
     ds.fact_kinds = ["city"]
-    with pytest.raises(ValueError, match=r"built a context of \d+ tokens for T=8192, below 90% of T"):
+    with pytest.raises(ValueError, match=r"built a context of \d+ tokens for T=8192, below 80% of T"):
         bench.build_context(ds, pipe, tok, 8192, 0, True)
