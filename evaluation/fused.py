@@ -212,8 +212,9 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     The batched form of ``KVPressTextGenerationPipeline.generate_answer`` (question forward at positions
     ``context_length ...``, then greedy decoding until EOS or ``max_new_tokens``), one row per cache; a
     row's answer stops at its first EOS after the first token (the pipeline never tests the first one).
-    One cache is decoded by the pipeline's own method. Rows of a batch see no padding, so each row
-    computes what it would alone, up to floating-point rounding of batched matrix products.
+    One cache is decoded by the pipeline's own method. Rows of a batch see no padding (or padding that
+    :func:`pad_to_common_lengths` masked to zero attention), so each row computes what it would alone, up
+    to floating-point rounding of batched matrix products.
 
     Raises:
         ValueError: if the caches' per-layer lengths differ.
