@@ -376,6 +376,25 @@ def _decode_and_write(group: list, pipe, question_ids, T: int, max_new: int, ex,
         harness.append_row(out / "predictions.jsonl", row)
 
 
+def round_robin_by_task(examples: list) -> list:
+    """Reorder examples so that tasks take turns: the first example of every task, then the second, ...
+
+    A sweep stopped part-way then holds a few examples of every task rather than all examples of the
+    first tasks. Only the order changes: which examples run, and their rows, are the same.
+
+    Args:
+        examples: harness examples with a ``task`` attribute (``None`` counts as one task).
+
+    Returns:
+        The same examples, each task's in their original order.
+    """
+    by_task: dict = {}
+    for ex in examples:
+        by_task.setdefault(ex.task, []).append(ex)
+    queues = list(by_task.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+
+
 def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch_decode: bool = True,
               pad_decode: bool = False) -> list[dict]:
     """Run several (press, ratio) configs of ONE model and dataset from shared prefills.
@@ -435,7 +454,7 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
     examples = harness.run_examples(first, dataset, tokenizer)
     done_ids = {k: {r["id"] for r in harness.read_predictions(out / "predictions.jsonl")}
                 for k, _, _, out, _ in runs}
-    todo = [e for e in examples if any(e.id not in done_ids[k] for k, *_ in runs)]
+    todo = round_robin_by_task([e for e in examples if any(e.id not in done_ids[k] for k, *_ in runs)])
     logger.info("%d runs x %d examples; %d examples still needed by some run", len(runs), len(examples), len(todo))
     torch.manual_seed(first.seed)
     for ex in tqdm(todo, desc="shared prefill", dynamic_ncols=True):

@@ -336,3 +336,12 @@ def test_one_ratio_decodes_as_one_padded_batch(tiny, tmp_path):
             assert fus[i]["effective_compression"] == sep[i]["effective_compression"]
             lengths.add(round(fus[i]["physical_compression"], 6))
     assert len(lengths) > 2  # the batch really mixed cache lengths
+
+
+def test_round_robin_by_task_interleaves_and_keeps_every_example():
+    from types import SimpleNamespace
+
+    exs = [SimpleNamespace(task=t, id=f"{t}{i}") for t, n in (("a", 3), ("b", 1), ("c", 2)) for i in range(n)]
+    order = [e.id for e in fused.round_robin_by_task(exs)]
+    assert order == ["a0", "b0", "c0", "a1", "c1", "a2"]
+    assert fused.round_robin_by_task([]) == []
