@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SNISLayerState", "snis_bias", "snis_mask", "decode_bias", "install_snis_attention", "clear_snis_state",
-           "SUPPORTED_ATTENTION"]
+__all__ = ["SNISLayerState", "snis_bias", "snis_mask", "decode_bias", "grouped_sdpa", "install_snis_attention",
+           "clear_snis_state", "SUPPORTED_ATTENTION"]
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -177,6 +177,30 @@ def _kernel_decode(module, query, key, value, attention_mask, state, kwargs):
     return out.transpose(1, 2).contiguous(), None  # transformers' (B, q, H_Q, d), no weights
 
 
+def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                 scaling: float | None) -> tuple[torch.Tensor, None]:
+    """sdpa with a float mask under GQA, without copying keys and values to every query head.
+
+    The ``r = H_Q / G`` query heads of a group become extra query rows against the group's own keys:
+    query ``(B, G, r q, d)``, mask ``(B, G, r q, K)``. Each row attends independently, so this equals
+    sdpa on ``repeat_kv``'d keys and values (transformers' path when a mask is given, which copies the
+    whole cache ``r`` times per step) up to floating-point rounding.
+
+    Args:
+        query: ``(B, H_Q, q, d)``; key, value: ``(B, G, K, d)``; mask: additive ``(B, H_Q, q, K)``.
+        scaling: the softmax scale (``None``: ``d ** -0.5``).
+
+    Returns:
+        ``((B, q, H_Q, d), None)``, transformers' attention-function convention.
+    """
+    B, H, q, d = query.shape
+    G, K = key.shape[1], key.shape[2]
+    rows = (H // G) * q  # query head h = g r + j (repeat_kv's order) -> group g, rows j q .. j q + q - 1
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(B, G, rows, d), key, value, attn_mask=mask.reshape(B, G, rows, K), scale=scaling)
+    return out.reshape(B, H, q, d).transpose(1, 2).contiguous(), None
+
+
 def _wrap(func, name: str):
     def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
         state = getattr(module, "_snis_state", None)
@@ -188,6 +212,12 @@ def _wrap(func, name: str):
                 if fast is not None:
                     return fast
                 attention_mask = snis_mask(state, query, key, attention_mask)
+                dropout = args[0] if args else kwargs.get("dropout", 0.0)  # kvpress's patch passes it positionally
+                if (name == "sdpa" and len(args) <= 1 and not dropout and not kwargs.get("sliding_window")
+                        and not kwargs.get("softcap") and not kwargs.get("output_attentions")
+                        and getattr(module, "masked_key_indices", None) is None  # kvpress's AdaKV masking
+                        and query.shape[1] % key.shape[1] == 0):
+                    return grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling"))
         inner = func
         if inner is None:  # eager: the model file's own eager function
             inner = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)

@@ -349,3 +349,35 @@ def test_bad_parameters_raise(tiny_llama):
     with pytest.raises(ValueError, match="flash_attention_2"):
         with ProbabilisticEvictionPress(compression_ratio=0.5)(model):
             pass
+
+
+@pytest.mark.parametrize("r", [1, 3])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_grouped_sdpa_equals_repeat_kv_sdpa_and_wrapper_uses_it(r, q_len, monkeypatch):
+    """The corrected sdpa path folds a group's query heads into query rows instead of copying K/V per head:
+    equal to transformers' sdpa on repeat_kv'd keys with the same mask, and taken by the wrapper."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(r * 10 + q_len)
+    B, G, P, n_after, d = 2, 2, 9, 3 + q_len, 8
+    q = torch.randn(B, G * r, q_len, d, generator=g)
+    k, v = torch.randn(B, G, P + n_after, d, generator=g), torch.randn(B, G, P + n_after, d, generator=g)
+    bias = torch.randn(B, G, P, generator=g)
+    bias[0, 1, 4:] = float("-inf")  # padding
+    state = SNISLayerState(bias)
+    mask = snis_attention.snis_mask(state, q, k, None)
+    module = _Attn(r)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=d ** -0.5)
+    out, _ = snis_attention.grouped_sdpa(q, k, v, mask, d ** -0.5)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    calls, real = [], snis_attention.grouped_sdpa
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(snis_attention, "grouped_sdpa", counting)
+    module._snis_state = state
+    wrapped = _attend("sdpa", module, q, k, v, None)
+    assert calls == [1]
+    torch.testing.assert_close(wrapped, ref.transpose(1, 2))
