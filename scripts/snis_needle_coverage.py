@@ -24,7 +24,6 @@ mean per press and depth, and the command).
 from __future__ import annotations
 
 import argparse
-import csv
 import shlex
 import sys
 import time
@@ -34,13 +33,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from kvpress import KVPressTextGenerationPipeline, ScorerPress
+from kvpress.utils import compute_n_kept
 from transformers import DynamicCache
 
 import presses.snis_press as snis_module
 from evaluation import run as harness
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def answer_positions(tokenizer, context_ids: torch.Tensor, answer: str) -> list[int]:
     """Positions of the context tokens that overlap the first occurrence of ``answer`` in the decoded context.
@@ -75,8 +72,7 @@ def kept_masks(model, press, context_ids: torch.Tensor) -> tuple[list[torch.Tens
 
         def score(*args, **kwargs):
             scores = original(*args, **kwargs)
-            n_kept = int(T * (1 - press.compression_ratio))
-            idx = scores.topk(n_kept, dim=-1).indices
+            idx = scores.topk(compute_n_kept(T, press.compression_ratio), dim=-1).indices
             kept.append(torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)[0])
             return scores
 
@@ -134,17 +130,12 @@ def main(argv: list[str] | None = None) -> None:
                                 if proposals else "")}
             rows.append(row)
             print(row, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "needle_coverage.csv.tmp"
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(out / "needle_coverage.csv")
     import pandas as pd
 
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame(rows)
+    harness.write_atomic(out / "needle_coverage.csv", table.to_csv(index=False))
     table["pi_ratio"] = pd.to_numeric(table["pi_ratio"], errors="coerce")
     summary = table.groupby(["press", "depth"])[["kept_all", "kept_every_layer", "pi_ratio"]].mean().unstack("depth")
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/snis_needle_coverage.py", *(argv or sys.argv[1:])])
@@ -167,9 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         text += ["| " + press + " | " + " | ".join("–" if pd.isna(v) else f"{v:.3f}" for v in vals) + " |"
                  for press, vals in block.iterrows()]
         text.append("")
-    tmp = out / "needle_coverage.md.tmp"
-    tmp.write_text("\n".join(text))
-    tmp.replace(out / "needle_coverage.md")
+    harness.write_atomic(out / "needle_coverage.md", "\n".join(text))
     print("\n".join(text))
 
 
