@@ -171,5 +171,10 @@ def test_multidoc_dataset_structure():
     assert len(again) == 12
     assert [e.answers for e in again if e.id in {x.id for x in exs}] == [e.answers for e in exs]
     assert all(e.question.startswith("Answer the question") and "Question:" not in e.context for e in again)
+    more = MultiDocQADataset(context_lengths=[1500], passage_tokens=300, num_samples=1).examples(
+        tok, 2, seed=3, query_aware=True)  # n_samples replaces num_samples (no silent cap)
+    assert len(more) == 4 and [e.answers for e in more[:2]] == [e.answers for e in exs[:2]]
+    with pytest.raises(ValueError, match="n_samples=0"):
+        ds.examples(tok, 0, seed=3, query_aware=True)
     with pytest.raises(ValueError, match="fact_kinds"):
         MultiDocQADataset(fact_kinds=["color"])

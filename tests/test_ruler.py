@@ -108,8 +108,13 @@ def test_deterministic_in_seed_and_prefix_under_n_samples():
     ds = RulerDataset(tasks=["niah_single_2", "vt"], context_lengths=[512], num_samples=3)
     a = ds.examples(tok, None, 1, False)
     assert [_text(e) for e in a] == [_text(e) for e in ds.examples(tok, None, 1, False)]
-    b = ds.examples(tok, 2, 1, False)  # n_samples caps per task: the first two of each
+    b = ds.examples(tok, 2, 1, False)  # n_samples sets the count per task: the first two of each
     assert [_text(e) for e in b] == [_text(e) for e in a if e.metadata["index"] < 2]
+    c = ds.examples(tok, 5, 1, False)  # more than num_samples: n_samples wins, a's examples are its prefix
+    assert sorted(e.metadata["index"] for e in c if e.task == "vt") == [0, 1, 2, 3, 4]
+    assert [_text(e) for e in c if e.metadata["index"] < 3] == [_text(e) for e in a]
+    with pytest.raises(ValueError, match="n_samples=0"):
+        ds.examples(tok, 0, 1, False)
     assert [_text(e) for e in ds.examples(tok, None, 2, False)] != [_text(e) for e in a]
     again = RulerDataset(tasks=["niah_single_2", "vt"], context_lengths=[512], num_samples=3)
     assert again.examples(tok, None, 1, False)[0] is a[0]  # memoised across instances (sweeps)

@@ -38,7 +38,7 @@ class Dataset(Protocol):
     name: str
 
     def examples(self, tokenizer, n_samples: int | None, seed: int, query_aware: bool) -> list[Example]:
-        """Build the examples (deterministic in ``seed``); ``n_samples`` caps the count per task."""
+        """Build the examples (deterministic in ``seed``); ``n_samples`` sets the count (each dataset says per what)."""
         ...
 
     def score(self, prediction: str, example: Example) -> float:

@@ -56,7 +56,7 @@ class MultiDocQADataset:
             question, before the chat template); examples cycle over them.
         passage_tokens: approximate tokens per passage (prose sentences are added while they fit);
             passages are added while the context stays within its length (at most 40 for cities).
-        num_samples: examples per fact kind (task) and context length; the run's ``n_samples`` caps it.
+        num_samples: examples per fact kind (task) and context length when the run leaves ``n_samples`` unset.
         fact_kinds: kinds of facts (keys of :data:`FACTS`); examples cycle over them.
         max_new_tokens: generation length.
 
@@ -84,14 +84,14 @@ class MultiDocQADataset:
                              f"{2 * self.passage_tokens + 128} tokens (room for two passages)")
 
     def examples(self, tokenizer, n_samples: int | None, seed: int, query_aware: bool) -> list[Example]:
-        """Build ``min(num_samples, n_samples)`` examples per fact kind and context length.
+        """Build ``n_samples`` (default ``num_samples``) examples per fact kind and context length.
 
         Each example is seeded by ``(seed, kind, length, i)``, so a smaller ``n_samples`` gives a prefix
         of a larger one. Order: by length, then index, alternating fact kinds.
 
         Args:
             tokenizer: the model's tokenizer, used to count tokens.
-            n_samples: cap on the examples per task (fact kind) and length, or None.
+            n_samples: examples per task (fact kind) and length, or None for ``num_samples``.
             seed: generation seed; the same seed gives the same examples.
             query_aware: put the closing instruction and the question at the end of the context
                 (``question`` is then empty) instead of asking it after compression.
@@ -99,7 +99,9 @@ class MultiDocQADataset:
         from evaluation.datasets.tokens import count_tokens
 
         lengths = [int(n) for n in self.context_lengths]
-        n = self.num_samples if n_samples is None else min(self.num_samples, int(n_samples))
+        n = self.num_samples if n_samples is None else int(n_samples)
+        if n < 1:
+            raise ValueError(f"n_samples={n} must be >= 1 (examples per fact kind and length)")
         sentences = prose_sentences()
         enc = tokenizer([" " + s for s in sentences], add_special_tokens=False)["input_ids"]
         sent_len = [len(x) for x in enc]

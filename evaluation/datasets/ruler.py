@@ -511,7 +511,7 @@ class RulerDataset:
         tasks: RULER task names (``RULER_TASKS``); default the 11 offline tasks.
         context_lengths: target lengths in model tokens (prompt + ``max_new_tokens``, RULER's
             ``max_seq_length``); every task is generated at every length.
-        num_samples: examples per task and length (``n_samples`` of :meth:`examples` caps it).
+        num_samples: examples per task and length when the run leaves ``n_samples`` unset.
         qa_data_dir: local directory of RULER's qa files (``squad.json``, ``hotpotqa.json``); None = hub.
 
     Raises:
@@ -563,7 +563,7 @@ class RulerDataset:
 
     def examples(self, tokenizer, n_samples: int | None = None, seed: int = 0,
                  query_aware: bool = False) -> list[Example]:
-        """Generate ``min(num_samples, n_samples)`` examples per task and context length.
+        """Generate ``n_samples`` (default ``num_samples``) examples per task and context length.
 
         Deterministic in ``seed``: example ``i`` of a (task, length) only depends on
         ``(seed, task, length, i)``, so a smaller ``n_samples`` yields a prefix of a larger one.
@@ -577,7 +577,9 @@ class RulerDataset:
             ValueError: a length too short for a task's smallest prompt.
             RuntimeError: a qa task without hub access or ``qa_data_dir``.
         """
-        count = self.num_samples if n_samples is None else min(self.num_samples, int(n_samples))
+        count = self.num_samples if n_samples is None else int(n_samples)
+        if count < 1:
+            raise ValueError(f"n_samples={count} must be >= 1 (examples per task and length)")
         key = (tuple(self.tasks), tuple(self.context_lengths), self.qa_data_dir, count, seed, query_aware,
                id(tokenizer), getattr(tokenizer, "name_or_path", None), len(tokenizer))
         if key not in _EXAMPLE_CACHE:  # a multirun re-instantiates the dataset for every press and ratio
