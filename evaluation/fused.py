@@ -396,7 +396,7 @@ def round_robin_by_task(examples: list) -> list:
 
 
 def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch_decode: bool = True,
-              pad_decode: bool = False) -> list[dict]:
+              pad_decode: bool = True) -> list[dict]:
     """Run several (press, ratio) configs of ONE model and dataset from shared prefills.
 
     Args:
@@ -407,7 +407,8 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
             (:func:`generate_answers`); SNIS runs batch with SNIS runs of the same padded lengths, their
             corrections stacked per row (:func:`install_snis_states`).
         pad_decode: with ``batch_decode``, decode all runs of one compression ratio as one batch, their
-            caches padded to common per-layer lengths with the padding masked (:func:`pad_to_common_lengths`).
+            caches padded to common per-layer lengths with the padding masked (:func:`pad_to_common_lengths`);
+            default True, as in ``configs/fused.yaml``.
 
     Returns:
         The metrics of every run, in ``cfgs`` order.
@@ -524,7 +525,7 @@ def main(cfg: DictConfig) -> None:
     """Hydra entry point of the shared-prefill sweep (``configs/fused.yaml``)."""
     overrides = list(HydraConfig.get().overrides.task)
     run_fused(compose_runs(cfg, overrides), harness.command_line("python -m evaluation.fused"), cfg.batch_decode,
-              cfg.get("pad_decode", False))
+              cfg.get("pad_decode", True))
 
 
 if __name__ == "__main__":

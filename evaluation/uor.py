@@ -48,7 +48,7 @@ from kvpress.presses.base_press import BasePress
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from evaluation.run import command_line
+from evaluation.run import CONFIG_DIR, command_line
 from presses.observer import observer_attention
 from presses.page_entrokv import pooled_group_scores
 from presses.paging import allocation_bytes, page_union, union_bytes
@@ -882,7 +882,7 @@ def table6(retention: list[dict], presses: list[str]) -> str:
     return "\n".join(out)
 
 
-@hydra.main(config_path="../configs", config_name="uor", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), config_name="uor", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point (``configs/uor.yaml``)."""
     run(cfg)
