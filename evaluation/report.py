@@ -296,7 +296,17 @@ class _Writer:
                     path.unlink()
 
 
+def _press_colors(presses: list[str]) -> dict[str, object]:
+    """One colour per press, fixed by its place in ``presses``, so a press looks the same in every plot."""
+    import matplotlib  # noqa: PLC0415
+
+    others = [p for p in presses if p != BASELINE]
+    cmap = matplotlib.colormaps["tab10" if len(others) <= 10 else "tab20"]
+    return {p: cmap(i % cmap.N) for i, p in enumerate(others)}
+
+
 def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bool = False) -> None:
+    colors = _press_colors(presses)
     for press in presses:
         pts = sorted((r["ratio"], r[value], r.get("low"), r.get("high")) for r in records if r["press"] == press)
         if not pts:
@@ -308,9 +318,9 @@ def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bo
         if err:
             # clipped at 0: an interval end can sit a rounding error inside the mean (matplotlib refuses < 0)
             yerr = [[max(0.0, y - p[2]) for y, p in zip(ys, pts)], [max(0.0, p[3] - y) for y, p in zip(ys, pts)]]
-            ax.errorbar(xs, ys, yerr=yerr, marker="o", capsize=3, label=press)
+            ax.errorbar(xs, ys, yerr=yerr, marker="o", capsize=3, label=press, color=colors[press])
         else:
-            ax.plot(xs, ys, marker="o", label=press)
+            ax.plot(xs, ys, marker="o", label=press, color=colors[press])
     ax.set_xlabel("compression ratio")
     ax.grid(alpha=0.3)
 

@@ -159,3 +159,24 @@ def test_all_zero_run_plots_with_its_interval(tmp_path):
     build_report(root, out)
     assert (out / "plots" / "needle__tiny__score.png").stat().st_size > 1000
     assert _cell(_csv(out / "tables" / "needle__tiny__summary.csv"), "knorm", 0.5, "score") == 0.0
+
+
+def test_a_press_keeps_its_colour_across_plots():
+    """Score, win and per-task plots draw different subsets of presses; each press keeps one colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from evaluation.report import _plot_lines
+
+    presses = ["no_press", "knorm", "snapkv", "tova"]
+    every = [{"press": p, "ratio": r, "score": 0.5} for p in presses[1:] for r in (0.25, 0.5)]
+    _, (ax1, ax2) = plt.subplots(1, 2)
+    _plot_lines(ax1, every, "score", presses)
+    _plot_lines(ax2, [r for r in every if r["press"] != "knorm"], "score", presses)  # knorm left out here
+    colour = [{ln.get_label(): ln.get_color() for ln in ax.get_lines()} for ax in (ax1, ax2)]
+    plt.close("all")
+    assert set(colour[1]) == {"snapkv", "tova"}
+    assert all(colour[0][p] == colour[1][p] for p in ("snapkv", "tova"))
+    assert len(set(map(str, colour[0].values()))) == 3
