@@ -151,21 +151,52 @@ def cache_stats(cache, model, context_length: int) -> dict:
     return {"effective_compression": logical, "physical_compression": physical}
 
 
+# Keys a run may change between a start and its resume: they do not change its examples or predictions.
+RESUME_FREE_KEYS = ("overwrite", "output_dir", "device")
+
+
+def config_changes(saved, cfg) -> list[str]:
+    """The settings in which ``cfg`` differs from a run directory's ``saved`` config, as ``key: old -> new``.
+
+    Both are (resolved) configs; nested keys are compared leaf by leaf with dotted names, and the
+    keys in ``RESUME_FREE_KEYS`` are ignored.
+    """
+    def flat(node, prefix=""):
+        if isinstance(node, dict):
+            return {k: v for key, val in node.items() for k, v in flat(val, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: node}
+
+    old = flat(OmegaConf.to_container(OmegaConf.create(saved), resolve=True))
+    new = flat(OmegaConf.to_container(OmegaConf.create(cfg), resolve=True))
+    return [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in sorted(set(old) | set(new))
+            if k.split(".")[0] not in RESUME_FREE_KEYS and old.get(k, "<unset>") != new.get(k, "<unset>")]
+
+
 def start_run(cfg: DictConfig, names: dict[str, str]) -> tuple[Path, dict | None]:
     """Validate the names and ratio of one run, create its directory and write its ``config.yaml``.
+
+    A directory that already holds rows or ``metrics.json`` is resumed (or reused) only when its saved
+    ``config.yaml`` has the same settings (:func:`config_changes`), so two settings never mix in one run.
 
     Returns:
         ``(run directory, metrics)``; ``metrics`` is the finished run's ``metrics.json`` (then nothing
         was written) or None when the run still has work.
 
     Raises:
-        ValueError: for a ratio outside ``[0, 1)``, a bad shard, or an unknown config name.
+        ValueError: for a ratio outside ``[0, 1)``, a bad shard, an unknown config name, or a run
+            directory whose saved settings differ (pass ``overwrite=true`` or another ``output_dir``).
     """
     for group, name in names.items():
         if name not in config_choices(group):
             raise ValueError(f"unknown {group} '{name}'; valid: {', '.join(config_choices(group))}")
     check_ratio(cfg.compression_ratio)
     out = run_dir(cfg, names)
+    started = (out / "metrics.json").exists() or (out / "predictions.jsonl").exists()
+    if started and (out / "config.yaml").exists() and not cfg.get("overwrite", False):
+        changed = config_changes(OmegaConf.load(out / "config.yaml"), cfg)
+        if changed:
+            raise ValueError(f"{out} holds a run made with other settings ({'; '.join(changed)}); resuming "
+                             "would mix them: pass overwrite=true to redo it, or choose another output_dir")
     if (out / "metrics.json").exists() and not cfg.get("overwrite", False):
         logger.info("finished run found, skipping: %s", out)
         return out, json.loads((out / "metrics.json").read_text())

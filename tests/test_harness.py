@@ -128,3 +128,25 @@ def test_end_to_end_on_embedded_model_resumes(tmp_path):
     rows2 = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows2] == [r["id"] for r in rows]
     assert [r["seconds"] for r in rows2] == [r["seconds"] for r in rows]
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    """A started run directory resumes only with its own settings; seed/n_samples changes are refused."""
+    names = {"press": "snapkv", "dataset": "ruler_smoke", "model": "smollm2-135m"}
+    base = ["press=snapkv", "dataset=ruler_smoke", "compression_ratio=0.5", "n_samples=1", f"output_dir={tmp_path}"]
+    out, done = harness.start_run(composed(*base), names)
+    assert done is None
+    harness.append_row(out / "predictions.jsonl", {"id": "niah_single_1_1024_0", "score": 1.0})
+    assert harness.start_run(composed(*base, "device=cuda:0"), names)[1] is None  # device may change
+    with pytest.raises(ValueError, match=r"seed: 42 -> 43.*overwrite=true"):
+        harness.start_run(composed(*base, "seed=43"), names)
+    (out / "metrics.json").write_text(json.dumps({"score": 1.0}))  # finished: reused only with equal settings
+    assert harness.start_run(composed(*base), names)[1] == {"score": 1.0}
+    with pytest.raises(ValueError, match=r"n_samples: 1 -> 3"):
+        harness.start_run(composed(*base[:-2], "n_samples=3", f"output_dir={tmp_path}"), names)
+    with pytest.raises(ValueError, match=r"press.window_size: 64 -> 8"):
+        harness.start_run(composed(*base, "press.window_size=8"), names)
+    assert harness.config_changes({"a": {"b": 1}, "seed": 1}, {"a": {"b": 2}, "seed": 1}) == ["a.b: 1 -> 2"]
+    (out / "metrics.json").unlink()
+    harness.start_run(composed(*base, "seed=43", "overwrite=true"), names)  # overwrite starts afresh
+    assert not (out / "predictions.jsonl").exists()
