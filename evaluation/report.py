@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evaluation.metrics import score_interval, win_scores
-from evaluation.run import write_atomic
+from evaluation.run import config_changes, write_atomic
 
 logger = logging.getLogger("evaluation.report")
 
@@ -135,8 +135,24 @@ def scan(results_dir: Path) -> list[Run]:
             missing = sorted(set(range(n)) - {i for i, _ in shards})
             if missing:
                 run.problems.append(f"shards {missing} of {n} missing")
+            run.problems.extend(_shard_setting_problems(pieces))
         runs.append(run)
     return runs
+
+
+def _shard_setting_problems(pieces: list[tuple[tuple[int, int] | None, Path]]) -> list[str]:
+    """One problem per shard whose ``config.yaml`` differs from the first shard's in more than ``shard``."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    saved = [(piece, OmegaConf.load(piece / "config.yaml")) for s, piece in sorted(pieces, key=lambda x: x[0] or (0, 0))
+             if s is not None and (piece / "config.yaml").is_file()]
+    problems = []
+    for piece, cfg in saved[1:]:
+        changed = [c for c in config_changes(saved[0][1], cfg) if not c.startswith("shard:")]
+        if changed:
+            problems.append(f"{piece.name} was made with other settings than {saved[0][0].name} "
+                            f"({'; '.join(changed)})")
+    return problems
 
 
 # --------------------------------------------------------------------------------------------------

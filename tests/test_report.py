@@ -180,3 +180,19 @@ def test_a_press_keeps_its_colour_across_plots():
     assert set(colour[1]) == {"snapkv", "tova"}
     assert all(colour[0][p] == colour[1][p] for p in ("snapkv", "tova"))
     assert len(set(map(str, colour[0].values()))) == 3
+
+
+def test_shards_made_with_other_settings_are_flagged(tmp_path):
+    """Shards of one run must share their settings (all but ``shard``); otherwise the run is incomplete."""
+    root = tmp_path / "runs"
+    _write_run(root, "no_press", "0", [("a", "A", 1.0), ("b", "A", 0.0)])
+    for i, n_samples in enumerate((2, 2)):
+        _write_run(root, "snapkv", "0.5", [(f"x{i}", "A", 1.0)], shard=f"shard_{i}_of_2")
+        d = root / "ruler" / "tiny" / "snapkv" / "cr0.5" / f"shard_{i}_of_2"
+        (d / "config.yaml").write_text(f"compression_ratio: 0.5\nn_samples: {n_samples}\nshard: {i}/2\n")
+    text = build_report(root, tmp_path / "out", plots=False).read_text()
+    assert "Incomplete runs" not in text  # same settings, only the shard differs: merged as complete
+    (d / "config.yaml").write_text("compression_ratio: 0.5\nn_samples: 1\nshard: 1/2\n")
+    text = build_report(root, tmp_path / "out", plots=False).read_text()
+    assert "Incomplete runs" in text
+    assert "shard_1_of_2 was made with other settings than shard_0_of_2 (n_samples: 2 -> 1)" in text
