@@ -191,17 +191,18 @@ def start_run(cfg: DictConfig, names: dict[str, str]) -> tuple[Path, dict | None
             raise ValueError(f"unknown {group} '{name}'; valid: {', '.join(config_choices(group))}")
     check_ratio(cfg.compression_ratio)
     out = run_dir(cfg, names)
-    started = (out / "metrics.json").exists() or (out / "predictions.jsonl").exists()
-    if started and (out / "config.yaml").exists() and not cfg.get("overwrite", False):
+    overwrite, finished = cfg.get("overwrite", False), (out / "metrics.json").exists()
+    started = finished or (out / "predictions.jsonl").exists()
+    if started and not overwrite and (out / "config.yaml").exists():
         changed = config_changes(OmegaConf.load(out / "config.yaml"), cfg)
         if changed:
             raise ValueError(f"{out} holds a run made with other settings ({'; '.join(changed)}); resuming "
                              "would mix them: pass overwrite=true to redo it, or choose another output_dir")
-    if (out / "metrics.json").exists() and not cfg.get("overwrite", False):
+    if finished and not overwrite:
         logger.info("finished run found, skipping: %s", out)
         return out, json.loads((out / "metrics.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.get("overwrite", False) and (out / "predictions.jsonl").exists():
+    if overwrite and (out / "predictions.jsonl").exists():
         (out / "predictions.jsonl").unlink()
     write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     return out, None

@@ -39,6 +39,7 @@ from transformers import DynamicCache
 import presses.snis_press as snis_module
 from evaluation import run as harness
 
+
 def answer_positions(tokenizer, context_ids: torch.Tensor, answer: str) -> list[int]:
     """Positions of the context tokens that overlap the first occurrence of ``answer`` in the decoded context.
 
