@@ -37,7 +37,7 @@ Each (press, ratio) writes the same run directory, ``config.yaml``, ``prediction
 way: an example is prefilled only if some run still lacks its row. A row's ``seconds`` is the shared
 prefill plus that press's hook replay plus its share of the (batched) decode; ``prefill_seconds`` gives
 the shared part and ``decode_batch`` the batch size. Within one example the probabilistic-eviction presses
-share their proposals (:func:`presses.proposals.shared_proposals`): a proposal is computed by the first run
+share their proposals (:func:`presses.probabilistic.proposals.shared_proposals`): a proposal is computed by the first run
 that needs it, so that run's ``seconds`` carries it and the later runs' do not.
 """
 
@@ -65,7 +65,7 @@ def shared_prefill_presses():
     from kvpress import ObservedAttentionPress, ScorerPress
 
     from presses.page_entrokv import PageEntroKVPress
-    from presses.snis_press import ProbabilisticEvictionPress
+    from presses.probabilistic.press import ProbabilisticEvictionPress
 
     return (ScorerPress, PageEntroKVPress, ProbabilisticEvictionPress), (ObservedAttentionPress,)
 
@@ -185,7 +185,7 @@ def replay_prefill(model, press, capture: PrefillCapture):
 
     from transformers import DynamicCache
 
-    from presses.snis_attention import clear_snis_state
+    from presses.attention_bias import clear_snis_state
 
     check_shareable(press)
     lm = _language_model(model)
@@ -263,10 +263,10 @@ def take_snis_states(model) -> tuple:
     """Detach the SNIS correction a replay left on ``model``'s attention modules.
 
     Returns:
-        One entry per decoder layer: its :class:`presses.snis_attention.SNISLayerState` (bias ``(B, G, P)``)
+        One entry per decoder layer: its :class:`presses.attention_bias.SNISLayerState` (bias ``(B, G, P)``)
         or ``None``. The modules are cleared, so the next replay starts clean.
     """
-    from presses.snis_attention import clear_snis_state
+    from presses.attention_bias import clear_snis_state
 
     states = tuple(getattr(layer.self_attn, "_snis_state", None) for layer in _language_model(model).layers)
     clear_snis_state(model)
@@ -277,7 +277,7 @@ def install_snis_states(model, states_per_run: list) -> None:
     """Put the SNIS corrections of the runs of one decode batch back on ``model``'s attention modules.
 
     Layer ``i`` gets the batch-wise concatenation of the runs' biases (row ``k`` of the batch is run ``k``),
-    which :func:`presses.snis_attention.snis_mask` applies per row; a layer without a state in every run
+    which :func:`presses.attention_bias.snis_mask` applies per row; a layer without a state in every run
     gets none.
 
     Raises:
@@ -285,7 +285,7 @@ def install_snis_states(model, states_per_run: list) -> None:
     """
     import torch
 
-    from presses.snis_attention import SNISLayerState, install_snis_attention
+    from presses.attention_bias import SNISLayerState, install_snis_attention
 
     if any(state is not None for states in states_per_run for state in states):
         install_snis_attention()  # the states act through the wrapper (padding masks need it without SNIS presses)
@@ -306,7 +306,7 @@ def pad_to_common_lengths(caches: list, states_per_run: list) -> tuple[list, lis
 
     Layer ``i`` of every cache is padded at its end with zero keys and values to ``P_i``, the longest
     length of that layer among the runs. The padded slots are masked with a ``-inf`` logit bias carried by a
-    :class:`presses.snis_attention.SNISLayerState` (the SNIS attention wrapper turns it into the attention
+    :class:`presses.attention_bias.SNISLayerState` (the SNIS attention wrapper turns it into the attention
     mask), so they get exactly zero attention weight; a run's own SNIS bias is kept on its real slots and a
     run without one gets ``0`` there. Layers where no run is padded and no run has an SNIS state get none.
     Keys carry their RoPE positions already, so where the padding sits does not matter to the real slots.
@@ -326,7 +326,7 @@ def pad_to_common_lengths(caches: list, states_per_run: list) -> tuple[list, lis
     import torch.nn.functional as F
     from transformers import DynamicCache
 
-    from presses.snis_attention import SNISLayerState
+    from presses.attention_bias import SNISLayerState
 
     n_layers = len(caches[0])
     lengths = [[c.get_seq_length(i) for i in range(n_layers)] for c in caches]
@@ -358,7 +358,7 @@ def _decode_and_write(group: list, pipe, question_ids, T: int, max_new: int, ex,
     their SNIS corrections stacked) and append each run's prediction row (with its own, unpadded cache)."""
     import torch
 
-    from presses.snis_attention import clear_snis_state
+    from presses.attention_bias import clear_snis_state
 
     start = time.perf_counter()
     caches, states = pad_to_common_lengths([item[1] for item in group], [item[3] for item in group])
@@ -424,7 +424,7 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
     from tqdm import tqdm
     from transformers import DynamicCache
 
-    from presses.proposals import shared_proposals
+    from presses.probabilistic.proposals import shared_proposals
 
     shared_keys = ("model", "dataset", "seed", "n_samples", "shard", "query_aware", "device", "max_new_tokens")
     first = cfgs[0][0]

@@ -1,8 +1,9 @@
-"""KVPress presses for KV-cache compression research: Page-EntroKV, probabilistic SNIS eviction and
-EntroPrefill, with their shared math (Rényi pooling, paging, budget search, proposals)."""
+"""KVPress presses for KV-cache compression research: Page-EntroKV, probabilistic eviction with a SNIS
+correction, and EntroPrefill, with the contract they share (:mod:`presses.base`). ARCHITECTURE.md shows the
+layout; docs/methods.md explains each method."""
 
 from presses.entroprefill import EntroPrefillPress
 from presses.page_entrokv import PageEntroKVPress
-from presses.snis_press import ProbabilisticEvictionPress
+from presses.probabilistic import ProbabilisticEvictionPress
 
 __all__ = ["EntroPrefillPress", "PageEntroKVPress", "ProbabilisticEvictionPress"]

@@ -102,9 +102,9 @@ def build_cases(torch, device, lengths, dry, only):
         pooled_page_scores_reference,
     )
     from presses.kernels.renyi_pages import pooled_page_scores_triton
-    from presses.observer import observer_attention_reference
-    from presses.proposals import column_sums as column_sums_reference
-    from presses.proposals import harmonic_prior
+    from presses.core.observer import observer_attention_reference
+    from presses.core.columns import column_sums as column_sums_reference
+    from presses.probabilistic.proposals import harmonic_prior
 
     if dry:
         B, HQ, G, d, W, page, dtype, L, M, qblock = 1, 4, 2, 16, 16, 16, torch.float32, 2, 7, 32

@@ -325,7 +325,7 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
     import torch
     from transformers import DynamicCache
 
-    from presses.snis_attention import clear_snis_state
+    from presses.attention_bias import clear_snis_state
 
     sync = _sync_fn(device)
     ids = context_ids.to(device)
@@ -465,7 +465,7 @@ def run_bench(cfg: DictConfig, model, tokenizer, model_name: str, device: str, c
     import torch
     from kvpress import KVPressTextGenerationPipeline
 
-    from presses.snis_attention import install_snis_attention
+    from presses.attention_bias import install_snis_attention
 
     t_start = time.perf_counter()
     presses, ratios, lengths = validate(cfg)

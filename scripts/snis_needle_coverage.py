@@ -3,7 +3,7 @@
 For needle examples of the committed table (question asked after compression, as kvpress's pipeline does),
 run the prefill with each press and record, per layer and KV group, which context positions it keeps:
 
-- probabilistic eviction (``snis_*`` configs): the draw counts ``c_i`` of :func:`presses.budget.sample_counts`
+- probabilistic eviction (``snis_*`` configs): the draw counts ``c_i`` of :func:`presses.probabilistic.budget.sample_counts`
   (kept = ``c_i > 0``) and the proposal ``pi`` they were drawn from;
 - kvpress scorer presses (``snapkv``, ...): the top ``int(T (1 - r))`` of the press's ``score``, as
   ``ScorerPress.compress`` keeps them.
@@ -36,7 +36,7 @@ from kvpress import KVPressTextGenerationPipeline, ScorerPress
 from kvpress.utils import compute_n_kept
 from transformers import DynamicCache
 
-import presses.snis_press as snis_module
+import presses.probabilistic.press as snis_module
 from evaluation import run as harness
 
 

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from presses.budget import MAX_SAMPLES, expected_unique, sample_counts, search_num_samples
+from presses.core.coupon import expected_unique
+from presses.probabilistic.budget import MAX_SAMPLES, sample_counts, search_num_samples
 
 # SPEC 3.3 worked example (the paper's F.1 example with the ratios put right)
 PI_EXAMPLE = torch.tensor([0.8, 0.0998, 0.0001, 0.0001], dtype=torch.float64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from presses.chunking import (
+from presses.entroprefill.chunking import (
     PASSAGE_PATTERN,
     find_question,
     passage_marker,

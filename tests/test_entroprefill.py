@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import presses.entroprefill as ep
-from presses.dual import dual_bound, dual_certificate, greedy_feasible_scan
-from presses.entroprefill import (
-    EntroPrefillPress,
+import presses.entroprefill.press as ep
+from presses.entroprefill.dual import dual_bound, dual_certificate, greedy_feasible_scan
+from presses.core.renyi import sink_isolate
+from presses.entroprefill import EntroPrefillPress
+from presses.entroprefill.equations import (
     chunk_priorities,
     deletion_envelope,
     floor_weights,
@@ -21,7 +22,7 @@ from presses.entroprefill import (
     row_attention,
     set_change,
 )
-from presses.observer import observer_attention_reference, window_queries
+from presses.core.observer import observer_attention_reference, window_queries
 
 from conftest import make_tiny_llama
 
@@ -122,7 +123,7 @@ def test_proposition_3_1_weight_bounds():
         T = 80
         a = random_rows(r, 1, T, g)[:, 0]
         fw = floor_weights(a, 1, n_sink, tau, zeta, z_min=1e-3)
-        a_t, _ = ep.sink_isolate(a, n_sink)
+        a_t, _ = sink_isolate(a, n_sink)
         H2 = -torch.log((a_t.double() ** 2).sum(-1))
         hs = int(H2.argmin())
         delta = float((H2 - H2[hs]).sort().values[1])  # others have entropy >= H* + delta
@@ -136,7 +137,7 @@ def test_proposition_3_1_weight_bounds():
         sib = torch.softmax(torch.randn(T, generator=g) * 3, 0)
         a = torch.stack([sink_head, sib])
         fw = floor_weights(a, 1, n_sink, tau, zeta, z_min=0.01)
-        a_t, _ = ep.sink_isolate(a, n_sink)
+        a_t, _ = sink_isolate(a, n_sink)
         c0 = float((a_t[1].double() ** 2).sum())
         upper = zeta / 2 + (1 - zeta) * n ** (-1 / tau) / (n ** (-1 / tau) + c0 ** (1 / tau))
         assert float(fw["w"][0, 0]) <= upper + 1e-6

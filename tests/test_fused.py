@@ -86,7 +86,7 @@ def test_replay_rebuilds_the_compressed_cache_exactly(tiny, press_name):
 
 def test_shared_proposals_compute_once_and_change_nothing(tiny, monkeypatch):
     """Presses differing only in ratio and correction share one proposal per layer, bit for bit."""
-    import presses.proposals as proposals
+    import presses.probabilistic.proposals as proposals
 
     model, _ = tiny
     calls = []
@@ -247,7 +247,7 @@ def test_snis_runs_of_equal_lengths_decode_as_one_batch(tiny, tmp_path):
 
 
 def test_install_snis_states_refuses_mismatched_runs(tiny):
-    from presses.snis_attention import SNISLayerState
+    from presses.attention_bias import SNISLayerState
 
     model, _ = tiny
     a = tuple(SNISLayerState(torch.zeros(1, 2, 5)) for _ in range(3))
@@ -296,7 +296,7 @@ def test_batched_decode_never_stops_at_the_first_token(tiny):
 def test_pad_to_common_lengths_masks_only_the_padding(tiny):
     """Caches of different per-layer lengths are padded at their end to the longest; the padded slots get a
     -inf bias, real slots keep the run's SNIS bias (or 0); equal lengths come back untouched."""
-    from presses.snis_attention import SNISLayerState
+    from presses.attention_bias import SNISLayerState
 
     def cache(lengths):
         c = DynamicCache()

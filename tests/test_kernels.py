@@ -50,9 +50,9 @@ from presses.kernels.references import (  # noqa: E402
     pooled_page_scores_reference,
 )
 from presses.kernels.renyi_pages import pooled_page_scores_triton  # noqa: E402
-from presses.observer import observer_attention_reference  # noqa: E402
-from presses.proposals import column_sums as column_sums_reference  # noqa: E402
-from presses.proposals import harmonic_prior  # noqa: E402
+from presses.core.observer import observer_attention_reference  # noqa: E402
+from presses.core.columns import column_sums as column_sums_reference  # noqa: E402
+from presses.probabilistic.proposals import harmonic_prior  # noqa: E402
 
 STAT_TOL = {torch.float32: (1e-6, 1e-4), torch.bfloat16: (1e-5, 1e-3), torch.float16: (1e-5, 1e-3)}
 DECODE_TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
@@ -228,11 +228,11 @@ def test_biased_decode_matches_reference(G, r, K, splits, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_biased_decode_equals_snis_sdpa_path(dtype):
-    """The kernel computes what presses.snis_attention's sdpa wrapper computes for one decode token:
+    """The kernel computes what presses.attention_bias's sdpa wrapper computes for one decode token:
     per-group SNIS bias on the prompt slots, -inf padding, the post-eviction entries unbiased."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from presses.snis_attention import SNISLayerState, snis_mask
+    from presses.attention_bias import SNISLayerState, snis_mask
 
     B, G, r, P, n_after = 2, 2, 3, 30, 4
     g = _gen(11)
@@ -350,8 +350,8 @@ def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
     """The SNIS press computes its ``h2o_h`` proposal (harmonic prior, query blocks of 32 rows) through the
     dispatch point: with Triton forced it equals the reference path, and the press keeps the same entries."""
     import presses.kernels.attention_columns as attention_columns
-    import presses.proposals as proposals
-    import presses.snis_press as snis_press
+    import presses.probabilistic.proposals as proposals
+    import presses.probabilistic.press as snis_press
     from transformers import DynamicCache
 
     model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation="sdpa", seed=4)
@@ -397,7 +397,7 @@ def test_snis_decode_through_biased_decode_kernel(tiny_llama, monkeypatch, attn)
     """The SNIS press's one-token decode step goes through the biased-decode dispatch when Triton is
     picked, and its logits equal those of the masked-attention path (reference mode)."""
     import presses.kernels.biased_decode as biased_decode
-    from presses.snis_press import ProbabilisticEvictionPress
+    from presses.probabilistic.press import ProbabilisticEvictionPress
     from transformers import DynamicCache
 
     model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation=attn, seed=5)
@@ -428,7 +428,8 @@ def test_budget_search_through_expected_unique_kernel(monkeypatch, pool_dims):
     here) gives the same ``m`` as the reference, head-wise and with the global (pooled) budget, and the
     search meets its tolerance (paper 003 Alg. 2, eq. 24)."""
     import presses.kernels.expected_unique as expected_unique_module
-    from presses.budget import expected_unique, search_num_samples
+    from presses.core.coupon import expected_unique
+    from presses.probabilistic.budget import search_num_samples
 
     pi = torch.softmax(3 * torch.randn(1, 2, 3, 50, generator=_gen(5), dtype=torch.float64), -1)
     calls = []

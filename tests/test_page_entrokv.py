@@ -18,7 +18,7 @@ W, B, N_SINK = 16, 8, 4
 
 
 def expected_kept(T: int, ratio: float, page_size: int = B, n_sink: int = N_SINK, window: int = W) -> int:
-    """Strict-budget count from the SPEC formula, computed independently of presses.paging."""
+    """Strict-budget count from the SPEC formula, computed independently of presses.core.paging."""
     b = math.floor(round(T * (1 - ratio), 9))
     pages = {j // page_size for j in range(T) if j < n_sink or j >= T - window}
     prot = sum(1 for j in range(T) if j // page_size in pages)
@@ -159,7 +159,7 @@ def test_no_compression_short_context_and_conflicts(tiny_llama, caplog):
     with pytest.raises(ValueError, match="b=50"):
         prefill(model, ids, PageEntroKVPress(compression_ratio=0.5, window_size=64))
     press = PageEntroKVPress(compression_ratio=0.5, window_size=64, on_budget_conflict="keep_protected")
-    with caplog.at_level("WARNING", logger="presses.paging"):
+    with caplog.at_level("WARNING", logger="presses.core.paging"):
         cache = prefill(model, ids, press)
     assert cache.get_seq_length() == 84 and press.summary()["budget_conflict"] == 1
     assert sum("budget conflict" in r.getMessage() for r in caplog.records) == 1  # once per prefill

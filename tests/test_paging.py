@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from presses.paging import (
+from presses.core.paging import (
     allocation_bytes,
     page_budget,
     page_scores,
@@ -115,7 +115,7 @@ def test_budget_conflict_message_and_keep_protected(caplog):
     msg = str(err.value)
     for needle in ("84 tokens", "b=50", "T=100", "page_size=16", "n_sink=4", "window_size=64"):
         assert needle in msg, (needle, msg)
-    with caplog.at_level(logging.WARNING, logger="presses.paging"):
+    with caplog.at_level(logging.WARNING, logger="presses.core.paging"):
         pos, pages, plan = select_positions(torch.rand(1, 2, 100), 0.5, 16, 4, 64, on_budget_conflict="keep_protected")
     assert plan.conflict and plan.kept_tokens == 84 and plan.num_selected == 0
     assert pages[0, 0].tolist() == [0, 2, 3, 4, 5, 6] and pos.shape == (1, 2, 84)

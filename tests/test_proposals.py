@@ -7,10 +7,10 @@ import torch
 from kvpress import BasePress, KnormPress, SnapKVPress, TOVAPress
 from transformers import DynamicCache
 
-from presses.proposals import (
+from presses.core.columns import column_sums
+from presses.probabilistic.proposals import (
     adjust_proposal,
     attention_column_sums,
-    column_sums,
     compute_proposal,
     group_mixture,
     harmonic_prior,

@@ -1,6 +1,6 @@
 """Sink-isolated Rényi pooling inside GQA groups: SPEC section 1 steps 2-5 and the paper-000
 properties (Table 10 needle bound, Table 5a temperature limit, Theorem 2 sink masquerade, entropy range).
-Exercised through the press's pooling path :func:`presses.page_entrokv.pooled_group_scores`."""
+Exercised through the press's pooling path :func:`presses.core.pooling.pooled_group_scores`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from presses.page_entrokv import pooled_group_scores
-from presses.renyi import group_weights, renyi_entropy, sink_isolate
+from presses.core.pooling import pooled_group_scores
+from presses.core.renyi import group_weights, renyi_entropy, sink_isolate
 
 # Paper 000 Table 10 (r = 8, tau_g = 0.5, 1 - eps = 0.95): T -> Delta(T), the bound's loss term.
 TABLE10_DELTA = {4096: 1.59e-6, 8192: 3.97e-7, 16384: 9.92e-8, 32768: 2.48e-8, 65536: 6.20e-9, 131072: 1.63e-9}

@@ -7,11 +7,11 @@ import torch
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-import presses.snis_attention as snis_attention
-import presses.snis_press as snis_press
-from presses.budget import sample_counts
-from presses.snis_attention import SNISLayerState, install_snis_attention, snis_bias
-from presses.snis_press import ProbabilisticEvictionPress
+import presses.attention_bias as snis_attention
+import presses.probabilistic.press as snis_press
+from presses.probabilistic.budget import sample_counts
+from presses.attention_bias import SNISLayerState, install_snis_attention, snis_bias
+from presses.probabilistic.press import ProbabilisticEvictionPress
 
 T = 40  # prompt length of the model-level tests
 

@@ -10,8 +10,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from presses.paging import allocation_bytes, page_union, union_bytes
-from presses.uor import (
+from presses.core.paging import allocation_bytes, page_union, union_bytes
+from evaluation.uor.replay import (
     alpha_sweep,
     bonferroni_bound,
     bonferroni_threshold,
@@ -182,7 +182,7 @@ def test_replay_rejects_bad_groups():
 
 @pytest.mark.parametrize("k", [0.02, 0.05, 0.1, 0.2])
 def test_pooled_row_is_exactly_one(k):
-    from presses.page_entrokv import pooled_group_scores
+    from presses.core.pooling import pooled_group_scores
 
     attn = torch.softmax(torch.randn(4, 9, 300, generator=torch.Generator().manual_seed(1)) * 3, -1)
     pooled, _ = pooled_group_scores(attn, num_groups=3)
@@ -209,7 +209,7 @@ def test_bytes_formulas():
 
 
 def test_page_accounting_from_records():
-    from evaluation.uor import page_accounting
+    from evaluation.uor.study import page_accounting
 
     recs = [{"layer_idx": 0, "kept_pages": torch.tensor([[0, 1, 5], [0, 2, 5], [0, 1, 5]])},
             {"layer_idx": 1, "kept_pages": torch.tensor([[0, 3, 5], [0, 3, 5], [0, 3, 5]])}]
@@ -269,9 +269,9 @@ def test_classify_heads_rule():
 # -- capture driver on a tiny random GQA Llama --------------------------------------------------------
 
 def test_capture_on_tiny_llama(tiny_llama):
-    from presses.observer import observer_attention  # noqa: F401  (the capture must agree with it)
+    from presses.observers import observer_attention  # noqa: F401  (the capture must agree with it)
     from presses.page_entrokv import PageEntroKVPress
-    from evaluation.uor import capture
+    from evaluation.uor.study import capture
 
     torch.manual_seed(0)
     model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, attn_implementation="eager")
@@ -295,7 +295,7 @@ def test_capture_on_tiny_llama(tiny_llama):
         assert kept <= T // 2
         assert [cap.caches[name].get_seq_length(i) for i in range(2)] == [kept, kept]
     # the snapkv scorer is the press's observer attention: same entropies as the press recorded
-    from presses.page_entrokv import pooled_group_scores
+    from presses.core.pooling import pooled_group_scores
 
     _, diag = pooled_group_scores(cap.scores["snapkv"], 2, diagnostics=True)
     rec = torch.stack([r["entropy"] for r in cap.records["entropy"]])
@@ -303,7 +303,7 @@ def test_capture_on_tiny_llama(tiny_llama):
 
 
 def test_capture_needs_eager(tiny_llama):
-    from evaluation.uor import capture
+    from evaluation.uor.study import capture
 
     model = tiny_llama(num_heads=4, num_kv_heads=2, num_layers=1, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="eager"):

@@ -1,6 +1,6 @@
 """Multi-document QA in the spirit of LongBench's multi-doc tasks, generated locally from a seed.
 
-The context is a list of ``Passage N:`` passages (:func:`presses.chunking.passage_marker`, the
+The context is a list of ``Passage N:`` passages (:func:`presses.entroprefill.chunking.passage_marker`, the
 markers EntroPrefill's ``chunking="passage"`` mode splits on) built from offline English prose
 (:mod:`evaluation.datasets.prose`, CPython's ``pydoc_data.topics``). Every passage carries one
 generated fact of the same kind about a different person (a city of residence, or an access
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from evaluation.datasets.base import Example
 from evaluation.datasets.prose import prose_sentences
-from presses.chunking import passage_marker
+from presses.entroprefill.chunking import passage_marker
 
 __all__ = ["MultiDocQADataset", "INSTRUCTION", "FACTS"]
 

@@ -9,9 +9,9 @@
 
 Dispatch function -> torch reference -> Triton implementation:
 
-- :func:`window_attention` -> :func:`presses.observer.observer_attention_reference` ->
+- :func:`window_attention` -> :func:`presses.core.observer.observer_attention_reference` ->
   :func:`presses.kernels.attention_columns.window_attention_triton`
-- :func:`column_sums` -> :func:`presses.proposals.column_sums` ->
+- :func:`column_sums` -> :func:`presses.core.columns.column_sums` ->
   :func:`presses.kernels.attention_columns.column_sums_triton`
 - :func:`pooled_page_scores` -> :func:`presses.kernels.references.pooled_page_scores_reference` ->
   :func:`presses.kernels.renyi_pages.pooled_page_scores_triton`
@@ -20,7 +20,8 @@ Dispatch function -> torch reference -> Triton implementation:
 - :func:`biased_decode_attention` -> :func:`presses.kernels.references.biased_decode_reference` ->
   :func:`presses.kernels.biased_decode.biased_decode_triton`
 
-The Triton modules are imported only when a Triton path is taken, so the references need no Triton.
+The references need no Triton: without it installed, the Triton modules are ``None`` and every call takes
+the reference (``KVPRESS_RESEARCH_KERNELS=triton`` then raises).
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ from __future__ import annotations
 import os
 
 import torch
+
+from presses.core.columns import column_sums as column_sums_reference
+from presses.core.observer import observer_attention_reference
+from presses.kernels.references import (
+    biased_decode_reference,
+    expected_unique_many_reference,
+    pooled_page_scores_reference,
+)
+
+try:  # the Triton implementations (an optional dependency: the ``triton`` extra)
+    from presses.kernels import attention_columns, biased_decode, expected_unique, renyi_pages
+except ImportError:  # pragma: no cover - only without triton
+    attention_columns = biased_decode = expected_unique = renyi_pages = None
 
 __all__ = [
     "KERNEL_MODES",
@@ -67,11 +81,9 @@ def use_triton(tensor: torch.Tensor) -> bool:
     mode = kernel_mode()
     if mode == "reference" or (mode == "auto" and not tensor.is_cuda):
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError as err:
+    if attention_columns is None:
         if mode == "triton":
-            raise RuntimeError("KVPRESS_RESEARCH_KERNELS=triton but triton is not installed") from err
+            raise RuntimeError("KVPRESS_RESEARCH_KERNELS=triton but triton is not installed")
         return False
     if mode == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("KVPRESS_RESEARCH_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1, set "
@@ -81,14 +93,10 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 def window_attention(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Dispatch for the observer-averaged window attention ``(B, H_Q, W, d), (B, G, T, d) -> (B, H_Q, T)``
-    float32; see :func:`presses.observer.observer_attention_reference` for shapes, errors and source
+    float32; see :func:`presses.core.observer.observer_attention_reference` for shapes, errors and source
     (SPEC 1 step 1). The Triton path never stores ``W x T`` per head."""
     if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
-        from presses.kernels.attention_columns import window_attention_triton
-
-        return window_attention_triton(queries, keys)
-    from presses.observer import observer_attention_reference
-
+        return attention_columns.window_attention_triton(queries, keys)
     return observer_attention_reference(queries, keys)
 
 
@@ -96,15 +104,11 @@ def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Te
                 rows: torch.Tensor | None = None, scaling: float | None = None) -> torch.Tensor:
     """Dispatch for the weighted causal-attention column sums of a block of query rows (SNIS proposals
     ``h2o``, ``h2o_h``, ``min``, ``min_h``; paper 003 eqs. 16, 36); see
-    :func:`presses.proposals.column_sums` for shapes ``(B, H_Q, n, d), (B, G, t, d) -> (B, H_Q, t)``,
+    :func:`presses.core.columns.column_sums` for shapes ``(B, H_Q, n, d), (B, G, t, d) -> (B, H_Q, t)``,
     errors and source."""
     if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
-        from presses.kernels.attention_columns import column_sums_triton
-
-        return column_sums_triton(queries, keys, row_weights, rows, scaling)
-    from presses.proposals import column_sums as reference
-
-    return reference(queries, keys, row_weights, rows, scaling)
+        return attention_columns.column_sums_triton(queries, keys, row_weights, rows, scaling)
+    return column_sums_reference(queries, keys, row_weights, rows, scaling)
 
 
 def pooled_page_scores(attn: torch.Tensor, num_groups: int, n_sink: int = 4, alpha: float = 2.0, tau: float = 0.5,
@@ -116,8 +120,8 @@ def pooled_page_scores(attn: torch.Tensor, num_groups: int, n_sink: int = 4, alp
     Args:
         attn: ``(B, H_Q, T)`` observer attention.
         num_groups, n_sink, alpha, tau, pooling, diagnostics: as
-            :func:`presses.page_entrokv.pooled_group_scores`.
-        page_size, page_score: as :func:`presses.paging.page_scores`.
+            :func:`presses.core.pooling.pooled_group_scores`.
+        page_size, page_score: as :func:`presses.core.paging.page_scores`.
 
     Returns:
         ``(pooled (B, G, T), page_scores (B, G, P), diag or None)`` float32
@@ -127,12 +131,8 @@ def pooled_page_scores(attn: torch.Tensor, num_groups: int, n_sink: int = 4, alp
         ValueError: as ``pooled_group_scores`` and ``page_scores``.
     """
     if use_triton(attn):
-        from presses.kernels.renyi_pages import pooled_page_scores_triton
-
-        return pooled_page_scores_triton(attn, num_groups, n_sink, alpha, tau, pooling, page_size, page_score,
+        return renyi_pages.pooled_page_scores_triton(attn, num_groups, n_sink, alpha, tau, pooling, page_size, page_score,
                                          diagnostics)
-    from presses.kernels.references import pooled_page_scores_reference
-
     return pooled_page_scores_reference(attn, num_groups, n_sink, alpha, tau, pooling, page_size, page_score,
                                         diagnostics)
 
@@ -142,11 +142,7 @@ def expected_unique_many(pi: torch.Tensor, num_samples) -> torch.Tensor:
     ``pi (..., t)``, ``num_samples (..., M)`` -> ``(..., M)`` float64; see
     :func:`presses.kernels.expected_unique.expected_unique_many_reference`."""
     if use_triton(pi):
-        from presses.kernels.expected_unique import expected_unique_many_triton
-
-        return expected_unique_many_triton(pi, num_samples)
-    from presses.kernels.references import expected_unique_many_reference
-
+        return expected_unique.expected_unique_many_triton(pi, num_samples)
     return expected_unique_many_reference(pi, num_samples)
 
 
@@ -157,9 +153,5 @@ def biased_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     ``(B, H_Q, 1, d)``; see :func:`presses.kernels.biased_decode.biased_decode_reference`. The Triton
     path is split-K flash decoding."""
     if use_triton(key) and query.dtype == key.dtype == value.dtype and key.dtype in _TRITON_DTYPES:
-        from presses.kernels.biased_decode import biased_decode_triton
-
-        return biased_decode_triton(query, key, value, bias, scaling)
-    from presses.kernels.references import biased_decode_reference
-
+        return biased_decode.biased_decode_triton(query, key, value, bias, scaling)
     return biased_decode_reference(query, key, value, bias, scaling)

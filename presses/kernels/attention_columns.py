@@ -4,10 +4,10 @@ One kernel family serves two presses:
 
 - Page-EntroKV / EntroPrefill observer attention (SPEC 1 step 1, paper 000 sec. 3, paper 001 eq. 2):
   ``a^h[j] = mean_u softmax_j(q_u . k_j / sqrt(d))`` over the last ``W`` queries
-  (:func:`window_attention_triton`; reference :func:`presses.observer.observer_attention_reference`).
+  (:func:`window_attention_triton`; reference :func:`presses.core.observer.observer_attention_reference`).
 - SNIS proposals (SPEC 3.1, paper 003 eqs. 16, 35-36): ``s^h[i] = sum_j w_j softmax_i(q_j . k_i * scaling)``
   over a block of query rows with row weights ``w`` (the harmonic prior for ``h2o_h`` / ``min_h``)
-  (:func:`column_sums_triton`; reference :func:`presses.proposals.column_sums`).
+  (:func:`column_sums_triton`; reference :func:`presses.core.columns.column_sums`).
 
 Query at absolute position ``p`` sees keys ``j <= p``. Two passes over the keys, each row's softmax
 normaliser being needed before rows can be summed:
@@ -27,6 +27,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from presses.core.observer import check_window
 
 __all__ = ["column_sums_triton", "window_attention_triton"]
 
@@ -155,7 +157,7 @@ def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: t
     """Triton weighted column sums of causal softmax attention (paper 003 eqs. 16, 36; SPEC 3.1).
 
     ``s^h[i] = row_scale * sum_u w_u softmax_i(q^h_u . k_i * scaling) [i <= pos_u]``; same contract as
-    :func:`presses.proposals.column_sums` (which it matches to float round-off), plus ``row_scale``.
+    :func:`presses.core.columns.column_sums` (which it matches to float round-off), plus ``row_scale``.
 
     Args:
         queries: ``(B, H_Q, n, d)`` RoPE'd queries (fp32, bf16 or fp16; any strides).
@@ -252,7 +254,7 @@ def window_attention_triton(queries: torch.Tensor, keys: torch.Tensor, **blocks)
 
     ``a^h[j] = mean_u softmax_j(q_u . k_j / sqrt(d))`` over the last ``W`` queries (query ``u`` at
     position ``T - W + u`` sees keys ``j <= T - W + u``). Same contract as
-    :func:`presses.observer.observer_attention_reference`.
+    :func:`presses.core.observer.observer_attention_reference`.
 
     Args:
         queries: ``(B, H_Q, W, d)`` RoPE'd window queries.
@@ -265,7 +267,6 @@ def window_attention_triton(queries: torch.Tensor, keys: torch.Tensor, **blocks)
     Raises:
         ValueError: if ``W`` is outside ``[1, T]`` or ``G`` does not divide ``H_Q``.
     """
-    from presses.observer import check_window
 
     W, T = queries.shape[2], keys.shape[2]
     check_window(W, T)

@@ -4,7 +4,7 @@
 row: one program per (row, block of candidates) sweeps the row once, so a budget search can score a
 whole level set of candidates (e.g. the next ``k`` levels of its binary search) per launch.
 
-float64 throughout, like :func:`presses.budget.expected_unique`. ``expm1`` and ``log1p`` are
+float64 throughout, like :func:`presses.core.coupon.expected_unique`. ``expm1`` and ``log1p`` are
 evaluated with Kahan's compensated forms (``x log(u) / (u - 1)`` with ``u = 1 + x``; ``(u - 1) x / log u``
 with ``u = e^x``), accurate to a few ulp from plain ``exp`` / ``log``.
 """

@@ -1,20 +1,24 @@
 """Torch references of the scoring kernels that have no reference elsewhere (no Triton import here).
 
 - :func:`pooled_page_scores_reference`: Page-EntroKV scoring after the observer attention
-  (SPEC 1 steps 2-6), composed from :func:`presses.page_entrokv.pooled_group_scores` and
-  :func:`presses.paging.page_scores`.
+  (SPEC 1 steps 2-6), composed from :func:`presses.core.pooling.pooled_group_scores` and
+  :func:`presses.core.paging.page_scores`.
 - :func:`expected_unique_many_reference`: ``E[J(m)]`` of many candidate ``m`` (paper 003 eq. 24) via
-  :func:`presses.budget.expected_unique`.
+  :func:`presses.core.coupon.expected_unique`.
 - :func:`biased_decode_reference`: one-token decode attention with a per-group logit bias
-  (paper 003 Alg. 1, eq. 10; SPEC 3.5), the math of :mod:`presses.snis_attention`'s sdpa path.
+  (paper 003 Alg. 1, eq. 10; SPEC 3.5), the math of :mod:`presses.attention_bias`'s sdpa path.
 
-The observer-attention and column-sum references are :func:`presses.observer.observer_attention_reference`
-and :func:`presses.proposals.column_sums`.
+The observer-attention and column-sum references are :func:`presses.core.observer.observer_attention_reference`
+and :func:`presses.core.columns.column_sums`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from presses.core.coupon import expected_unique
+from presses.core.paging import PAGE_SCORES, page_scores
+from presses.core.pooling import POOLINGS, pooled_group_scores
 
 __all__ = ["pooled_page_scores_reference", "expected_unique_many_reference", "biased_decode_reference",
            "check_pooling_args", "broadcast_candidates", "check_decode_args"]
@@ -22,9 +26,6 @@ __all__ = ["pooled_page_scores_reference", "expected_unique_many_reference", "bi
 
 def check_pooling_args(attn: torch.Tensor, num_groups: int, pooling: str, page_size: int, page_score: str) -> None:
     """Validate the arguments shared by the pooled-page-score functions (``ValueError`` naming the value)."""
-    from presses.page_entrokv import POOLINGS
-    from presses.paging import PAGE_SCORES
-
     if attn.dim() != 3:
         raise ValueError(f"attn must be (B, H_Q, T), got shape {tuple(attn.shape)}")
     if pooling not in POOLINGS:
@@ -42,7 +43,7 @@ def pooled_page_scores_reference(attn: torch.Tensor, num_groups: int, n_sink: in
                                  tau: float = 0.5, pooling: str = "entropy", page_size: int = 16,
                                  page_score: str = "block_max", diagnostics: bool = False,
                                  ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
-    """Torch reference: :func:`presses.page_entrokv.pooled_group_scores` then :func:`presses.paging.page_scores`.
+    """Torch reference: :func:`presses.core.pooling.pooled_group_scores` then :func:`presses.core.paging.page_scores`.
 
     Args:
         attn: ``(B, H_Q, T)`` observer attention.
@@ -55,9 +56,6 @@ def pooled_page_scores_reference(attn: torch.Tensor, num_groups: int, n_sink: in
     Raises:
         ValueError: as the two functions do.
     """
-    from presses.page_entrokv import pooled_group_scores
-    from presses.paging import page_scores
-
     pooled, diag = pooled_group_scores(attn, num_groups, n_sink, alpha, tau, pooling, diagnostics)
     return pooled, page_scores(pooled, page_size, page_score), diag
 
@@ -72,7 +70,7 @@ def broadcast_candidates(pi: torch.Tensor, num_samples) -> tuple[torch.Tensor, t
 
 
 def expected_unique_many_reference(pi: torch.Tensor, num_samples) -> torch.Tensor:
-    """Torch reference: :func:`presses.budget.expected_unique` for ``M`` candidates per row.
+    """Torch reference: :func:`presses.core.coupon.expected_unique` for ``M`` candidates per row.
 
     Args:
         pi: ``(..., t)`` probabilities (rows summing to 1).
@@ -82,8 +80,6 @@ def expected_unique_many_reference(pi: torch.Tensor, num_samples) -> torch.Tenso
     Returns:
         ``(..., M)`` float64 ``E[J(m)] = sum_i -expm1(m log1p(-pi_i))`` (paper 003 eq. 24).
     """
-    from presses.budget import expected_unique
-
     pi, m = broadcast_candidates(pi, num_samples)
     return expected_unique(pi.unsqueeze(-2), m)
 
@@ -115,7 +111,7 @@ def biased_decode_reference(query: torch.Tensor, key: torch.Tensor, value: torch
 
     ``out^h = sum_i softmax_i(q^h . k_i * scaling + bias_{g(h), i}) v_i`` with ``g(h) = h // r``; computed in
     float32 and cast to ``query.dtype``. Equals transformers' ``sdpa`` attention of the layer with the
-    float mask of :func:`presses.snis_attention.snis_mask` (whose rows are this bias, in the query dtype).
+    float mask of :func:`presses.attention_bias.snis_mask` (whose rows are this bias, in the query dtype).
 
     Args:
         query: ``(B, H_Q, 1, d)`` or ``(B, H_Q, d)``, the one decode token.

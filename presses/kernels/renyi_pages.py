@@ -8,12 +8,12 @@ Page-EntroKV needs (SPEC 1 steps 2-6; paper 000 sec. 3 and Thm. 2; paper 001 sec
   per head, two sweeps over the row (the second divides by ``z`` before taking powers, as the
   reference does);
 - the group weights ``w = softmax_{h in g}(-H_h / tau)``: ``O(B H_Q)`` numbers, computed by
-  :func:`presses.renyi.group_weights` in torch (no kernel needed);
+  :func:`presses.core.renyi.group_weights` in torch (no kernel needed);
 - ``p_g[j] = sum_h w_h a^h[j]`` (or ``max_h a^h[j]``) and the page score ``max_{j in page} p_g[j]``
   (or the page mass): ``_pool_pages_kernel``, one program per (group, block of pages).
 
 The torch reference is :func:`presses.kernels.references.pooled_page_scores_reference` (Page-EntroKV's own
-``pooled_group_scores`` followed by :func:`presses.paging.page_scores`).
+``pooled_group_scores`` followed by :func:`presses.core.paging.page_scores`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from presses.core.renyi import RENYI_ORDERS, group_weights
 from presses.kernels.references import check_pooling_args
 
 __all__ = ["pooled_page_scores_triton", "row_entropies_triton"]
@@ -145,13 +146,12 @@ def row_entropies_triton(attn: torch.Tensor, n_sink: int, alpha: float = 2.0) ->
 
     Returns:
         dict of ``(...)`` float32 tensors: ``z`` (non-sink mass), ``entropy``
-        (:func:`presses.renyi.renyi_entropy` of :func:`presses.renyi.sink_isolate`'s ``a~``) and
-        ``raw_entropy`` (:func:`presses.renyi.renyi_entropy` of the raw row).
+        (:func:`presses.core.renyi.renyi_entropy` of :func:`presses.core.renyi.sink_isolate`'s ``a~``) and
+        ``raw_entropy`` (:func:`presses.core.renyi.renyi_entropy` of the raw row).
 
     Raises:
         ValueError: for ``n_sink`` outside ``[0, T)`` or ``alpha <= 0``.
     """
-    from presses.renyi import RENYI_ORDERS
 
     T = attn.shape[-1]
     if n_sink < 0 or n_sink >= T:
@@ -178,7 +178,6 @@ def pooled_page_scores_triton(attn: torch.Tensor, num_groups: int, n_sink: int =
                               ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
     """Triton version of :func:`presses.kernels.references.pooled_page_scores_reference` (same arguments, returns and errors;
     equal to float32 round-off). SPEC 1 steps 2-6."""
-    from presses.renyi import group_weights
 
     check_pooling_args(attn, num_groups, pooling, page_size, page_score)
     Bsz, HQ, T = attn.shape

@@ -11,27 +11,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MAX_SAMPLES", "BUDGETS", "expected_unique", "search_num_samples", "sample_counts"]
+from presses.kernels import expected_unique_many  # dispatch: Triton on CUDA, presses.core.coupon elsewhere
+
+__all__ = ["MAX_SAMPLES", "BUDGETS", "search_num_samples", "sample_counts"]
 
 MAX_SAMPLES = 10**12
 BUDGETS = ("head", "global")
-
-
-def expected_unique(pi: torch.Tensor, num_samples) -> torch.Tensor:
-    """Expected number of distinct entries after ``m`` draws with replacement (paper 003 eq. 24).
-
-    ``E[J(m)] = sum_i -expm1(m * log1p(-pi_i))`` (the stable form of ``1 - (1 - pi_i)^m``).
-
-    Args:
-        pi: ``(..., t)`` probabilities (rows summing to 1).
-        num_samples: ``m``, an int or an integer tensor broadcastable to ``pi.shape[:-1]``.
-
-    Returns:
-        ``(...)`` float64 expectations in ``[0, t]``.
-    """
-    pi = pi.double()
-    m = torch.as_tensor(num_samples, dtype=torch.float64, device=pi.device)
-    return (-torch.expm1(m.unsqueeze(-1) * torch.log1p(-pi))).sum(-1)
 
 
 def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tuple[int, ...] = (),
@@ -70,7 +55,6 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
     dims = tuple(d % nd for d in pool_dims)
     if nd - 1 in dims:
         raise ValueError(f"pool_dims={pool_dims} may not contain the entry axis (the last one)")
-    from presses.kernels import expected_unique_many  # dispatch: Triton on CUDA, this module's formula elsewhere
 
     pi = pi.double()
     j_star = (1.0 - compression_ratio) * pi.shape[-1]

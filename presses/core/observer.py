@@ -13,7 +13,7 @@ import torch
 from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
-__all__ = ["observer_attention", "window_queries", "observer_attention_reference", "check_window"]
+__all__ = ["window_queries", "observer_attention_reference", "check_window"]
 
 
 def check_window(window_size: int, seq_len: int) -> None:
@@ -81,34 +81,3 @@ def observer_attention_reference(queries: torch.Tensor, keys: torch.Tensor) -> t
     future = torch.arange(T, device=keys.device).view(1, T) > pos_q
     logits = logits.masked_fill(future, float("-inf"))
     return torch.softmax(logits, dim=-1).mean(dim=-2).reshape(B, HQ, T)
-
-
-def observer_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,
-                       position_embeddings, attentions: torch.Tensor | None = None) -> torch.Tensor:
-    """Observer-averaged attention of the last ``window_size`` prefill queries (SPEC 1 step 1).
-
-    Uses the layer's eager attention weights when kvpress passes them, and otherwise recomputes the
-    window queries and calls the dispatch point :func:`presses.kernels.window_attention` (Triton on
-    CUDA, :func:`observer_attention_reference` elsewhere).
-
-    Args:
-        module: the attention module the kvpress hook fired on.
-        hidden_states: ``(B, T, D_model)``.
-        keys: ``(B, G, T, d)`` RoPE'd keys of the cache.
-        window_size: ``W``, ``1 <= W <= T``.
-        position_embeddings: ``(cos, sin)`` from the hook's kwargs.
-        attentions: optional ``(B, H_Q, T, T)`` eager attention weights.
-
-    Returns:
-        ``(B, H_Q, T)`` float32 rows summing to 1.
-
-    Raises:
-        ValueError: if ``window_size`` is outside ``[1, T]``.
-    """
-    T = keys.shape[2]
-    check_window(window_size, T)
-    if attentions is not None:
-        return attentions[..., -window_size:, :].float().mean(dim=-2)
-    from presses.kernels import window_attention
-
-    return window_attention(window_queries(module, hidden_states, window_size, position_embeddings), keys)

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from presses.renyi import group_weights, renyi_entropy, sink_isolate
+from presses.core.renyi import group_weights, renyi_entropy, sink_isolate
 
 __all__ = [
     "SCORERS",
@@ -266,7 +266,7 @@ def pooled_replay(pooled: torch.Tensor, r: int, k_over_t: float) -> dict[str, to
     (paper 000 Theorem 3), ``J_bar = J_max = 1``. Same outputs as :func:`head_independent_replay`.
 
     Args:
-        pooled: ``(..., G, T)`` pooled group scores (e.g. :func:`presses.page_entrokv.pooled_group_scores`).
+        pooled: ``(..., G, T)`` pooled group scores (e.g. :func:`presses.core.pooling.pooled_group_scores`).
         r: heads per group, ``>= 1``.
         k_over_t: budget in ``(0, 1]``.
     """
@@ -377,7 +377,7 @@ def tau_sweep(entropy: torch.Tensor, num_groups: int, taus: Sequence[float]) -> 
         than ``1e-6``) and ``monotone`` (``violations == 0``).
 
     Raises:
-        ValueError: for an empty ``taus`` or a ``tau <= 0`` (from :func:`presses.renyi.group_weights`).
+        ValueError: for an empty ``taus`` or a ``tau <= 0`` (from :func:`presses.core.renyi.group_weights`).
     """
     taus = sorted(float(t) for t in taus)
     if not taus:
@@ -406,7 +406,7 @@ def alpha_sweep(attn: torch.Tensor, num_groups: int, n_sink: int, alphas: Sequen
         ``{alpha: {"entropy": (..., H_Q), "max_w": (..., G), "h_min", "h_max", "violations",
         "at_clamp"}}``: the entropies, the largest weight per group, their range, the count outside
         ``[0, ln T]`` and the count lying on the clamp edges ``0`` or ``ln(T - n_sink)`` of
-        :func:`presses.renyi.renyi_entropy` (within ``1e-6``; a non-zero count means the clamp may
+        :func:`presses.core.renyi.renyi_entropy` (within ``1e-6``; a non-zero count means the clamp may
         have hidden round-off).
 
     Raises:

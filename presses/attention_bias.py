@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from presses.kernels import biased_decode_attention, use_triton
+
 __all__ = ["SNISLayerState", "snis_bias", "snis_mask", "decode_bias", "grouped_sdpa", "install_snis_attention",
            "clear_snis_state", "SUPPORTED_ATTENTION"]
 
@@ -166,8 +168,6 @@ def decode_bias(state: SNISLayerState, key: torch.Tensor, attention_mask: torch.
 def _kernel_decode(module, query, key, value, attention_mask, state, kwargs):
     """The one-token decode step through :func:`presses.kernels.biased_decode_attention` when the dispatch
     picks Triton (CUDA), else ``None`` (the caller then runs the wrapped attention function)."""
-    from presses.kernels import biased_decode_attention, use_triton
-
     if query.shape[2] != 1 or not use_triton(key) or kwargs.get("sliding_window") or kwargs.get("softcap"):
         return None
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1:

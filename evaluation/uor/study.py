@@ -8,7 +8,7 @@ Usage::
 One eager prefill per prompt (needle and RULER contexts) feeds everything. A capture press, hooked on every
 attention layer, reduces the ``(H_Q, T, T)`` attention on the fly to three per-head score rows (never
 storing ``T x T`` for more than the current layer): ``h2o`` (column sums), ``last_row`` and ``snapkv``
-(window-averaged observer attention, :func:`presses.observer.observer_attention`). In the same hook it runs
+(window-averaged observer attention, :func:`presses.observers.observer_attention`). In the same hook it runs
 the ``compress`` of the configured Page-EntroKV presses (entropy and mean pooling, ``record=True``) on the
 layer's full keys and stores their compressed caches, so one prefill gives the uncompressed cache, both
 compressed caches and the presses' per-layer diagnostics. Needle prompts then decode an answer from each
@@ -49,11 +49,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from evaluation.run import CONFIG_DIR, command_line
-from presses.observer import observer_attention
-from presses.page_entrokv import pooled_group_scores
-from presses.paging import allocation_bytes, page_union, union_bytes
-from presses.renyi import group_weights
-from presses.uor import (
+from presses.observers import observer_attention
+from presses.core.pooling import pooled_group_scores
+from presses.core.paging import allocation_bytes, page_union, union_bytes
+from presses.core.renyi import group_weights
+from evaluation.uor.replay import (
     HEAD_CLASSES,
     SCORERS,
     accumulated_attention,
@@ -102,7 +102,7 @@ class CapturePress(BasePress):
     """Prefill hook: per-head score rows of every layer, plus the compressed caches of other presses.
 
     Reduces the layer's eager attention ``(1, H_Q, T, T)`` at once to ``(H_Q, T)`` rows for each of
-    :data:`presses.uor.SCORERS` and discards it. Each press in ``presses`` compresses the layer's full
+    :data:`evaluation.uor.replay.SCORERS` and discards it. Each press in ``presses`` compresses the layer's full
     keys/values with its own ``compress``; its output goes to ``caches[name]``. The model's own cache is
     returned unchanged (the uncompressed baseline).
 
@@ -224,7 +224,7 @@ def page_accounting(records: list[dict], head_dim: int, page_size: int, bytes_pe
 
     Per layer ``l``: ``K_{l,g}`` kept pages of each group, ``U_l = |union_g K_{l,g}|``; per-group allocation
     ``2 e d B sum_g K_{l,g}`` bytes against union materialisation ``2 e d B G U_l`` bytes
-    (:func:`presses.paging.allocation_bytes`, :func:`presses.paging.union_bytes`).
+    (:func:`presses.core.paging.allocation_bytes`, :func:`presses.core.paging.union_bytes`).
 
     Args:
         records: a page press's ``records`` with ``layer_idx`` and ``kept_pages`` ``(G, n)`` (one prompt).

@@ -10,9 +10,9 @@ from kvpress import BasePress
 from torch import nn
 from transformers import QuantizedCache
 
-from presses.budget import BUDGETS, search_num_samples, sample_counts
-from presses.proposals import PROPOSALS, compute_proposal
-from presses.snis_attention import (
+from presses.probabilistic.budget import BUDGETS, search_num_samples, sample_counts
+from presses.probabilistic.proposals import PROPOSALS, compute_proposal
+from presses.attention_bias import (
     SUPPORTED_ATTENTION,
     SNISLayerState,
     clear_snis_state,
@@ -28,12 +28,12 @@ class ProbabilisticEvictionPress(BasePress):
     """Sample the kept entries from a proposal and correct decoding by self-normalised importance sampling.
 
     Per layer and KV group, build a proposal ``pi`` over the ``t`` prompt entries
-    (:mod:`presses.proposals`, paper 003 appendix H / D), pick the number of draws ``m`` whose
-    expected kept count is ``(1 - compression_ratio) t`` (:mod:`presses.budget`, appendix F), draw
+    (:mod:`presses.probabilistic.proposals`, paper 003 appendix H / D), pick the number of draws ``m`` whose
+    expected kept count is ``(1 - compression_ratio) t`` (:mod:`presses.probabilistic.budget`, appendix F), draw
     ``m`` samples with replacement, keep exactly the entries drawn at least once, and store each layer
     dense, padded to its largest kept count (padding masked). At decode the kept prompt entries get
     the logit bias ``(log c_i - log m - log pi_i) / tau`` (Algorithm 1 with eq. 10), entries written
-    after eviction get 0 and padding ``-inf`` (:mod:`presses.snis_attention`; sdpa and eager).
+    after eviction get 0 and padding ``-inf`` (:mod:`presses.attention_bias`; sdpa and eager).
 
     ``budget="global"`` (the paper's setting, F.1) uses ONE ``m`` for all groups of all layers of a
     request, chosen so the mean expected kept count over them hits the target. To see every layer's

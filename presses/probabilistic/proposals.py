@@ -17,15 +17,14 @@ from contextlib import contextmanager
 import torch
 
 from presses import kernels
-from presses.observer import window_queries
-from presses.renyi import pool_groups
+from presses.core.observer import window_queries
+from presses.core.renyi import pool_groups
 
 __all__ = [
     "ATTENTION_PROPOSALS",
     "SCORER_PROPOSALS",
     "PROPOSALS",
     "harmonic_prior",
-    "column_sums",
     "attention_column_sums",
     "head_proposals",
     "group_mixture",
@@ -68,49 +67,6 @@ def _check_block(block_size: int) -> None:
         raise ValueError(f"block_size={block_size} must be >= 1")
 
 
-def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None, scaling: float | None = None) -> torch.Tensor:
-    """Weighted column sums of causal softmax attention for one block of query rows.
-
-    ``s^h[i] = sum_{j in block} w_j softmax_i(q^h_j . k_i * scaling) [i <= pos_j]`` (paper 003 eq. 16
-    with row weights; ``w = 1`` is H2O's score, ``w = h`` the harmonic marginal of eq. 36).
-
-    Args:
-        queries: ``(B, H_Q, n, d)`` RoPE'd queries of the block rows.
-        keys: ``(B, G, t, d)`` RoPE'd keys, ``G`` dividing ``H_Q``.
-        row_weights: ``(n,)`` weights of the rows, or ``None`` for 1.
-        rows: ``(n,)`` absolute positions of the rows (query at position ``p`` sees keys ``<= p``);
-            default the last ``n`` positions ``t - n .. t - 1``.
-        scaling: logit scale, default ``d ** -0.5``.
-
-    Returns:
-        ``(B, H_Q, t)`` float32.
-
-    Raises:
-        ValueError: if ``G`` does not divide ``H_Q`` or a row position is outside ``[0, t)``.
-    """
-    B, HQ, n, d = queries.shape
-    G, t = keys.shape[1], keys.shape[2]
-    if HQ % G:
-        raise ValueError(f"num_kv_heads={G} must divide num_heads={HQ}")
-    r = HQ // G
-    if rows is None:
-        rows = torch.arange(t - n, t, device=keys.device)
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= t):
-        raise ValueError(f"row positions must lie in [0, t={t}), got [{int(rows.min())}, {int(rows.max())}]")
-    scaling = d ** -0.5 if scaling is None else scaling
-    end = int(rows.max()) + 1 if rows.numel() else 0  # keys beyond the last row are never visible
-    q = queries.float().reshape(B, G, r * n, d)
-    logits = torch.matmul(q, keys[:, :, :end].float().transpose(-1, -2)) * scaling  # (B, G, r*n, end)
-    logits = logits.view(B, G, r, n, end)
-    future = torch.arange(end, device=keys.device).view(1, end) > rows.view(n, 1)
-    probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
-    if row_weights is not None:
-        probs = probs * row_weights.float().view(n, 1)
-    out = probs.sum(dim=-2).reshape(B, HQ, end)
-    return torch.nn.functional.pad(out, (0, t - end))
-
-
 def attention_column_sums(module, hidden_states: torch.Tensor, keys: torch.Tensor, position_embeddings,
                           row_weights: torch.Tensor | None = None, block_size: int = 128,
                           scaling: float | None = None) -> torch.Tensor:
@@ -118,7 +74,7 @@ def attention_column_sums(module, hidden_states: torch.Tensor, keys: torch.Tenso
 
     ``s^h[i] = sum_{j=1..t} w_j p^h_j(i)`` with ``p_j`` the causal attention row of query ``j``
     (paper 003 eqs. 16, 36). Queries are re-projected from ``hidden_states`` with RoPE
-    (:func:`presses.observer.window_queries`) ``block_size`` rows at a time, so peak memory is
+    (:func:`presses.core.observer.window_queries`) ``block_size`` rows at a time, so peak memory is
     ``O(B H_Q block_size t)`` instead of ``O(B H_Q t^2)``.
 
     Args:

@@ -1,0 +1,46 @@
+"""Observer attention of a prefill layer: what the observer queries attend to, averaged over the observers.
+
+The one entry point presses use (Page-EntroKV, the UOR analysis): it slices kvpress's eager attention
+weights when the layer returns them, and otherwise recomputes the observers' RoPE'd queries and calls the
+kernel dispatch point :func:`presses.kernels.window_attention` (Triton on CUDA, the torch reference
+:func:`presses.core.observer.observer_attention_reference` elsewhere). docs/methods.md §1 step 1;
+paper 000 section 3; paper 001 eq. 2 and appendix C (rows are averaged before any entropy is taken).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from presses.core.observer import check_window, window_queries
+from presses.kernels import window_attention
+
+__all__ = ["observer_attention"]
+
+
+def observer_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,
+                       position_embeddings, attentions: torch.Tensor | None = None) -> torch.Tensor:
+    """Observer-averaged attention of the last ``window_size`` prefill queries (SPEC 1 step 1).
+
+    Uses the layer's eager attention weights when kvpress passes them, and otherwise recomputes the
+    window queries and calls the dispatch point :func:`presses.kernels.window_attention` (Triton on
+    CUDA, :func:`observer_attention_reference` elsewhere).
+
+    Args:
+        module: the attention module the kvpress hook fired on.
+        hidden_states: ``(B, T, D_model)``.
+        keys: ``(B, G, T, d)`` RoPE'd keys of the cache.
+        window_size: ``W``, ``1 <= W <= T``.
+        position_embeddings: ``(cos, sin)`` from the hook's kwargs.
+        attentions: optional ``(B, H_Q, T, T)`` eager attention weights.
+
+    Returns:
+        ``(B, H_Q, T)`` float32 rows summing to 1.
+
+    Raises:
+        ValueError: if ``window_size`` is outside ``[1, T]``.
+    """
+    T = keys.shape[2]
+    check_window(window_size, T)
+    if attentions is not None:
+        return attentions[..., -window_size:, :].float().mean(dim=-2)
+    return window_attention(window_queries(module, hidden_states, window_size, position_embeddings), keys)

@@ -1,0 +1,6 @@
+"""Page-EntroKV (paper 000; docs/methods.md §1): entropy-weighted, sink-isolated head pooling inside each GQA
+group, with eviction at page granularity."""
+
+from presses.page_entrokv.press import PageEntroKVPress
+
+__all__ = ["PageEntroKVPress"]
