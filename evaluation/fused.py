@@ -185,12 +185,12 @@ def replay_prefill(model, press, capture: PrefillCapture):
 
     from transformers import DynamicCache
 
-    from presses.attention_bias import clear_snis_state
+    from presses.attention_bias import clear_attention_bias
 
     check_shareable(press)
     lm = _language_model(model)
     cache = DynamicCache()
-    clear_snis_state(model)  # what the SNIS attention wrapper does at every new prefill
+    clear_attention_bias(model)  # what the SNIS attention wrapper does at every new prefill
     with press(model) if press is not None else contextlib.nullcontext():
         for i, layer in enumerate(lm.layers):
             if layer._forward_pre_hooks or layer._forward_hooks or layer.self_attn._forward_pre_hooks:
@@ -263,13 +263,13 @@ def take_snis_states(model) -> tuple:
     """Detach the SNIS correction a replay left on ``model``'s attention modules.
 
     Returns:
-        One entry per decoder layer: its :class:`presses.attention_bias.SNISLayerState` (bias ``(B, G, P)``)
+        One entry per decoder layer: its :class:`presses.attention_bias.AttentionBias` (bias ``(B, G, P)``)
         or ``None``. The modules are cleared, so the next replay starts clean.
     """
-    from presses.attention_bias import clear_snis_state
+    from presses.attention_bias import clear_attention_bias
 
-    states = tuple(getattr(layer.self_attn, "_snis_state", None) for layer in _language_model(model).layers)
-    clear_snis_state(model)
+    states = tuple(getattr(layer.self_attn, "_attention_bias", None) for layer in _language_model(model).layers)
+    clear_attention_bias(model)
     return states
 
 
@@ -277,7 +277,7 @@ def install_snis_states(model, states_per_run: list) -> None:
     """Put the SNIS corrections of the runs of one decode batch back on ``model``'s attention modules.
 
     Layer ``i`` gets the batch-wise concatenation of the runs' biases (row ``k`` of the batch is run ``k``),
-    which :func:`presses.attention_bias.snis_mask` applies per row; a layer without a state in every run
+    which :func:`presses.attention_bias.bias_mask` applies per row; a layer without a state in every run
     gets none.
 
     Raises:
@@ -285,20 +285,20 @@ def install_snis_states(model, states_per_run: list) -> None:
     """
     import torch
 
-    from presses.attention_bias import SNISLayerState, install_snis_attention
+    from presses.attention_bias import AttentionBias, install_bias_attention
 
     if any(state is not None for states in states_per_run for state in states):
-        install_snis_attention()  # the states act through the wrapper (padding masks need it without SNIS presses)
+        install_bias_attention()  # the states act through the wrapper (padding masks need it without SNIS presses)
     for i, layer in enumerate(_language_model(model).layers):
         layer_states = [states[i] for states in states_per_run]
         present = [s is not None for s in layer_states]
         if not any(present):
-            layer.self_attn._snis_state = None
+            layer.self_attn._attention_bias = None
             continue
         if not all(present) or len({s.prefix_len for s in layer_states}) != 1:
             raise ValueError(f"layer {i}: runs decoded in one batch need SNIS states of equal padded length "
                              f"(present={present})")
-        layer.self_attn._snis_state = SNISLayerState(torch.cat([s.bias for s in layer_states], dim=0))
+        layer.self_attn._attention_bias = AttentionBias(torch.cat([s.bias for s in layer_states], dim=0))
 
 
 def pad_to_common_lengths(caches: list, states_per_run: list) -> tuple[list, list]:
@@ -306,7 +306,7 @@ def pad_to_common_lengths(caches: list, states_per_run: list) -> tuple[list, lis
 
     Layer ``i`` of every cache is padded at its end with zero keys and values to ``P_i``, the longest
     length of that layer among the runs. The padded slots are masked with a ``-inf`` logit bias carried by a
-    :class:`presses.attention_bias.SNISLayerState` (the SNIS attention wrapper turns it into the attention
+    :class:`presses.attention_bias.AttentionBias` (the SNIS attention wrapper turns it into the attention
     mask), so they get exactly zero attention weight; a run's own SNIS bias is kept on its real slots and a
     run without one gets ``0`` there. Layers where no run is padded and no run has an SNIS state get none.
     Keys carry their RoPE positions already, so where the padding sits does not matter to the real slots.
@@ -326,7 +326,7 @@ def pad_to_common_lengths(caches: list, states_per_run: list) -> tuple[list, lis
     import torch.nn.functional as F
     from transformers import DynamicCache
 
-    from presses.attention_bias import SNISLayerState
+    from presses.attention_bias import AttentionBias
 
     n_layers = len(caches[0])
     lengths = [[c.get_seq_length(i) for i in range(n_layers)] for c in caches]
@@ -348,7 +348,7 @@ def pad_to_common_lengths(caches: list, states_per_run: list) -> tuple[list, lis
             if masked:
                 state = states_per_run[k][i]
                 bias = state.bias if state is not None else torch.zeros(keys.shape[:3], device=keys.device)
-                padded_states[k][i] = SNISLayerState(F.pad(bias.float(), (0, extra), value=float("-inf")))
+                padded_states[k][i] = AttentionBias(F.pad(bias.float(), (0, extra), value=float("-inf")))
     return padded, [tuple(states) for states in padded_states]
 
 
@@ -358,7 +358,7 @@ def _decode_and_write(group: list, pipe, question_ids, T: int, max_new: int, ex,
     their SNIS corrections stacked) and append each run's prediction row (with its own, unpadded cache)."""
     import torch
 
-    from presses.attention_bias import clear_snis_state
+    from presses.attention_bias import clear_attention_bias
 
     start = time.perf_counter()
     caches, states = pad_to_common_lengths([item[1] for item in group], [item[3] for item in group])
@@ -367,7 +367,7 @@ def _decode_and_write(group: list, pipe, question_ids, T: int, max_new: int, ex,
         with torch.inference_mode():
             predictions = generate_answers(pipe, question_ids.to(model.device), caches, T, max_new)
     finally:
-        clear_snis_state(model)
+        clear_attention_bias(model)
     decode_s = (time.perf_counter() - start) / len(group)
     for ((_, _, names, out, press), cache, replay_s, _), prediction in zip(group, predictions):
         seconds = prefill_seconds + replay_s + decode_s

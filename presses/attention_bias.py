@@ -1,22 +1,25 @@
-"""Decode-time SNIS correction as an additive attention-logit bias (paper 003 Alg. 1, eq. 10; SPEC 3.5).
+"""A per-layer additive attention-logit bias over the prompt slots of the cache, applied at decode time.
 
-Softmax with the bias ``b_i = (log c_i - log m - log pi_i) / tau`` on the kept prompt entries, ``0`` on
-every entry written after eviction and ``-inf`` on padding equals Algorithm 1's
+Presses that leave decode-time state (probabilistic eviction's SNIS correction, paper 003 Algorithm 1 and
+eq. 10; docs/methods.md §3 item 5) express it as one bias per (batch row, KV group, prompt slot): the
+importance log-weight on kept entries, ``0`` on every entry written after eviction (question, generated
+tokens), ``-inf`` on padding. Softmax with that bias equals Algorithm 1's self-normalised estimate
 ``(sum_{i<=t} w_i p~_i v_i + sum_{i>t} p~_i v_i) / (sum_{i<=t} w_i p~_i + sum_{i>t} p~_i)`` with
-``w_i = (c_i / (m pi_i)) ** (1 / tau)``.
+``w_i = exp(bias_i)``. The harness uses the same state to mask the padding of caches of different lengths
+decoded as one batch (``evaluation.fused``).
 
-The bias of a layer lives on its attention module (``module._snis_state``, a :class:`SNISLayerState`)
+The bias of a layer lives on its attention module (``module._attention_bias``, an :class:`AttentionBias`)
 so that it survives the ``with press(model)`` block: kvpress's pipeline decodes outside it. A wrapper
-around the ``sdpa`` and ``eager`` functions of transformers' ``ALL_ATTENTION_FUNCTIONS`` (installed
-once by :func:`install_snis_attention`, like kvpress's ``attention_patch``) turns the state into a
-float attention mask whenever it is present, and drops a stale state at the next prefill. On CUDA a
-one-token decode step goes through the dispatch point :func:`presses.kernels.biased_decode_attention`
-(split-K Triton flash decoding with the bias of :func:`decode_bias`) instead.
+around the ``sdpa`` and ``eager`` functions of transformers' ``ALL_ATTENTION_FUNCTIONS`` (installed once by
+:func:`install_bias_attention`, like kvpress's ``attention_patch``) turns the state into a float attention
+mask whenever it is present, and drops a stale state at the next prefill. On CUDA a one-token decode step
+goes through the dispatch point :func:`presses.kernels.biased_decode_attention` (split-K Triton flash
+decoding with the bias of :func:`decode_bias`) instead. :func:`take_biases` and :func:`install_biases` move
+the states of a model off and back on (the press contract's decode-state export and import).
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
@@ -24,19 +27,19 @@ import torch
 
 from presses.kernels import biased_decode_attention, use_triton
 
-__all__ = ["SNISLayerState", "snis_bias", "snis_mask", "decode_bias", "grouped_sdpa", "install_snis_attention",
-           "clear_snis_state", "SUPPORTED_ATTENTION"]
+__all__ = ["AttentionBias", "bias_mask", "decode_bias", "grouped_sdpa", "install_bias_attention",
+           "clear_attention_bias", "take_biases", "install_biases", "SUPPORTED_ATTENTION"]
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
-class SNISLayerState:
-    """Per-layer correction state left on the attention module after eviction.
+class AttentionBias:
+    """Per-layer decode-time logit bias left on an attention module (e.g. after SNIS eviction).
 
     Attributes:
         bias: ``(B, G, P)`` float32 logit bias of the ``P`` (padded) prompt slots at the head of the
-            layer's cache: the SNIS log-weight for kept entries, ``-inf`` for padding. Query head ``h``
+            layer's cache: e.g. the SNIS log-weight for kept entries, ``-inf`` for padding. Query head ``h``
             uses the row of group ``h // (H_Q / G)``.
     """
 
@@ -48,38 +51,6 @@ class SNISLayerState:
         return self.bias.shape[-1]
 
 
-def snis_bias(counts: torch.Tensor, num_samples, pi: torch.Tensor, tau: float = 1.0,
-              correction: bool = True) -> torch.Tensor:
-    """SNIS log importance weights as a logit bias (paper 003 Alg. 1 line 2 and eq. 10).
-
-    ``b_i = (log c_i - log m - log pi_i) / tau`` where ``c_i > 0``; ``-inf`` where ``c_i = 0``;
-    ``0`` on kept entries when ``correction`` is False or ``tau = inf`` (uncorrected estimator).
-
-    Args:
-        counts: ``(..., n)`` draw counts (float or int, may be fractional for expectation tests).
-        num_samples: ``m > 0``, an int or tensor broadcastable to ``counts.shape[:-1]``.
-        pi: ``(..., n)`` proposal probabilities of the same entries.
-        tau: importance-weight temperature ``tau > 0`` (``inf`` allowed).
-        correction: apply the correction at all.
-
-    Returns:
-        ``(..., n)`` float32.
-
-    Raises:
-        ValueError: if ``tau <= 0`` or a kept entry has ``pi_i <= 0``.
-    """
-    if not (tau > 0):
-        raise ValueError(f"tau={tau} must be > 0 (inf = no correction)")
-    kept = counts > 0
-    if not correction or math.isinf(tau):
-        return torch.where(kept, 0.0, float("-inf")).float()
-    if bool((kept & (pi <= 0)).any()):
-        raise ValueError("a kept entry has proposal probability pi_i <= 0: the proposal must cover the draws")
-    m = torch.as_tensor(num_samples, dtype=torch.float64, device=counts.device).unsqueeze(-1)
-    logw = torch.log(counts.double().clamp_min(1e-300)) - torch.log(m) - torch.log(pi.double().clamp_min(1e-300))
-    return torch.where(kept, logw / tau, float("-inf")).float()
-
-
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean keep-mask -> additive float mask (0 / -inf); float masks are cast to ``dtype``."""
     if mask.dtype == torch.bool:
@@ -87,7 +58,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
-def snis_mask(state: SNISLayerState, query: torch.Tensor, key: torch.Tensor,
+def bias_mask(state: AttentionBias, query: torch.Tensor, key: torch.Tensor,
               attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Float attention mask for a layer with a corrected, padded prompt prefix.
 
@@ -97,7 +68,7 @@ def snis_mask(state: SNISLayerState, query: torch.Tensor, key: torch.Tensor,
     another layer's cache length), or the causal pattern when the model passed no mask.
 
     Args:
-        state: the layer's :class:`SNISLayerState`.
+        state: the layer's :class:`AttentionBias`.
         query: ``(B, H_Q, q, d)``.
         key: ``(B, G, K, d)`` the layer's full key cache (``K >= P``).
         attention_mask: ``None``, a boolean keep-mask or an additive float mask ``(B|1, 1|H_Q, q, K')``.
@@ -131,21 +102,21 @@ def snis_mask(state: SNISLayerState, query: torch.Tensor, key: torch.Tensor,
     return torch.cat([prefix, post], dim=-1)
 
 
-def clear_snis_state(model) -> None:
+def clear_attention_bias(model) -> None:
     """Remove every layer's correction state from ``model`` (the wrapper also does it at prefill)."""
     for mod in model.modules():
-        if hasattr(mod, "_snis_state"):
-            mod._snis_state = None
+        if hasattr(mod, "_attention_bias"):
+            mod._attention_bias = None
 
 
-def decode_bias(state: SNISLayerState, key: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def decode_bias(state: AttentionBias, key: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Per-group logit bias ``(B, G, K)`` float32 of a one-token decode step (paper 003 eq. 10; SPEC 3.5).
 
     The ``P`` prompt slots get ``state.bias``; the ``K - P`` slots written after eviction get ``0``, or the
     model's own additive mask there (padding) when it passed one that all heads share.
 
     Args:
-        state: the layer's :class:`SNISLayerState` (``bias`` ``(B, G, P)``).
+        state: the layer's :class:`AttentionBias` (``bias`` ``(B, G, P)``).
         key: ``(B, G, K, d)`` the layer's key cache, ``K >= P``.
         attention_mask: ``None`` or a boolean keep-mask / additive mask ``(B|1, 1, 1, K')``.
 
@@ -203,15 +174,15 @@ def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
 
 def _wrap(func, name: str):
     def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
-        state = getattr(module, "_snis_state", None)
+        state = getattr(module, "_attention_bias", None)
         if state is not None:
             if query.shape[2] == key.shape[2]:  # a new prefill: the correction belongs to an old cache
-                module._snis_state = None
+                module._attention_bias = None
             else:
                 fast = _kernel_decode(module, query, key, value, attention_mask, state, kwargs)
                 if fast is not None:
                     return fast
-                attention_mask = snis_mask(state, query, key, attention_mask)
+                attention_mask = bias_mask(state, query, key, attention_mask)
                 dropout = args[0] if args else kwargs.get("dropout", 0.0)  # kvpress's patch passes it positionally
                 if (name == "sdpa" and len(args) <= 1 and not dropout and not kwargs.get("sliding_window")
                         and not kwargs.get("softcap") and not kwargs.get("output_attentions")
@@ -225,21 +196,66 @@ def _wrap(func, name: str):
                 from transformers.models.llama.modeling_llama import eager_attention_forward as inner
         return inner(module, query, key, value, attention_mask, *args, **kwargs)
 
-    wrapper._snis_wrapped = True
+    wrapper._bias_wrapped = True
     wrapper.__name__ = f"snis_{name}_attention"
     return wrapper
 
 
-def install_snis_attention() -> None:
+def install_bias_attention() -> None:
     """Wrap ``sdpa`` and register ``eager`` in transformers' ``ALL_ATTENTION_FUNCTIONS`` (idempotent).
 
-    Without a ``_snis_state`` on the module the wrappers call the original function unchanged (for
+    Without a ``_attention_bias`` on the module the wrappers call the original function unchanged (for
     ``eager``: the ``eager_attention_forward`` of the module's own modeling file).
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if not getattr(ALL_ATTENTION_FUNCTIONS.get("sdpa"), "_snis_wrapped", False):
+    if not getattr(ALL_ATTENTION_FUNCTIONS.get("sdpa"), "_bias_wrapped", False):
         ALL_ATTENTION_FUNCTIONS["sdpa"] = _wrap(ALL_ATTENTION_FUNCTIONS["sdpa"], "sdpa")
     current = ALL_ATTENTION_FUNCTIONS.get("eager")
-    if not getattr(current, "_snis_wrapped", False):
+    if not getattr(current, "_bias_wrapped", False):
         ALL_ATTENTION_FUNCTIONS["eager"] = _wrap(current, "eager")
+
+
+def _decoder_layers(model):
+    inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    return inner.layers
+
+
+def take_biases(model) -> tuple:
+    """Detach the per-layer biases a prefill left on ``model``'s attention modules.
+
+    Returns:
+        One entry per decoder layer: its :class:`AttentionBias` (bias ``(B, G, P)``) or ``None``. The modules
+        are cleared, so the next prefill (or replay) starts clean.
+    """
+    states = tuple(getattr(layer.self_attn, "_attention_bias", None) for layer in _decoder_layers(model))
+    clear_attention_bias(model)
+    return states
+
+
+def install_biases(model, states_per_run: list) -> None:
+    """Put the biases of the runs of one decode batch back on ``model``'s attention modules.
+
+    Layer ``i`` gets the batch-wise concatenation of the runs' biases (row ``k`` of the batch is run ``k``),
+    which :func:`bias_mask` applies per row; a layer without a state in every run gets none.
+
+    Args:
+        model: the causal LM.
+        states_per_run: per run, one :class:`AttentionBias` or ``None`` per decoder layer
+            (:func:`take_biases`); each run's biases have batch size 1 (or that run's rows).
+
+    Raises:
+        ValueError: if some but not all runs have a state at a layer, or their padded lengths ``P`` differ.
+    """
+    if any(state is not None for states in states_per_run for state in states):
+        install_bias_attention()  # the states act through the wrapper
+    for i, layer in enumerate(_decoder_layers(model)):
+        layer_states = [states[i] for states in states_per_run]
+        present = [s is not None for s in layer_states]
+        if not any(present):
+            layer.self_attn._attention_bias = None
+            continue
+        if not all(present) or len({s.prefix_len for s in layer_states}) != 1:
+            raise ValueError(f"layer {i}: runs decoded in one batch need attention biases of equal padded length "
+                             f"(present={present}, lengths={[s.prefix_len if s else None for s in layer_states]})")
+        layer.self_attn._attention_bias = AttentionBias(torch.cat([s.bias for s in layer_states], dim=0))

@@ -169,7 +169,7 @@ def build_cases(torch, device, lengths, dry, only):
                        lambda q=qd, k=keys, v=vals, b=bias: biased_decode_reference(q, k, v, b),
                        lambda q=qd, k=keys, v=vals, b=bias: biased_decode_triton(q, k, v, b), 1.0)
         if want("biased_decode_vs_sdpa_mask"):
-            # the path the SNIS press takes today: sdpa with a (B, H_Q, 1, K) float mask (snis_mask)
+            # the path the SNIS press takes today: sdpa with a (B, H_Q, 1, K) float mask (bias_mask)
             yield Case("biased_decode_vs_sdpa_mask", T, f"B={B} H_Q={HQ} G={G} K=T d={d}", dname,
                        2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
                        lambda q=qd, k=keys, v=vals, b=bias: torch.nn.functional.scaled_dot_product_attention(

@@ -14,9 +14,9 @@ For each context length ``T`` (ascending), compression ratio and press, one row 
   (kvpress pipeline's own prefill), press hooks included; ``prefill_ratio_vs_full`` divides it by the
   uncompressed prefill on the same context measured in the same run (``full_prefill_s``).
 * ``press_s``: wall time spent inside the press's compression hooks during the prefill, summed over layers:
-  ``forward_hook`` (kvpress's hook that calls ``compress``; EntroPrefill's monitoring hook), plus
-  ``finalize`` (the SNIS press's deferred global eviction) and ``_model_pre_hook`` (EntroPrefill's chunk
-  planning) when the press has them (:data:`TIMED_HOOKS`). On CUDA each hook is bracketed by
+  ``forward_hook`` (kvpress's hook that calls ``compress``; EntroPrefill's monitoring hook), plus the press
+  contract's ``model_hooks`` (the SNIS press's deferred global eviction, EntroPrefill's chunk
+  planning and layer hooks). On CUDA each hook is bracketed by
   ``torch.cuda.synchronize``. ``overhead_ratio = press_s / snapkv_press_s``, SnapKV measured at the same
   ``T`` and ratio in the same run (always, even when not listed); ``no_press`` has ``press_s = 0``.
 * ``decode_tok_s``: after the prefill, the question (plus answer prefix) is fed at positions ``T..``
@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import functools
 import gc
 import io
 import json
@@ -70,8 +71,6 @@ from evaluation.run import (  # noqa: E402
 
 logger = logging.getLogger("bench_speed_memory")
 
-#: Press methods timed as "inside compression" (those the press has; none of them calls another).
-TIMED_HOOKS = ("forward_hook", "finalize", "_model_pre_hook")
 #: Columns of speed_memory.csv, in order.
 COLUMNS = ["model", "device", "dtype", "press", "compression_ratio", "T", "context_length", "context",
            "repeats", "prefill_s", "full_prefill_s", "prefill_ratio_vs_full", "press_s", "snapkv_press_s",
@@ -95,11 +94,13 @@ def _sync_fn(device: str):
 
 
 class HookTimer:
-    """Sum the wall time a press spends inside its compression hooks (:data:`TIMED_HOOKS`).
+    """Sum the wall time a press spends inside its hooks: kvpress's attention ``forward_hook`` (every press) and,
+    for this project's presses, every hook of the press contract's ``model_hooks`` (:mod:`presses.base`:
+    the probabilistic press's deferred global eviction, EntroPrefill's chunk planning and layer hooks).
 
     Enter it BEFORE ``with press(model)``: the wrappers are set as instance attributes, which shadow the
     class methods when the press registers its hooks. Only the outermost timed call is counted (no double
-    counting if one timed method calls another). ``seconds`` and ``calls`` accumulate while entered.
+    counting if one timed hook calls another). ``seconds`` and ``calls`` accumulate while entered.
 
     Args:
         press: a kvpress press, or None (nothing is timed).
@@ -113,6 +114,7 @@ class HookTimer:
         self._patched: list[str] = []
 
     def _wrap(self, fn):
+        @functools.wraps(fn)  # keeps __wrapped__: the press contract recognises its own (timed) hooks
         def timed(*args, **kwargs):
             if self._depth:
                 return fn(*args, **kwargs)
@@ -131,11 +133,12 @@ class HookTimer:
 
     def __enter__(self) -> "HookTimer":
         if self.press is not None:
-            for name in TIMED_HOOKS:
-                fn = getattr(self.press, name, None)
-                if callable(fn) and name not in vars(self.press):
-                    setattr(self.press, name, self._wrap(fn))
-                    self._patched.append(name)
+            self.press.forward_hook = self._wrap(self.press.forward_hook)
+            self._patched.append("forward_hook")
+            model_hooks = getattr(self.press, "model_hooks", None)
+            if model_hooks is not None:  # the press contract: hooks beyond the attention hooks
+                self.press.model_hooks = lambda model: [(m, kind, self._wrap(fn)) for m, kind, fn in model_hooks(model)]
+                self._patched.append("model_hooks")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -325,14 +328,14 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
     import torch
     from transformers import DynamicCache
 
-    from presses.attention_bias import clear_snis_state
+    from presses.attention_bias import clear_attention_bias
 
     sync = _sync_fn(device)
     ids = context_ids.to(device)
     T = ids.shape[1]
     prefill, press_s, decode, peaks, deltas = [], [], [], [], []
     for _ in range(max(1, int(repeats))):
-        clear_snis_state(model)
+        clear_attention_bias(model)
         mem = PeakMemory(device)
         mem.start()
         cache = DynamicCache()
@@ -356,7 +359,7 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
         peaks.append(peak)
         deltas.append(delta)
         del cache
-        clear_snis_state(model)
+        clear_attention_bias(model)
     decode_s = statistics.median(decode)
     return {
         "context_length": T, "repeats": len(prefill), "prefill_s": statistics.median(prefill),
@@ -465,7 +468,7 @@ def run_bench(cfg: DictConfig, model, tokenizer, model_name: str, device: str, c
     import torch
     from kvpress import KVPressTextGenerationPipeline
 
-    from presses.attention_bias import install_snis_attention
+    from presses.attention_bias import install_bias_attention
 
     t_start = time.perf_counter()
     presses, ratios, lengths = validate(cfg)
@@ -478,7 +481,7 @@ def run_bench(cfg: DictConfig, model, tokenizer, model_name: str, device: str, c
     query_aware = set(cfg.get("query_aware_presses", []))
     overrides = OmegaConf.to_container(cfg.press_overrides, resolve=True) if cfg.get("press_overrides") else {}
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(device))
-    install_snis_attention()  # every press runs through the same (wrapped) attention function
+    install_bias_attention()  # every press runs through the same (wrapped) attention function
     warmed: set[str] = set()
     stopped = False
 

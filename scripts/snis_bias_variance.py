@@ -39,7 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from presses.probabilistic.budget import sample_counts, search_num_samples
 from presses.probabilistic.proposals import group_mixture, head_proposals
-from presses.attention_bias import snis_bias
+from presses.probabilistic.correction import snis_bias
 
 PROMPT = (
     "The Roman Empire was one of the largest and most enduring political entities in ancient history, reaching "

@@ -150,17 +150,23 @@ def test_time_limit_stops_cleanly(tmp_path, model):
 def test_hook_timer_counts_outermost_calls_and_restores():
     class Press:
         def forward_hook(self, x):
-            return self.finalize(x) + 1
+            return self.helper(x) + 1
 
-        def finalize(self, x):
+        def helper(self, x):
             return x * 2
+
+        def model_hooks(self, model):  # the press contract: hooks beyond the attention hooks
+            return [(model, "forward", lambda x: self.forward_hook(x) * 10)]
 
     press = Press()
     with bench.HookTimer(press) as timer:
         assert "forward_hook" in vars(press) and press.forward_hook(3) == 7
-        assert press.finalize(1) == 2
-    assert timer.calls == 2 and timer.seconds > 0  # the nested finalize is not counted twice
-    assert "forward_hook" not in vars(press) and "finalize" not in vars(press)
+        assert press.forward_hook.__wrapped__.__self__ is press  # the contract still finds the owner
+        (_, _, hook), = press.model_hooks("model")
+        assert hook(3) == 70  # the model hook calls forward_hook: counted once
+        assert press.helper(1) == 2  # not a hook: not timed
+    assert timer.calls == 2 and timer.seconds > 0
+    assert "forward_hook" not in vars(press) and "model_hooks" not in vars(press)
     with bench.HookTimer(None) as timer:
         pass
     assert timer.seconds == 0

@@ -67,7 +67,7 @@ def test_replay_rebuilds_the_compressed_cache_exactly(tiny, press_name):
         direct = DynamicCache()
         with press(model):
             model.model(input_ids=ids, past_key_values=direct)
-        direct_bias = [getattr(layer.self_attn, "_snis_state", None) for layer in model.model.layers]
+        direct_bias = [getattr(layer.self_attn, "_attention_bias", None) for layer in model.model.layers]
         direct_bias = [s.bias.clone() if s is not None else None for s in direct_bias]
         with fused.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
@@ -77,7 +77,7 @@ def test_replay_rebuilds_the_compressed_cache_exactly(tiny, press_name):
         assert replayed.layers[i].keys.shape[2] < 400  # it did compress
         assert torch.equal(replayed.layers[i].keys, direct.layers[i].keys)
         assert torch.equal(replayed.layers[i].values, direct.layers[i].values)
-        state = getattr(model.model.layers[i].self_attn, "_snis_state", None)
+        state = getattr(model.model.layers[i].self_attn, "_attention_bias", None)
         if direct_bias[i] is None:
             assert state is None
         else:  # the SNIS correction left on the module for decoding is the same too
@@ -103,7 +103,7 @@ def test_shared_proposals_compute_once_and_change_nothing(tiny, monkeypatch):
             caches = []
             for press in presses:
                 cache = fused.replay_prefill(model, press, capture)
-                biases = [model.model.layers[i].self_attn._snis_state.bias.clone() for i in range(3)]
+                biases = [model.model.layers[i].self_attn._attention_bias.bias.clone() for i in range(3)]
                 caches.append(([layer.keys.clone() for layer in cache.layers], biases))
             return caches
 
@@ -247,19 +247,19 @@ def test_snis_runs_of_equal_lengths_decode_as_one_batch(tiny, tmp_path):
 
 
 def test_install_snis_states_refuses_mismatched_runs(tiny):
-    from presses.attention_bias import SNISLayerState
+    from presses.attention_bias import AttentionBias
 
     model, _ = tiny
-    a = tuple(SNISLayerState(torch.zeros(1, 2, 5)) for _ in range(3))
-    b = tuple(SNISLayerState(torch.zeros(1, 2, 6)) for _ in range(3))
+    a = tuple(AttentionBias(torch.zeros(1, 2, 5)) for _ in range(3))
+    b = tuple(AttentionBias(torch.zeros(1, 2, 6)) for _ in range(3))
     with pytest.raises(ValueError, match="equal padded length"):
         fused.install_snis_states(model, [a, b])
     with pytest.raises(ValueError, match="equal padded length"):
         fused.install_snis_states(model, [a, (None, None, None)])
     fused.install_snis_states(model, [a, a])
-    assert model.model.layers[0].self_attn._snis_state.bias.shape == (2, 2, 5)
+    assert model.model.layers[0].self_attn._attention_bias.bias.shape == (2, 2, 5)
     fused.take_snis_states(model)
-    assert model.model.layers[0].self_attn._snis_state is None
+    assert model.model.layers[0].self_attn._attention_bias is None
 
 
 def test_batched_decode_never_stops_at_the_first_token(tiny):
@@ -296,7 +296,7 @@ def test_batched_decode_never_stops_at_the_first_token(tiny):
 def test_pad_to_common_lengths_masks_only_the_padding(tiny):
     """Caches of different per-layer lengths are padded at their end to the longest; the padded slots get a
     -inf bias, real slots keep the run's SNIS bias (or 0); equal lengths come back untouched."""
-    from presses.attention_bias import SNISLayerState
+    from presses.attention_bias import AttentionBias
 
     def cache(lengths):
         c = DynamicCache()
@@ -305,7 +305,7 @@ def test_pad_to_common_lengths_masks_only_the_padding(tiny):
         return c
 
     a, b = cache([5, 7]), cache([6, 7])
-    snis = (SNISLayerState(torch.randn(1, 2, 5)), None)
+    snis = (AttentionBias(torch.randn(1, 2, 5)), None)
     caches, states = fused.pad_to_common_lengths([a, b], [snis, (None, None)])
     assert [c.get_seq_length(0) for c in caches] == [6, 6] and [c.get_seq_length(1) for c in caches] == [7, 7]
     assert a.get_seq_length(0) == 5  # the run's own cache is not modified
@@ -316,7 +316,7 @@ def test_pad_to_common_lengths_masks_only_the_padding(tiny):
     same = [cache([4, 4]), cache([4, 4])]
     assert fused.pad_to_common_lengths(same, [(None, None)] * 2)[0] is same
     with pytest.raises(ValueError, match="covers 4 slots but the cache holds 5"):
-        fused.pad_to_common_lengths([a, b], [(SNISLayerState(torch.zeros(1, 2, 4)), None), (None, None)])
+        fused.pad_to_common_lengths([a, b], [(AttentionBias(torch.zeros(1, 2, 4)), None), (None, None)])
 
 
 def test_one_ratio_decodes_as_one_padded_batch(tiny, tmp_path):

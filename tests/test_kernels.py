@@ -232,7 +232,7 @@ def test_biased_decode_equals_snis_sdpa_path(dtype):
     per-group SNIS bias on the prompt slots, -inf padding, the post-eviction entries unbiased."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from presses.attention_bias import SNISLayerState, snis_mask
+    from presses.attention_bias import AttentionBias, bias_mask
 
     B, G, r, P, n_after = 2, 2, 3, 30, 4
     g = _gen(11)
@@ -244,7 +244,7 @@ def test_biased_decode_equals_snis_sdpa_path(dtype):
     v = torch.randn(B, G, P + n_after, D, generator=g).to(dtype)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = r, True
-    mask = snis_mask(SNISLayerState(prefix), q, k, None)  # (B, H_Q, 1, K) in the query dtype
+    mask = bias_mask(AttentionBias(prefix), q, k, None)  # (B, H_Q, 1, K) in the query dtype
     expected = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0].transpose(1, 2)
     out = biased_decode_triton(q, k, v, mask[:, ::r, 0, :], scaling=0.25, block_n=16, num_splits=2)
     atol, rtol = DECODE_TOL[dtype]
@@ -379,7 +379,7 @@ def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
         cache = DynamicCache()
         with torch.no_grad(), press(model):
             model.model(input_ids=ids, past_key_values=cache)
-        bias = [layer.self_attn._snis_state.bias for layer in model.model.layers]
+        bias = [layer.self_attn._attention_bias.bias for layer in model.model.layers]
         results[mode] = (captured, bias)
         # reference mode never reaches Triton; triton mode runs 2 query blocks in each of the 2 layers
         assert len(triton_calls) == (0 if mode == "reference" else 4)

@@ -10,7 +10,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import presses.attention_bias as snis_attention
 import presses.probabilistic.press as snis_press
 from presses.probabilistic.budget import sample_counts
-from presses.attention_bias import SNISLayerState, install_snis_attention, snis_bias
+from presses.attention_bias import AttentionBias, install_bias_attention
+from presses.probabilistic.correction import snis_bias
 from presses.probabilistic.press import ProbabilisticEvictionPress
 
 T = 40  # prompt length of the model-level tests
@@ -28,7 +29,7 @@ class _Attn(torch.nn.Module):
 
 
 def _attend(impl, module, q, k, v, mask):
-    install_snis_attention()
+    install_bias_attention()
     out, _ = ALL_ATTENTION_FUNCTIONS[impl](module, q, k, v, mask, dropout=0.0, scaling=q.shape[-1] ** -0.5)
     return out.transpose(1, 2)  # (B, H, q, d)
 
@@ -75,7 +76,7 @@ def test_bias_softmax_equals_algorithm_1(impl, tau, correction):
     value = torch.cat([vals_full.gather(2, idx), post_v], 2)
     bias = snis_bias(counts, m, pi, tau, correction).gather(-1, order).masked_fill(~valid, float("-inf"))
     module = _Attn(r)
-    module._snis_state = SNISLayerState(bias)
+    module._attention_bias = AttentionBias(bias)
     query = torch.randn(B, G * r, q_len, d, generator=g)
     # the model's own boolean causal mask, built for ANOTHER layer's (wider) prefix: only its tail is ours
     wide = 30 + n_after
@@ -175,7 +176,7 @@ def test_physical_length_is_largest_kept_count(tiny_llama, budget):
     cache = _prefill(model, press, _prompt(4, batch=2))
     kept_all, padded_all = [], []
     for layer in model.model.layers:
-        bias = layer.self_attn._snis_state.bias  # (B, G, P)
+        bias = layer.self_attn._attention_bias.bias  # (B, G, P)
         kept = torch.isfinite(bias).sum(-1)
         P = cache.layers[layer.self_attn.layer_idx].keys.shape[2]
         assert P == bias.shape[-1] == int(kept.max())
@@ -198,7 +199,7 @@ def test_padding_gets_zero_attention_and_logits_stay_finite(tiny_llama, dtype):
         press = ProbabilisticEvictionPress(compression_ratio=0.6, proposal="min", budget="head", seed=seed,
                                            proposal_temperature=0.1)
         cache = _prefill(model, press, _prompt(5))
-        pads = [~torch.isfinite(layer.self_attn._snis_state.bias) for layer in model.model.layers]
+        pads = [~torch.isfinite(layer.self_attn._attention_bias.bias) for layer in model.model.layers]
         if any(p.any() for p in pads):
             break
     assert any(p.any() for p in pads), "the test needs padding: groups with different kept counts"
@@ -271,8 +272,8 @@ def test_pipeline_applies_bias_after_the_press_context(tiny_llama, monkeypatch):
                                   unk_token="<unk>")
     model = tiny_llama(num_layers=2, attn_implementation="sdpa")
     calls = []
-    real = snis_attention.snis_mask
-    monkeypatch.setattr(snis_attention, "snis_mask",
+    real = snis_attention.bias_mask
+    monkeypatch.setattr(snis_attention, "bias_mask",
                         lambda state, q, k, mask: calls.append((q.shape[2], k.shape[2])) or real(state, q, k, mask))
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok)
     context = " ".join(f"w{4 + (7 * i) % 120}" for i in range(T))
@@ -283,7 +284,7 @@ def test_pipeline_applies_bias_after_the_press_context(tiny_llama, monkeypatch):
     assert q_lens.count(1) >= 2 * 1 and q_lens[0] > 1 and len(calls) >= 2 * 2
     # a later request without the press drops the state at its prefill
     pipe(context, question="w5", press=None, max_new_tokens=1)
-    assert all(layer.self_attn._snis_state is None for layer in model.model.layers)
+    assert all(layer.self_attn._attention_bias is None for layer in model.model.layers)
 
 
 def test_new_prefill_without_press_is_uncompressed(tiny_llama):
@@ -295,7 +296,7 @@ def test_new_prefill_without_press_is_uncompressed(tiny_llama):
     with torch.no_grad():
         model.model(input_ids=ids, past_key_values=cache)
     got = _decode(model, cache, question, T)
-    assert all(layer.self_attn._snis_state is None for layer in model.model.layers)
+    assert all(layer.self_attn._attention_bias is None for layer in model.model.layers)
     for a, b in zip(got, ref):
         assert torch.allclose(a, b, atol=1e-5)
 
@@ -364,8 +365,8 @@ def test_grouped_sdpa_equals_repeat_kv_sdpa_and_wrapper_uses_it(r, q_len, monkey
     k, v = torch.randn(B, G, P + n_after, d, generator=g), torch.randn(B, G, P + n_after, d, generator=g)
     bias = torch.randn(B, G, P, generator=g)
     bias[0, 1, 4:] = float("-inf")  # padding
-    state = SNISLayerState(bias)
-    mask = snis_attention.snis_mask(state, q, k, None)
+    state = AttentionBias(bias)
+    mask = snis_attention.bias_mask(state, q, k, None)
     module = _Attn(r)
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=d ** -0.5)
     out, _ = snis_attention.grouped_sdpa(q, k, v, mask, d ** -0.5)
@@ -377,7 +378,7 @@ def test_grouped_sdpa_equals_repeat_kv_sdpa_and_wrapper_uses_it(r, q_len, monkey
         return real(*args)
 
     monkeypatch.setattr(snis_attention, "grouped_sdpa", counting)
-    module._snis_state = state
+    module._attention_bias = state
     wrapped = _attend("sdpa", module, q, k, v, None)
     assert calls == [1]
     torch.testing.assert_close(wrapped, ref.transpose(1, 2))

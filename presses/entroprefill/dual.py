@@ -118,9 +118,10 @@ def dual_certificate(sizes: torch.Tensor, masses: torch.Tensor, eps: torch.Tenso
     Returns:
         ``(U, y, t, method)`` with ``method`` in ``{"linprog", "zero"}``.
     """
-    sizes = torch.as_tensor(sizes, dtype=torch.float64)
-    masses = torch.as_tensor(masses, dtype=torch.float64)
-    eps = torch.as_tensor(eps, dtype=torch.float64)
+    # a certificate, not a differentiable quantity: detach (autograd may be on around the prefill)
+    sizes = torch.as_tensor(sizes, dtype=torch.float64).detach().cpu()
+    masses = torch.as_tensor(masses, dtype=torch.float64).detach().cpu()
+    eps = torch.as_tensor(eps, dtype=torch.float64).detach().cpu()
     _check(sizes, masses, eps, min_keep)
     A, k = masses.shape
     y0 = torch.zeros(A, dtype=torch.float64)

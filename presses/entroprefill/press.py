@@ -32,13 +32,13 @@ import functools
 import logging
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generator, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
-from kvpress.presses.base_press import BasePress
+from kvpress import ComposedPress
 
+from presses.base import Capabilities, ResearchPress, language_model
 from presses.entroprefill.chunking import CHUNK_MODES, ChunkPlan, find_question, plan_chunks, token_offsets
 from presses.entroprefill.dual import dual_certificate, greedy_feasible_scan
 from presses.entroprefill.equations import (
@@ -63,7 +63,7 @@ __all__ = ["EntroPrefillPress"]
 
 
 @dataclass
-class EntroPrefillPress(BasePress):
+class EntroPrefillPress(ResearchPress):
     """Query-aware chunk pruning during prefill (paper 001 Algorithm 1; SPEC section 4).
 
     At each monitored layer: proposal rows of the last ``proposal_window`` question tokens
@@ -133,6 +133,9 @@ class EntroPrefillPress(BasePress):
     force_layer: int | None = None
     force_chunks: Sequence[int] | None = None
 
+    capabilities: ClassVar[Capabilities] = Capabilities(shares_prefill=False, needs_question=True,
+                                                        changes_prefill=True)
+
     _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
@@ -167,7 +170,8 @@ class EntroPrefillPress(BasePress):
     # -- setup -----------------------------------------------------------------------------
 
     def post_init_from_model(self, model):
-        """Read layer/head counts and FLOP coefficients; load the tokenizer if none was given."""
+        """Read layer/head counts and FLOP coefficients, load the tokenizer if none was given, and register the
+        model hooks (:meth:`model_hooks`)."""
         cfg = model.config
         cfg = getattr(cfg, "text_config", None) or cfg
         L = cfg.num_hidden_layers
@@ -192,6 +196,7 @@ class EntroPrefillPress(BasePress):
                             "monitored": monitored, "a": a, "b": b}
         if self.tokenizer is None:
             self.tokenizer = _load_tokenizer(model)
+        super().post_init_from_model(model)
 
     def _reset(self, plan: ChunkPlan | None):
         self._plan = plan
@@ -224,22 +229,31 @@ class EntroPrefillPress(BasePress):
 
     # -- hooks -----------------------------------------------------------------------------
 
-    @contextmanager
-    def __call__(self, model) -> Generator:
-        """Register the model, decoder-layer and attention hooks for the duration of the block."""
-        self.post_init_from_model(model)
-        lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
-        hooks = [lm.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True),
-                 lm.register_forward_hook(self._model_post_hook, with_kwargs=True)]
-        try:
-            for i, layer in enumerate(lm.layers):
-                hooks.append(layer.self_attn.register_forward_hook(self.forward_hook, with_kwargs=True))
-                hooks.append(layer.register_forward_pre_hook(functools.partial(self._layer_pre_hook, i),
-                                                             with_kwargs=True))
-            yield
-        finally:
-            for h in hooks:
-                h.remove()
+    def model_hooks(self, model):
+        """The contract's prefill-start hook, plus: a forward pre-hook and a forward hook on the language model
+        (find the question and plan the chunks; close the request's statistics) and a forward pre-hook on every
+        decoder layer (run the layers after ``l*`` on the retained support only)."""
+        lm = language_model(model)
+        hooks = [*super().model_hooks(model), (lm, "forward_pre", self._model_pre_hook),
+                 (lm, "forward", self._model_post_hook)]
+        hooks += [(layer, "forward_pre", functools.partial(self._layer_pre_hook, i)) for i, layer in enumerate(lm.layers)]
+        return hooks
+
+    def check_wrappers(self, path: list) -> None:
+        """Refuse a ``ComposedPress`` with other presses: EntroPrefill prunes the prefill itself, so the shallow
+        layers' cache it gathers at ``l*`` must be its own.
+
+        Raises:
+            ValueError: naming the wrapper.
+        """
+        for wrapper in path[:-1]:
+            if isinstance(wrapper, ComposedPress) and len(wrapper.presses) > 1:
+                raise ValueError("EntroPrefillPress cannot share a ComposedPress with other presses: it prunes "
+                                 "whole chunks during the prefill and gathers the shallow layers' cache itself")
+
+    def reset(self) -> None:
+        """Forget the previous request (plan, search state, statistics)."""
+        self._reset(None)
 
     def _bypass(self, reason: str):
         self._state = "bypass"
@@ -366,7 +380,8 @@ class EntroPrefillPress(BasePress):
             self._bypass("no_cache")
             return output
         try:
-            self._monitor(module, kwargs, cache, output[1], idx)
+            with torch.no_grad():  # statistics only: nothing here needs gradients
+                self._monitor(module, kwargs, cache, output[1], idx)
         except _Invalid as err:
             self._reasons[idx] = str(err)
             self._pred, self._streak = None, 0

@@ -3,7 +3,7 @@
 SNIS decode-time correction (paper 003 Algorithm 1 with eq. 10; SPEC 3.5): attention with an additive
 bias ``b_i`` on the logits, ``b_i = (log c_i - log m - log pi_i) / tau`` on kept prompt entries, ``0``
 (or the model's own mask) on entries written after eviction, ``-inf`` on padding. The bias is per KV
-group and shared by its ``r`` query heads, exactly as :func:`presses.attention_bias.snis_mask` builds it
+group and shared by its ``r`` query heads, exactly as :func:`presses.attention_bias.bias_mask` builds it
 (the mask of head ``h`` is the bias of group ``h // r``).
 
 Split-K flash-decoding: ``_split_kernel`` runs one program per (key split, batch x group) that handles

@@ -111,7 +111,7 @@ def biased_decode_reference(query: torch.Tensor, key: torch.Tensor, value: torch
 
     ``out^h = sum_i softmax_i(q^h . k_i * scaling + bias_{g(h), i}) v_i`` with ``g(h) = h // r``; computed in
     float32 and cast to ``query.dtype``. Equals transformers' ``sdpa`` attention of the layer with the
-    float mask of :func:`presses.attention_bias.snis_mask` (whose rows are this bias, in the query dtype).
+    float mask of :func:`presses.attention_bias.bias_mask` (whose rows are this bias, in the query dtype).
 
     Args:
         query: ``(B, H_Q, 1, d)`` or ``(B, H_Q, d)``, the one decode token.

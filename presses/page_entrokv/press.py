@@ -1,21 +1,25 @@
 """Page-EntroKV: sink-isolated Rényi-entropy pooling inside GQA groups, evicted by pages under a strict
-token budget (paper 000; page policy paper 001 section 7; pooling paper 001 section 3.1; SPEC section 1).
+token budget (paper 000; page policy paper 001 section 7; pooling paper 001 section 3.1; docs/methods.md §1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-from kvpress.presses.base_press import BasePress
+from kvpress import ComposedPress, ScorerPress
+from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
+from presses.base import Capabilities, ResearchPress
 from presses.core.paging import (
     BUDGET_CONFLICT_MODES,
     PAGE_SCORES,
     PageBudget,
     page_budget,
     pages_to_positions,
+    protected_page_mask,
     select_pages,
     token_budget,
 )
@@ -27,7 +31,7 @@ __all__ = ["PageEntroKVPress"]
 
 
 @dataclass
-class PageEntroKVPress(BasePress):
+class PageEntroKVPress(ResearchPress, ScorerPress):
     """Page-EntroKV (paper 000; SPEC section 1): one page selection per (layer, KV group) at prefill.
 
     The observer attention of the last ``window_size`` queries (averaged over the window) is pooled
@@ -53,6 +57,13 @@ class PageEntroKVPress(BasePress):
             the budget) or ``"keep_protected"`` (keep only the protected pages, log a warning).
         record: keep per-layer diagnostics in ``self.records`` (reset at each prefill).
 
+    kvpress's wrappers (the press contract, :mod:`presses.base`): it is a ``ScorerPress``. :meth:`score` spreads
+    each group's page score over the page's tokens and ranks the protected pages first, so ``AdaKVPress``,
+    ``ChunkPress``, ``BlockPress``, ``CriticalKVPress``, ``KeyRerotationPress`` and ``PerLayerCompressionPress``
+    select with it (token-granular: page granularity is this press's own :meth:`compress`). ``DecodingPress``
+    calls :meth:`compress` during decoding with its buffered hidden states as the observers. In a
+    ``ComposedPress`` it must come first (it pages the prompt's own positions).
+
     Batches: supported; each row gets its own pages, with the same count for every row and group
     (the count depends only on ``T``). Padding tokens are not treated specially.
 
@@ -75,6 +86,7 @@ class PageEntroKVPress(BasePress):
     page_score: str = "block_max"
     on_budget_conflict: str = "raise"
     record: bool = False
+    capabilities: ClassVar[Capabilities] = Capabilities()
     records: list = field(default_factory=list, init=False, repr=False)
     _stats: list = field(default_factory=list, init=False, repr=False)
     _plan_cache: dict = field(default_factory=dict, init=False, repr=False)
@@ -97,6 +109,73 @@ class PageEntroKVPress(BasePress):
             raise ValueError(f"page_score={self.page_score!r} is not one of {PAGE_SCORES}")
         if self.on_budget_conflict not in BUDGET_CONFLICT_MODES:
             raise ValueError(f"on_budget_conflict={self.on_budget_conflict!r} is not one of {BUDGET_CONFLICT_MODES}")
+
+    def reset(self) -> None:
+        """Forget the previous request's records, statistics and page plan."""
+        self.records = []
+        self._stats = []
+        self._plan_cache = {}
+
+    def check_wrappers(self, path: list) -> None:
+        """Refuse a place in a ``ComposedPress`` after another press (see the class docstring).
+
+        Raises:
+            ValueError: naming the position.
+        """
+        for wrapper, inner in zip(path, path[1:]):
+            if isinstance(wrapper, ComposedPress) and wrapper.presses and wrapper.presses[0] is not inner:
+                raise ValueError("PageEntroKVPress must be the first press of a ComposedPress: it pages the prompt's "
+                                 "positions, which a press before it removes; got it at position "
+                                 f"{wrapper.presses.index(inner)}")
+
+    def _observer_attention(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                            attentions: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
+        """Observer-averaged attention ``(B, H_Q, T)`` of the last ``min(window_size, n)`` rows of
+        ``hidden_states`` (``n`` rows) over ``keys`` (docs/methods.md §1 step 1).
+
+        At prefill the rows are the prompt's last positions. When a wrapper passes fewer rows than keys
+        (``DecodingPress``'s buffered decode states, ``ChunkPress``/``BlockPress`` chunks), the observers are
+        those rows, taken to be the last keys: at decode their positions end at ``cache_position[-1]`` (RoPE from
+        the module's rotary embedding); otherwise the last positions of ``position_embeddings`` are used, as
+        kvpress's SnapKV does.
+        """
+        n, T = hidden_states.shape[1], keys.shape[2]
+        W = min(self.window_size, n, T)
+        pe = kwargs.get("position_embeddings")
+        if n == T or pe is None or attentions is not None:
+            return observer_attention(module, hidden_states, keys, W, pe, attentions)
+        cos, sin = pe
+        if cos.shape[1] < W:  # decode steps: the buffered rows end at the current position
+            last = int(kwargs["cache_position"][-1])
+            positions = torch.arange(last - W + 1, last + 1, device=keys.device).unsqueeze(0)
+            cos, sin = module.rotary_emb(hidden_states[:, -W:], positions)
+        return observer_attention(module, hidden_states, keys, W, (cos[:, -W:], sin[:, -W:]), None)
+
+    def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              attentions: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
+        """Per-token scores for kvpress's score-based wrappers (``ScorerPress.score``).
+
+        Each token gets its group's page score (docs/methods.md §1 steps 1-6); the tokens of protected pages
+        (sink pages and the pages touching the last ``window_size`` positions, step 7) get a score above every
+        other, so a wrapper's top-k keeps them first.
+
+        Args:
+            module, hidden_states, keys, values, attentions, kwargs: as kvpress passes them to ``score``;
+                ``keys`` ``(B, G, T, d)``.
+
+        Returns:
+            ``(B, G, T)`` float32 scores (higher = keep). When ``n_sink >= T`` every token ties.
+        """
+        B, G, T, _ = keys.shape
+        if self.n_sink >= T:
+            return keys.new_zeros(B, G, T, dtype=torch.float32)
+        attn = self._observer_attention(module, hidden_states, keys, attentions, kwargs)
+        _, pages, _ = pooled_page_scores(attn, G, self.n_sink, self.alpha, self.tau, self.pooling, self.page_size,
+                                         self.page_score)
+        tokens = pages.repeat_interleave(self.page_size, dim=-1)[..., :T]
+        protected = protected_page_mask(T, self.page_size, self.n_sink, self.window_size).to(keys.device)
+        protected = protected.repeat_interleave(self.page_size)[:T]
+        return tokens.masked_fill(protected, float(tokens.max()) + 1.0)
 
     def _plan(self, seq_len: int) -> PageBudget:
         """The page plan for ``T`` (computed once per prefill, so a conflict is logged once)."""
@@ -124,11 +203,12 @@ class PageEntroKVPress(BasePress):
             ValueError: on a budget conflict in ``"raise"`` mode (see :func:`presses.core.paging.page_budget`).
         """
         layer_idx = getattr(module, "layer_idx", 0)
-        if layer_idx == 0:
-            self.records = []
-            self._stats = []
-            self._plan_cache = {}
         Bsz, G, T, _ = keys.shape
+        cache_position = kwargs.get("cache_position")
+        if T != hidden_states.shape[1] and cache_position is not None and is_prefilling(cache_position, hidden_states.shape[1]):
+            raise ValueError(f"PageEntroKVPress got {T} cache entries for a prefill of {hidden_states.shape[1]} "
+                             "tokens: another press compressed this layer first; it must be the first press of "
+                             "a ComposedPress")
 
         bypass = ""
         if self.compression_ratio == 0:
@@ -147,8 +227,7 @@ class PageEntroKVPress(BasePress):
         can_score = self.n_sink < T
         diag = pages = None
         if need_scores and can_score:
-            attn = observer_attention(module, hidden_states, keys, self.window_size,
-                                      kwargs.get("position_embeddings"), attentions)
+            attn = self._observer_attention(module, hidden_states, keys, attentions, kwargs)
             # dispatch: Triton on CUDA, pooled_group_scores + page_scores elsewhere (presses.kernels)
             _, scores, diag = pooled_page_scores(attn, G, self.n_sink, self.alpha, self.tau, self.pooling,
                                                  self.page_size, self.page_score, diagnostics=self.record)

@@ -1,30 +1,27 @@
-"""Probabilistic KV eviction with decode-time SNIS correction (paper 003; SPEC section 3)."""
+"""Probabilistic KV eviction with decode-time SNIS correction (paper 003; docs/methods.md §3)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-from kvpress import BasePress
+from kvpress import ComposedPress, PrefillDecodingPress
 from torch import nn
 from transformers import QuantizedCache
 
-from presses.probabilistic.budget import BUDGETS, search_num_samples, sample_counts
+from presses.attention_bias import SUPPORTED_ATTENTION, AttentionBias, install_bias_attention
+from presses.base import Capabilities, ResearchPress, language_model
+from presses.probabilistic.budget import BUDGETS, sample_counts, search_num_samples
+from presses.probabilistic.correction import snis_bias
 from presses.probabilistic.proposals import PROPOSALS, compute_proposal
-from presses.attention_bias import (
-    SUPPORTED_ATTENTION,
-    SNISLayerState,
-    clear_snis_state,
-    install_snis_attention,
-    snis_bias,
-)
+from presses.probabilistic.survivors import row_fingerprints, surviving_positions
 
 __all__ = ["ProbabilisticEvictionPress"]
 
 
 @dataclass
-class ProbabilisticEvictionPress(BasePress):
+class ProbabilisticEvictionPress(ResearchPress):
     """Sample the kept entries from a proposal and correct decoding by self-normalised importance sampling.
 
     Per layer and KV group, build a proposal ``pi`` over the ``t`` prompt entries
@@ -44,6 +41,15 @@ class ProbabilisticEvictionPress(BasePress):
 
     The generator is re-seeded with ``seed`` at every prefill, so a request's draws do not depend on
     the requests before it. At least one draw is made per group (``m >= 1``).
+
+    Inside kvpress's wrappers (the press contract, :mod:`presses.base`): alone in a ``ComposedPress`` or as the
+    ``prefilling_press`` of a ``PrefillDecodingPress`` it gives the same cache and correction as direct use.
+    With ``budget="global"`` it may be the FIRST press of a ``ComposedPress``: its proposals see the whole
+    prefill, and its eviction, deferred to the end of the prefill, draws among the entries the later presses
+    kept (``pi`` renormalised over them, target ``(1 - compression_ratio)`` of them), so the composition keeps
+    ``prod (1 - ratio)`` of the prompt, as ``ComposedPress`` reports. Any other place in a ``ComposedPress``,
+    ``budget="head"`` next to another press, and a ``PrefillDecodingPress`` with a decoding press (which would
+    evict entries the correction refers to) raise a ``ValueError`` when the prefill starts.
 
     Parameters:
         compression_ratio: target fraction ``r*`` of prompt entries to evict, in ``[0, 1)``.
@@ -72,6 +78,7 @@ class ProbabilisticEvictionPress(BasePress):
     window_size: int = 64
     kernel_size: int = 5
     score_normalization: str = "softmax"
+    capabilities: ClassVar[Capabilities] = Capabilities(decode_state=True)
     _pending: dict = field(default_factory=dict, init=False, repr=False)
     _stats: dict = field(default_factory=dict, init=False, repr=False)
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
@@ -96,11 +103,34 @@ class ProbabilisticEvictionPress(BasePress):
             raise ValueError(f"score_normalization={self.score_normalization!r} must be 'softmax' or 'sum'")
 
     # ------------------------------------------------------------------ per-request state
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Forget the previous request: pending layers, statistics and the generator (re-seeded at first use)."""
         self._pending = {}
         self._stats = {}
         self._generator = None
         self._seq_len = 0
+
+    def check_wrappers(self, path: list) -> None:
+        """Refuse the wrappers this press cannot work in (see the class docstring).
+
+        Raises:
+            ValueError: naming the wrapper and what to do instead.
+        """
+        for i, wrapper in enumerate(path[:-1]):
+            inner = path[i + 1]
+            if isinstance(wrapper, ComposedPress) and len(wrapper.presses) > 1:
+                if self.budget == "head":
+                    raise ValueError("ProbabilisticEvictionPress(budget='head') cannot share a ComposedPress with "
+                                     "other presses: it evicts and pads each layer at once, and a later press "
+                                     "would select among padding slots; use budget='global' as the first press")
+                if wrapper.presses[0] is not inner:
+                    raise ValueError("ProbabilisticEvictionPress must be the first press of a ComposedPress: its "
+                                     "proposals need the uncompressed prefill (a press before it removes entries "
+                                     f"and their positions); got it at position {wrapper.presses.index(inner)}")
+            elif isinstance(wrapper, PrefillDecodingPress) and wrapper.decoding_press is not None:
+                raise ValueError("ProbabilisticEvictionPress cannot be combined with a decoding press in "
+                                 "PrefillDecodingPress: decoding compression would remove cache entries that its "
+                                 "decode-time correction refers to")
 
     def _get_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
@@ -132,7 +162,7 @@ class ProbabilisticEvictionPress(BasePress):
         new_keys = keys.gather(2, idx).masked_fill(~valid.unsqueeze(-1), 0).contiguous()
         new_values = values.gather(2, idx).masked_fill(~valid.unsqueeze(-1), 0).contiguous()
         bias = snis_bias(counts, m, pi, self.tau, self.correction).gather(-1, order)
-        module._snis_state = SNISLayerState(bias.masked_fill(~valid, float("-inf")))
+        module._attention_bias = AttentionBias(bias.masked_fill(~valid, float("-inf")))
         self._stats[module.layer_idx] = {
             "padded": P,
             "kept": float(n_kept.double().mean()),
@@ -143,13 +173,22 @@ class ProbabilisticEvictionPress(BasePress):
     def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  attentions: torch.Tensor | None, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Head budget: evict now. Global budget: record the proposal; eviction happens in
-        :meth:`finalize` once every layer's proposal is known."""
-        module._snis_state = None
+        :meth:`finalize` once every layer's proposal is known.
+
+        Raises:
+            ValueError: when an earlier press already removed entries of this layer (``keys`` shorter than the
+                prefill), which only happens inside a ``ComposedPress`` (see :meth:`check_wrappers`).
+        """
+        module._attention_bias = None
         if self.compression_ratio == 0:
             return keys, values
         cache = kwargs.get("past_key_values")
         if isinstance(cache, QuantizedCache):
             raise NotImplementedError("ProbabilisticEvictionPress does not support QuantizedCache")
+        if keys.shape[2] != hidden_states.shape[1]:
+            raise ValueError(f"ProbabilisticEvictionPress got {keys.shape[2]} cache entries for a prefill of "
+                             f"{hidden_states.shape[1]} tokens: another press compressed this layer first; it "
+                             "must be the first press of a ComposedPress")
         self._seq_len = keys.shape[2]
         pi = compute_proposal(self.proposal, module, hidden_states, keys, values, attentions, kwargs,
                               self.proposal_temperature, self.uniform_mix, self.block_size, self.window_size,
@@ -157,7 +196,9 @@ class ProbabilisticEvictionPress(BasePress):
         if self.budget == "head":
             m = search_num_samples(pi, self.compression_ratio)  # (B, G)
             return self._evict(module, keys, values, pi, m)
-        self._pending[module.layer_idx] = (module, cache, pi)
+        composed = len(self.__dict__.get("_wrapper_path") or [self]) > 1
+        # inside a wrapper a later press may select among this layer's entries before finalize: remember them
+        self._pending[module.layer_idx] = (module, cache, pi, keys, row_fingerprints(keys) if composed else None)
         return keys, values
 
     def finalize(self) -> None:
@@ -167,28 +208,35 @@ class ProbabilisticEvictionPress(BasePress):
             return
         pending, self._pending = self._pending, {}
         layers = sorted(pending)
-        pis = torch.stack([pending[i][2] for i in layers], dim=1)  # (B, L, G, t)
-        m = search_num_samples(pis, self.compression_ratio, pool_dims=(1, 2)).view(-1, 1)  # (B, 1)
+        pis = {}
         for i in layers:
-            module, cache, pi = pending[i]
+            module, cache, pi, keys, fingerprints = pending[i]
             layer = cache.layers[module.layer_idx]
-            layer.keys, layer.values = self._evict(module, layer.keys, layer.values, pi, m)
+            if layer.keys is keys:
+                pis[i] = pi
+                continue
+            # a later press of a ComposedPress kept a subset of the entries: draw among them (class docstring)
+            if fingerprints is None:
+                raise ValueError(f"layer {i}: the cache was replaced after ProbabilisticEvictionPress recorded "
+                                 "its proposal, outside a wrapper it knows")
+            positions = surviving_positions(fingerprints, layer.keys)  # (B, G, t')
+            sub = pi.gather(-1, positions)
+            pis[i] = sub / sub.sum(-1, keepdim=True).clamp_min(torch.finfo(sub.dtype).tiny)
+        lengths = {pis[i].shape[-1] for i in layers}
+        if len(lengths) != 1:
+            raise ValueError(f"the global budget needs the same number of surviving entries in every layer, got "
+                             f"{sorted(lengths)}: use budget='head' alone, or presses that keep equal counts")
+        m = search_num_samples(torch.stack([pis[i] for i in layers], dim=1), self.compression_ratio,
+                               pool_dims=(1, 2)).view(-1, 1)  # (B, 1)
+        for i in layers:
+            module, cache = pending[i][:2]
+            layer = cache.layers[module.layer_idx]
+            layer.keys, layer.values = self._evict(module, layer.keys, layer.values, pis[i], m)
 
-    # ------------------------------------------------------------------ hooks
-    def _start_hook(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        if cache is None or cache.get_seq_length() == 0:
-            self._reset()
-            clear_snis_state(module)
-
-    def _finish_hook(self, module, args, kwargs, output):
-        self.finalize()
-        return output
-
-    @contextmanager
-    def __call__(self, model):
-        """Register the kvpress layer hooks plus a pre/post hook on the language model (reset at each
-        prefill / deferred global eviction), and install the correcting attention wrapper.
+    # ------------------------------------------------------------------ setup and hooks
+    def post_init_from_model(self, model):
+        """Check the attention implementation, install the correcting attention wrapper and register the
+        model hooks (reset at each prefill, deferred global eviction after the last layer).
 
         Raises:
             ValueError: if the model's attention implementation is not sdpa or eager.
@@ -197,18 +245,17 @@ class ProbabilisticEvictionPress(BasePress):
         if impl not in SUPPORTED_ATTENTION:
             raise ValueError(f"attn_implementation={impl!r} is not supported by ProbabilisticEvictionPress: "
                              f"use one of {SUPPORTED_ATTENTION} (the correction is an additive float mask)")
-        install_snis_attention()
-        language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
-        handles = [
-            language_model.register_forward_pre_hook(self._start_hook, with_kwargs=True),
-            language_model.register_forward_hook(self._finish_hook, with_kwargs=True),
-        ]
-        try:
-            with super().__call__(model):
-                yield
-        finally:
-            for handle in handles:
-                handle.remove()
+        install_bias_attention()
+        super().post_init_from_model(model)
+
+    def model_hooks(self, model):
+        """The contract's prefill-start hook plus a forward hook on the language model that runs
+        :meth:`finalize` (the global budget's eviction) once the prefill has passed every layer."""
+        return [*super().model_hooks(model), (language_model(model), "forward", self._finish_hook)]
+
+    def _finish_hook(self, module, args, kwargs, output):
+        self.finalize()
+        return output
 
     # ------------------------------------------------------------------ diagnostics
     def summary(self) -> dict[str, float | int | str]:
