@@ -19,13 +19,15 @@ press must not depend on its own ``__call__``: setup happens in :meth:`ResearchP
 and hooks a press needs beyond the attention hooks (on the language model or the decoder layers) are
 declared by :meth:`ResearchPress.model_hooks` and registered there. Those hooks act only while the press is
 in use: at every call they check that an attention forward hook of the model belongs to this press or to a
-wrapper holding it (:func:`press_in_use`), and remove themselves otherwise. ARCHITECTURE.md shows the flow.
+wrapper holding it (:func:`press_in_use`), and remove themselves otherwise; once they have seen that hook,
+they are removed together with it, when the outermost ``with`` block exits. ARCHITECTURE.md shows the flow.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -34,7 +36,8 @@ from kvpress.presses.base_press import BasePress
 
 from presses.attention_bias import install_biases, take_biases
 
-__all__ = ["Capabilities", "ResearchPress", "press_in_use", "wrapper_path", "decoder_layers", "language_model"]
+__all__ = ["Capabilities", "ResearchPress", "press_in_use", "active_hook", "wrapper_path", "decoder_layers",
+           "language_model"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,15 @@ def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:
 def press_in_use(model, press) -> list | None:
     """The wrapper chain through which ``press`` is active on ``model``, or None when it is not in use.
 
+    See :func:`active_hook`.
+    """
+    found = active_hook(model, press)
+    return None if found is None else found[0]
+
+
+def active_hook(model, press) -> tuple[list, Any] | None:
+    """``(wrapper chain, hook)`` for the attention forward hook through which ``press`` is active, or None.
+
     A press is in use while an attention forward hook of ``model`` is a bound method of the press itself or
     of a press that holds it (kvpress registers ``self.forward_hook`` of the outermost press on every layer);
     a hook wrapped with ``functools.wraps`` (e.g. a timer) is unwrapped first.
@@ -107,8 +119,14 @@ def press_in_use(model, press) -> list | None:
             if owner is not None:
                 path = wrapper_path(owner, press)
                 if path is not None:
-                    return path
+                    return path, hook
     return None
+
+
+def _remove_handles(handles: list) -> None:
+    """Remove hook handles (idempotent: a removed handle's removal is a no-op)."""
+    for handle in handles:
+        handle.remove()
 
 
 class ResearchPress(BasePress):
@@ -192,18 +210,24 @@ class ResearchPress(BasePress):
 
     def _guarded(self, model, fn: Callable) -> Callable:
         def hook(*args):
-            path = press_in_use(model, self)
-            if path is None:  # the press (or its wrapper) left the model
+            found = active_hook(model, self)
+            if found is None:  # the press (or its wrapper) left the model
                 self._detach_model_hooks()
                 return None
+            path, attention_hook = found
+            watched = self.__dict__.get("_watched")
+            if watched is None or watched() is not attention_hook:
+                # kvpress removes the attention hooks when the outermost `with` exits: leave with them
+                weakref.finalize(attention_hook, _remove_handles, self.__dict__.get("_model_hook_handles", []))
+                self.__dict__["_watched"] = weakref.ref(attention_hook)
             self.__dict__["_wrapper_path"] = path
             return fn(*args)
 
         return hook
 
     def _detach_model_hooks(self) -> None:
-        for handle in self.__dict__.pop("_model_hook_handles", []):
-            handle.remove()
+        self.__dict__.pop("_watched", None)
+        _remove_handles(self.__dict__.pop("_model_hook_handles", []))
 
     @contextmanager
     def __call__(self, model):
