@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evaluation.metrics import score_interval, win_scores
-from evaluation.run import config_changes, write_atomic
+from evaluation.harness import config_changes, write_atomic
 
 logger = logging.getLogger("evaluation.report")
 

@@ -25,7 +25,7 @@ For each context length ``T`` (ascending), compression ratio and press, one row 
 * ``kv_full_bytes``: ``2 L B G T d e`` (keys and values of every context token, the cache's dtype);
   ``kv_physical_bytes``: the key and value tensors actually held after the prefill (padded shapes);
   ``kv_logical_bytes``: the kept (unmasked, unpadded) entries: from ``press.summary()["logical_compression"]``
-  when the press reports it (SNIS), else from :func:`evaluation.run.cache_stats` (AdaKV-style masked keys).
+  when the press reports it (SNIS), else from :func:`evaluation.harness.cache_stats` (AdaKV-style masked keys).
 * ``peak_mem_mb`` / ``peak_mem_delta_mb``: on CPU the process's peak RSS (``VmHWM``) over the row, reset
   before the row by writing ``5`` to ``/proc/self/clear_refs``, and its excess over the RSS at the row's
   start; on CUDA ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` and its excess
@@ -65,9 +65,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from evaluation.run import (  # noqa: E402
-    CONFIG_DIR, cache_stats, check_ratio, command_line, config_choices, needs_eager, write_atomic,
+from evaluation.harness import (  # noqa: E402
+    CONFIG_DIR, cache_stats, check_ratio, command_line, config_choices, write_atomic,
 )
+from evaluation.registry import capabilities  # noqa: E402
 
 logger = logging.getLogger("bench_speed_memory")
 
@@ -781,7 +782,7 @@ def main(cfg: DictConfig) -> None:
     limit = resolve_time_limit(cfg.time_limit_s, device)
     presses, ratios, _ = validate(cfg)
     probes = [make_press(p, ratios[0], int(cfg.seed)) for p in presses]
-    attn = "eager" if any(p is not None and needs_eager(p) for p in probes) else None
+    attn = "eager" if any(capabilities(p).needs_eager for p in probes) else None
     model, tok, name, notes = load_bench_model(cfg, device, attn)
     if attn:
         notes.append("A listed press reads attention weights: every press ran with eager attention.")

@@ -37,7 +37,7 @@ from kvpress.utils import compute_n_kept
 from transformers import DynamicCache
 
 import presses.probabilistic.press as snis_module
-from evaluation import run as harness
+from evaluation import harness
 
 
 def answer_positions(tokenizer, context_ids: torch.Tensor, answer: str) -> list[int]:

@@ -16,8 +16,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from transformers import DynamicCache
 
-from evaluation import fused
-from evaluation import run as harness
+from evaluation import fused, replay
+from presses.attention_bias import install_biases, take_biases
+from evaluation import harness
+from evaluation import run as entry
 from _tiny_tokenizer import char_tokenizer
 from conftest import make_tiny_llama
 from test_harness import composed
@@ -43,17 +45,17 @@ def tiny(monkeypatch):
     return model, tok
 
 
-def _runs(presses, ratios, out):
+def _runs(presses, ratios, out, *extra):
     runs = []
     for press in presses:
         for ratio in ([0.0] if press == "no_press" else ratios):
-            cfg = composed(f"press={press}", f"compression_ratio={ratio}", f"output_dir={out}", *SETTINGS)
+            cfg = composed(f"press={press}", f"compression_ratio={ratio}", f"output_dir={out}", *SETTINGS, *extra)
             runs.append((cfg, {"press": press, "dataset": "needle", "model": "smollm2-135m"}))
     return runs
 
 
-def _rows(out, press, ratio):
-    path = out / "needle" / "smollm2-135m" / press / f"cr{0.0 if press == 'no_press' else ratio:g}" / "predictions.jsonl"
+def _rows(out, press, ratio, dataset="needle"):
+    path = out / dataset / "smollm2-135m" / press / f"cr{0.0 if press == 'no_press' else ratio:g}" / "predictions.jsonl"
     return {r["id"]: r for r in harness.read_predictions(path)}
 
 
@@ -69,9 +71,9 @@ def test_replay_rebuilds_the_compressed_cache_exactly(tiny, press_name):
             model.model(input_ids=ids, past_key_values=direct)
         direct_bias = [getattr(layer.self_attn, "_attention_bias", None) for layer in model.model.layers]
         direct_bias = [s.bias.clone() if s is not None else None for s in direct_bias]
-        with fused.PrefillCapture(model) as capture:
+        with replay.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
-        replayed = fused.replay_prefill(model, press, capture)
+        replayed = replay.replay_prefill(model, press, capture)
     assert len(replayed) == len(direct) == 3
     for i in range(3):
         assert replayed.layers[i].keys.shape[2] < 400  # it did compress
@@ -96,13 +98,13 @@ def test_shared_proposals_compute_once_and_change_nothing(tiny, monkeypatch):
     presses = [instantiate(composed(f"press={p}", f"compression_ratio={r}").press) for p, r in specs]
     ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        with fused.PrefillCapture(model) as capture:
+        with replay.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
 
         def replay_all():
             caches = []
             for press in presses:
-                cache = fused.replay_prefill(model, press, capture)
+                cache = replay.replay_prefill(model, press, capture)
                 biases = [model.model.layers[i].self_attn._attention_bias.bias.clone() for i in range(3)]
                 caches.append(([layer.keys.clone() for layer in cache.layers], biases))
             return caches
@@ -128,7 +130,7 @@ def test_shared_proposals_compute_once_and_change_nothing(tiny, monkeypatch):
 def test_fused_predictions_equal_separate_runs_and_resume(tiny, tmp_path):
     ratios = [0.5, 0.75]
     for cfg, names in _runs(RUN_PRESSES, ratios, tmp_path / "separate"):
-        harness.run(cfg, names)
+        entry.run(cfg, names)
     runs = _runs(RUN_PRESSES, ratios, tmp_path / "fused")
     metrics = fused.run_fused(runs, "test")
     assert len(metrics) == len(runs) == 1 + 2 * (len(RUN_PRESSES) - 1)
@@ -164,6 +166,31 @@ def test_fused_predictions_equal_separate_runs_and_resume(tiny, tmp_path):
     assert again[1]["prediction"] == rows[1]["prediction"]
     assert (tmp_path / "fused/needle/smollm2-135m/snapkv/cr0.5/predictions.jsonl").read_text() == before
     assert (out / "metrics.json").exists()
+
+
+def test_fused_query_aware_equals_separate_runs_and_lives_apart(tiny, tmp_path):
+    """The question inside the compressed context (issue 14): the shared-prefill sweep still equals separate
+    runs, and its run directories (``needle-qa``) never mix with the question-after protocol's."""
+    for cfg, names in _runs(RUN_PRESSES, [0.75], tmp_path / "separate", "query_aware=true"):
+        entry.run(cfg, names)
+    fused.run_fused(_runs(RUN_PRESSES, [0.75], tmp_path / "fused", "query_aware=true"), "test")
+    fused.run_fused(_runs(["snapkv"], [0.75], tmp_path / "fused"), "test")  # the other protocol, same output_dir
+    predictions = set()
+    for press in RUN_PRESSES:
+        ratio = 0.0 if press == "no_press" else 0.75
+        sep, fus = _rows(tmp_path / "separate", press, ratio, "needle-qa"), _rows(tmp_path / "fused", press, ratio,
+                                                                                   "needle-qa")
+        assert sorted(sep) == sorted(fus) and len(sep) == 2
+        for i in sep:
+            assert fus[i]["prediction"] == sep[i]["prediction"], (press, i)
+            assert fus[i]["press_stats"] == sep[i]["press_stats"]
+            predictions.add(fus[i]["prediction"])
+    assert len(predictions) > 2
+    qa = _rows(tmp_path / "fused", "snapkv", 0.75, "needle-qa")
+    after = _rows(tmp_path / "fused", "snapkv", 0.75)
+    assert sorted(qa) == sorted(after) and all(qa[i]["context_length"] > after[i]["context_length"] for i in qa)
+    config = (tmp_path / "fused/needle-qa/smollm2-135m/snapkv/cr0.75/config.yaml").read_text()
+    assert "query_aware: true" in config
 
 
 @pytest.mark.parametrize("press_name", ["entroprefill", "observed_attention"])
@@ -209,20 +236,20 @@ def test_batched_decode_equals_one_by_one(tiny):
     ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(1))
     question = torch.randint(4, 128, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
-        with fused.PrefillCapture(model) as capture:
+        with replay.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
         presses = [instantiate(composed(f"press={p}", "compression_ratio=0.5").press)
                    for p in ("snapkv", "knorm", "tova", "streaming_llm", "expected_attention")]
         alone = []
         for press in presses:
-            cache = fused.replay_prefill(model, press, capture)
-            alone.append(fused.generate_answers(pipe, question, [cache], 300, 8)[0])
+            cache = replay.replay_prefill(model, press, capture)
+            alone.append(replay.generate_answers(pipe, question, [cache], 300, 8)[0])
             assert cache.get_seq_length(0) == 150  # the answer was removed again
-        caches = [fused.replay_prefill(model, press, capture) for press in presses]
-        batched = fused.generate_answers(pipe, question, caches, 300, 8)
+        caches = [replay.replay_prefill(model, press, capture) for press in presses]
+        batched = replay.generate_answers(pipe, question, caches, 300, 8)
         assert all(c.get_seq_length(0) == 150 for c in caches)
         with pytest.raises(ValueError, match="equal per-layer cache lengths"):
-            fused.generate_answers(pipe, question, [caches[0], fused.replay_prefill(model, None, capture)], 300, 8)
+            replay.generate_answers(pipe, question, [caches[0], replay.replay_prefill(model, None, capture)], 300, 8)
     assert batched == alone and len(set(alone)) > 1
 
 
@@ -231,7 +258,7 @@ def test_snis_runs_of_equal_lengths_decode_as_one_batch(tiny, tmp_path):
     with its own correction, and write what separate harness runs write."""
     presses = ["snis_h2o_h", "snis_h2o_h_uncorrected"]
     for cfg, names in _runs(presses, [0.6], tmp_path / "separate"):
-        harness.run(cfg, names)
+        entry.run(cfg, names)
     fused.run_fused(_runs(presses, [0.6], tmp_path / "fused"), "test")
     answers = {}
     for press in presses:
@@ -253,12 +280,12 @@ def test_install_snis_states_refuses_mismatched_runs(tiny):
     a = tuple(AttentionBias(torch.zeros(1, 2, 5)) for _ in range(3))
     b = tuple(AttentionBias(torch.zeros(1, 2, 6)) for _ in range(3))
     with pytest.raises(ValueError, match="equal padded length"):
-        fused.install_snis_states(model, [a, b])
+        install_biases(model, [a, b])
     with pytest.raises(ValueError, match="equal padded length"):
-        fused.install_snis_states(model, [a, (None, None, None)])
-    fused.install_snis_states(model, [a, a])
+        install_biases(model, [a, (None, None, None)])
+    install_biases(model, [a, a])
     assert model.model.layers[0].self_attn._attention_bias.bias.shape == (2, 2, 5)
-    fused.take_snis_states(model)
+    take_biases(model)
     assert model.model.layers[0].self_attn._attention_bias is None
 
 
@@ -275,17 +302,17 @@ def test_batched_decode_never_stops_at_the_first_token(tiny):
     presses = [instantiate(composed(f"press={p}", "compression_ratio=0.5").press) for p in ("snapkv", "snapkv")]
     eos = model.generation_config.eos_token_id
     with torch.inference_mode():
-        with fused.PrefillCapture(model) as capture:
+        with replay.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
-        cache = fused.replay_prefill(model, presses[0], capture)
+        cache = replay.replay_prefill(model, presses[0], capture)
         # make the first token this cache generates the EOS token
         first = model(input_ids=question, past_key_values=cache,
                       position_ids=torch.arange(300, 312).unsqueeze(0)).logits[0, -1].argmax().item()
         model.generation_config.eos_token_id = first
         try:
-            alone = [fused.generate_answers(pipe, question, [fused.replay_prefill(model, p, capture)], 300, 8)[0]
+            alone = [replay.generate_answers(pipe, question, [replay.replay_prefill(model, p, capture)], 300, 8)[0]
                      for p in presses]
-            batched = fused.generate_answers(pipe, question, [fused.replay_prefill(model, p, capture)
+            batched = replay.generate_answers(pipe, question, [replay.replay_prefill(model, p, capture)
                                                               for p in presses], 300, 8)
         finally:
             model.generation_config.eos_token_id = eos
@@ -306,7 +333,7 @@ def test_pad_to_common_lengths_masks_only_the_padding(tiny):
 
     a, b = cache([5, 7]), cache([6, 7])
     snis = (AttentionBias(torch.randn(1, 2, 5)), None)
-    caches, states = fused.pad_to_common_lengths([a, b], [snis, (None, None)])
+    caches, states = replay.pad_to_common_lengths([a, b], [snis, (None, None)])
     assert [c.get_seq_length(0) for c in caches] == [6, 6] and [c.get_seq_length(1) for c in caches] == [7, 7]
     assert a.get_seq_length(0) == 5  # the run's own cache is not modified
     assert torch.equal(caches[0].layers[0].keys[:, :, :5], a.layers[0].keys)
@@ -314,9 +341,9 @@ def test_pad_to_common_lengths_masks_only_the_padding(tiny):
     assert torch.equal(states[1][0].bias, torch.zeros(1, 2, 6))  # b's layer 0 is the longest: nothing masked
     assert states[0][1] is None and states[1][1] is None  # layer 1: equal lengths, no SNIS state
     same = [cache([4, 4]), cache([4, 4])]
-    assert fused.pad_to_common_lengths(same, [(None, None)] * 2)[0] is same
+    assert replay.pad_to_common_lengths(same, [(None, None)] * 2)[0] is same
     with pytest.raises(ValueError, match="covers 4 slots but the cache holds 5"):
-        fused.pad_to_common_lengths([a, b], [(AttentionBias(torch.zeros(1, 2, 4)), None), (None, None)])
+        replay.pad_to_common_lengths([a, b], [(AttentionBias(torch.zeros(1, 2, 4)), None), (None, None)])
 
 
 def test_one_ratio_decodes_as_one_padded_batch(tiny, tmp_path):
@@ -324,7 +351,7 @@ def test_one_ratio_decodes_as_one_padded_batch(tiny, tmp_path):
     per-layer lengths and correction) decodes in one batch and writes what separate harness runs write."""
     presses = ["snapkv", "page_entrokv", "snis_min", "snis_h2o_h_uncorrected"]
     for cfg, names in _runs(presses, [0.6], tmp_path / "separate"):
-        harness.run(cfg, names)
+        entry.run(cfg, names)
     fused.run_fused(_runs(presses, [0.6], tmp_path / "fused"), "test", pad_decode=True)
     lengths = set()
     for press in presses:
@@ -342,6 +369,6 @@ def test_round_robin_by_task_interleaves_and_keeps_every_example():
     from types import SimpleNamespace
 
     exs = [SimpleNamespace(task=t, id=f"{t}{i}") for t, n in (("a", 3), ("b", 1), ("c", 2)) for i in range(n)]
-    order = [e.id for e in fused.round_robin_by_task(exs)]
+    order = [e.id for e in replay.round_robin_by_task(exs)]
     assert order == ["a0", "b0", "c0", "a1", "c1", "a2"]
-    assert fused.round_robin_by_task([]) == []
+    assert replay.round_robin_by_task([]) == []

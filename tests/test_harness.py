@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 
-from evaluation import run as harness
+from evaluation import harness
+from evaluation import run as entry
 
 CONFIG_DIR = str(Path(harness.__file__).resolve().parent.parent / "configs")
 KVPRESS_BASELINES = ["no_press", "snapkv", "tova", "knorm", "streaming_llm", "expected_attention",
@@ -62,7 +63,7 @@ def test_unknown_press_lists_valid_names():
         composed("press=nope")
     cfg = composed("press=snapkv")
     with pytest.raises(ValueError, match=r"unknown press 'nope'; valid: .*page_entrokv"):
-        harness.run(cfg, {"press": "nope", "dataset": "needle", "model": "smollm2-135m"})
+        entry.run(cfg, {"press": "nope", "dataset": "needle", "model": "smollm2-135m"})
 
 
 def test_unknown_model_lists_valid_names():
@@ -110,7 +111,7 @@ def test_end_to_end_on_embedded_model_resumes(tmp_path):
     cfg = composed("press=page_entrokv", "compression_ratio=0.5", "n_samples=2", f"output_dir={tmp_path}",
                    "dataset.context_length=200", "dataset.max_new_tokens=4")
     names = {"press": "page_entrokv", "dataset": "needle", "model": "smollm2-135m"}
-    metrics = harness.run(cfg, names)
+    metrics = entry.run(cfg, names)
     out = tmp_path / "needle" / "smollm2-135m" / "page_entrokv" / "cr0.5"
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert metrics["n"] == 2 and len(rows) == 2
@@ -124,7 +125,7 @@ def test_end_to_end_on_embedded_model_resumes(tmp_path):
         assert row["effective_compression"] >= 0.5
     # an interrupted run (no metrics.json) resumes without redoing or duplicating rows
     (out / "metrics.json").unlink()
-    harness.run(cfg, names)
+    entry.run(cfg, names)
     rows2 = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows2] == [r["id"] for r in rows]
     assert [r["seconds"] for r in rows2] == [r["seconds"] for r in rows]

@@ -21,7 +21,9 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from conftest import make_tiny_llama
-from evaluation import run as harness
+from evaluation import harness
+from evaluation.registry import capabilities
+from evaluation import run as entry
 from evaluation.guards import check_model_layout, check_press_input
 
 CONFIG_DIR = Path(harness.__file__).resolve().parent.parent / "configs"
@@ -71,7 +73,7 @@ _MODELS: dict = {}
 
 def model_for(name: str, attn: str = "sdpa", dtype=torch.float32, heads=(4, 2)):
     """The tiny 2-layer Llama (memoised) with the attention the harness would use for ``name``
-    (``evaluation.run.needs_eager``: eager for ObservedAttention)."""
+    (the registry capability ``needs_eager``: eager for ObservedAttention)."""
     attn = "eager" if name == "observed_attention" else attn
     key = (attn, dtype, heads)
     if key not in _MODELS:
@@ -232,7 +234,7 @@ def test_harness_rejects_bad_ratio_before_loading_a_model(monkeypatch, tmp_path)
     monkeypatch.setattr(harness, "get_model", no_model)
     cfg = _compose("press=snapkv", "compression_ratio=1.2", f"output_dir={tmp_path}")
     with pytest.raises(ValueError, match=r"compression_ratio=1.2 must be in \[0, 1\)"):
-        harness.run(cfg, {"press": "snapkv", "dataset": "needle", "model": "smollm2-135m"})
+        entry.run(cfg, {"press": "snapkv", "dataset": "needle", "model": "smollm2-135m"})
     assert not any(tmp_path.iterdir())
 
 
@@ -332,7 +334,7 @@ def test_adakv_masked_keys_get_zero_attention(dtype, monkeypatch):
 def test_sdpa_and_eager_agree(name):
     if name == "observed_attention":  # reads the eager attention weights: the harness switches to eager
         press = build(name, 0.5)
-        assert harness.needs_eager(press)
+        assert capabilities(press).needs_eager
         with pytest.raises(AssertionError, match="eager"):
             prefill(press, make_tiny_llama(num_layers=2, vocab=VOCAB, attn_implementation="sdpa"), PROMPT_IDS)
         return
@@ -500,13 +502,13 @@ def test_needle_depth_0_and_100_through_the_harness(name, monkeypatch, tmp_path)
     cfg, names = _tiny_harness(monkeypatch, tmp_path, name, *extra)
     if name == "pyramidkv":  # per-layer lengths break the mask of the question forward: the guard says so
         with pytest.raises(ValueError, match="different number of entries per layer.*multi-token forward"):
-            harness.run(cfg, names)
+            entry.run(cfg, names)
         return
     if name == "adakv":  # kvpress's fake-key search finds no hyperplane for a random model's isotropic queries
         with pytest.raises(ValueError, match="Could not find fake keys"):
-            harness.run(cfg, names)
+            entry.run(cfg, names)
         return
-    metrics = harness.run(cfg, names)
+    metrics = entry.run(cfg, names)
     rows = [json.loads(line) for line in next(tmp_path.rglob("predictions.jsonl")).read_text().splitlines()]
     assert metrics["n"] == 2 and sorted(r["depth"] for r in rows) == [0.0, 100.0]
     for row in rows:
@@ -531,12 +533,12 @@ def test_killed_run_resumes_without_lost_or_duplicated_rows(monkeypatch, tmp_pat
 
     monkeypatch.setattr(harness, "append_row", killed_after_first)
     with pytest.raises(KeyboardInterrupt):
-        harness.run(cfg, names)
+        entry.run(cfg, names)
     pred = next(tmp_path.rglob("predictions.jsonl"))
     first = [json.loads(line) for line in pred.read_text().splitlines()]
     assert len(first) == 1 and not (pred.parent / "metrics.json").exists()
     monkeypatch.setattr(harness, "append_row", real_append)
-    metrics = harness.run(cfg, names)
+    metrics = entry.run(cfg, names)
     rows = [json.loads(line) for line in pred.read_text().splitlines()]
     assert metrics["n"] == 3 and len(rows) == 3 and len({r["id"] for r in rows}) == 3
     assert rows[0] == first[0]  # the finished row was not redone
@@ -546,4 +548,4 @@ def test_killed_run_resumes_without_lost_or_duplicated_rows(monkeypatch, tmp_pat
 def test_harness_raises_clear_error_for_too_short_context(monkeypatch, tmp_path):
     cfg, names = _tiny_harness(monkeypatch, tmp_path, "snapkv", "press.window_size=1024")
     with pytest.raises(ValueError, match=r"SnapKVPress: the context has T=\d+ tokens but needs more than window_size=1024"):
-        harness.run(cfg, names)
+        entry.run(cfg, names)

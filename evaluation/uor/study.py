@@ -48,7 +48,7 @@ from kvpress.presses.base_press import BasePress
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from evaluation.run import CONFIG_DIR, command_line
+from evaluation.harness import CONFIG_DIR, command_line
 from presses.observers import observer_attention
 from presses.core.pooling import pooled_group_scores
 from presses.core.paging import allocation_bytes, page_union, union_bytes

@@ -1,0 +1,217 @@
+"""The one per-example loop of the harness, shared by ``python -m evaluation.run`` and ``python -m evaluation.fused``.
+
+:func:`evaluate` takes one or more runs of one model and dataset (each a ``(cfg, names)`` pair as Hydra composes
+it), starts or resumes each run directory (:func:`evaluation.harness.start_run`, which validates the ratio), and
+for every example some run still lacks:
+
+1. tokenises it once (kvpress's ``preprocess``; the chat template is dropped where the dataset says so) and
+   checks every pending press against the model and ``T`` (:func:`evaluation.guards.check_press_input`);
+2. produces each pending run's prediction:
+
+   - ``shared_prefill=False`` (``evaluation.run``): each run through kvpress's pipeline, as a user would;
+   - ``shared_prefill=True`` (``evaluation.fused``): one uncompressed prefill, each press's hooks replayed on it
+     (:func:`evaluation.replay.replay_prefill`), then the runs decoded in batches
+     (:func:`evaluation.replay.generate_answers`), presses with decode-time state exporting it after their
+     replay (the press contract, :mod:`presses.base`);
+
+3. appends one row per run (:func:`evaluation.harness.prediction_row`), then writes ``metrics.json``.
+
+What a press can do is read from the registry (:mod:`evaluation.registry`), never from its class or name.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from hydra.utils import instantiate
+from kvpress import KVPressTextGenerationPipeline
+from omegaconf import DictConfig
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from evaluation import harness
+from evaluation.guards import check_press_input
+from evaluation.registry import capabilities, export_decode_state
+from evaluation.replay import (
+    PrefillCapture,
+    check_shareable,
+    generate_answers,
+    pad_to_common_lengths,
+    replay_prefill,
+    round_robin_by_task,
+)
+from presses.attention_bias import clear_attention_bias, install_biases
+from presses.base import Capabilities
+from presses.probabilistic.proposals import shared_proposals
+
+logger = logging.getLogger("evaluation.loop")
+
+__all__ = ["SHARED_KEYS", "Run", "evaluate"]
+
+#: Settings every run of one :func:`evaluate` call must share (one model, one dataset, one example list).
+SHARED_KEYS = ("model", "dataset", "seed", "n_samples", "shard", "query_aware", "device", "max_new_tokens")
+
+
+@dataclass
+class Run:
+    """One run of an :func:`evaluate` call: its index in the call, config, names, directory and press."""
+
+    index: int
+    cfg: DictConfig
+    names: dict
+    out: object
+    press: object
+    caps: Capabilities
+
+
+def _start(cfgs: list, shared_prefill: bool) -> tuple[list[Run], dict[int, dict]]:
+    first = cfgs[0][0]
+    for cfg, names in cfgs[1:]:
+        for key in SHARED_KEYS:
+            if cfg.get(key) != first.get(key):
+                raise ValueError(f"runs of one sweep must share {key}: {names['press']} has {cfg.get(key)!r}, "
+                                 f"{cfgs[0][1]['press']} has {first.get(key)!r}")
+    runs, finished = [], {}
+    for k, (cfg, names) in enumerate(cfgs):
+        out, done = harness.start_run(cfg, names)  # validates the names and the ratio, once
+        if done is not None:
+            finished[k] = done
+            continue
+        press = instantiate(cfg.press) if cfg.press.get("_target_") else None
+        caps = capabilities(press)
+        if shared_prefill:
+            check_shareable(press, names["press"])
+        if caps.needs_question and not cfg.query_aware:
+            raise ValueError(f"press {names['press']} needs the question inside the compressed context: set "
+                             "query_aware=true")
+        runs.append(Run(k, cfg, names, out, press, caps))
+    return runs, finished
+
+
+def _pipeline_row(run: Run, ex, pipe, dataset, model, tokenizer, T: int, max_new: int) -> dict:
+    """Prefill, compress and decode one example through kvpress's pipeline (what a user runs)."""
+    cache = DynamicCache()
+    start = time.perf_counter()
+    with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)), torch.inference_mode():
+        prediction = pipe(ex.context, question=ex.question, answer_prefix=ex.answer_prefix, press=run.press,
+                          max_new_tokens=max_new, cache=cache)["answer"]
+    elapsed = time.perf_counter() - start
+    return harness.prediction_row(ex, run.names, dataset, prediction, cache, model, T, elapsed, run.press)
+
+
+def _shared_rows(pending: list[Run], ex, pipe, dataset, model, context_ids, question_ids, T: int, max_new: int,
+                 batch_decode: bool, pad_decode: bool) -> list[tuple[Run, dict]]:
+    """One uncompressed prefill, every pending press replayed on it, the runs decoded in batches."""
+    start = time.perf_counter()
+    with torch.inference_mode(), PrefillCapture(model) as capture:
+        model.model(input_ids=context_ids, past_key_values=DynamicCache())
+    prefill_seconds = time.perf_counter() - start
+    replayed = []  # (run, cache, replay seconds, decode state per layer)
+    rows = []
+    with shared_proposals():  # presses differing only in ratio / correction / seed compute a proposal once
+        for run in pending:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                cache = replay_prefill(model, run.press, capture)
+            # decode-time state lives on the attention modules: keep it with the run until its decode
+            state = export_decode_state(run.press, model) if run.caps.decode_state else (None,) * len(cache)
+            clear_attention_bias(model)  # a press without decode-time state leaves none behind
+            replayed.append((run, cache, time.perf_counter() - start, state))
+            if not batch_decode:
+                rows += _decode_group([replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model,
+                                      prefill_seconds)
+    groups: dict = {}
+    for item in replayed:  # one ratio (padded) or equal per-layer cache lengths (and bias layers): one batch
+        key = (item[0].cfg.compression_ratio if pad_decode else
+               (tuple(item[1].get_seq_length(i) for i in range(len(item[1]))),
+                tuple(state is not None for state in item[3])))
+        groups.setdefault(key, []).append(item)
+    for group in groups.values():
+        rows += _decode_group(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+    return rows
+
+
+def _decode_group(group: list, pipe, question_ids, T: int, max_new: int, ex, dataset, model,
+                  prefill_seconds: float) -> list[tuple[Run, dict]]:
+    """Decode replayed runs as one batch (padded to common per-layer lengths where they differ, their decode-time
+    biases stacked) and build each run's prediction row (with its own, unpadded cache)."""
+    start = time.perf_counter()
+    caches, states = pad_to_common_lengths([item[1] for item in group], [item[3] for item in group])
+    install_biases(model, states)
+    try:
+        with torch.inference_mode():
+            predictions = generate_answers(pipe, question_ids.to(model.device), caches, T, max_new)
+    finally:
+        clear_attention_bias(model)
+    decode_s = (time.perf_counter() - start) / len(group)
+    rows = []
+    for (run, cache, replay_s, _), prediction in zip(group, predictions):
+        seconds = prefill_seconds + replay_s + decode_s
+        rows.append((run, harness.prediction_row(ex, run.names, dataset, prediction, cache, model, T, seconds,
+                                                 run.press, prefill_seconds=prefill_seconds, shared_prefill=True,
+                                                 decode_batch=len(group))))
+    return rows
+
+
+def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared_prefill: bool = False,
+             batch_decode: bool = True, pad_decode: bool = True) -> list[dict]:
+    """Run (or resume) several runs of ONE model and dataset, example by example (see the module docstring).
+
+    Args:
+        cfgs: ``(cfg, names)`` per run, as ``python -m evaluation.run`` composes it; all must agree on
+            :data:`SHARED_KEYS`.
+        command: the command recorded in each ``metrics.json``.
+        shared_prefill: one uncompressed prefill per example, replayed for every press (``evaluation.fused``);
+            otherwise every run goes through kvpress's pipeline (``evaluation.run``).
+        batch_decode: with ``shared_prefill``, decode the runs of an example whose caches have equal per-layer
+            lengths (and decode-time state layers) as one batch.
+        pad_decode: with ``batch_decode``, decode all runs of one compression ratio as one batch, their caches
+            padded to common per-layer lengths with the padding masked.
+
+    Returns:
+        The metrics of every run, in ``cfgs`` order.
+
+    Raises:
+        ValueError: for runs that disagree on a shared setting, a ratio outside ``[0, 1)``, an unknown config
+            name, a run directory made with other settings, a press that cannot share a prefill (with
+            ``shared_prefill``), a press that needs the question inside the context without ``query_aware``, or
+            an input a press cannot take (:func:`evaluation.guards.check_press_input`).
+    """
+    runs, metrics = _start(cfgs, shared_prefill)
+    if not runs:
+        return [metrics[k] for k in range(len(cfgs))]
+    first = cfgs[0][0]
+    dataset = instantiate(first.dataset)
+    eager = any(run.caps.needs_eager for run in runs)
+    model, tokenizer = harness.get_model(first.model, first.device,
+                                         "eager" if eager else first.model.get("attn_implementation", "sdpa"))
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
+    examples = harness.run_examples(first, dataset, tokenizer)
+    done_ids = {run.index: {r["id"] for r in harness.read_predictions(run.out / "predictions.jsonl")} for run in runs}
+    todo = round_robin_by_task([e for e in examples if any(e.id not in done_ids[r.index] for r in runs)])
+    logger.info("%d runs x %d examples; %d examples still needed by some run", len(runs), len(examples), len(todo))
+    torch.manual_seed(first.seed)
+    desc = "shared prefill" if shared_prefill else f"{runs[0].names['press']} cr={runs[0].cfg.compression_ratio:g}"
+    for ex in tqdm(todo, desc=desc, dynamic_ncols=True):
+        max_new = first.max_new_tokens or ex.max_new_tokens or 32
+        with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)):
+            inputs = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
+        context_ids, question_ids = inputs["context_ids"].to(model.device), inputs["questions_ids"][0]
+        T = int(context_ids.shape[1])
+        pending = [run for run in runs if ex.id not in done_ids[run.index]]
+        for run in pending:
+            check_press_input(run.press, model, T, multi_token_forward=True)  # the question forward follows
+        if shared_prefill:
+            rows = _shared_rows(pending, ex, pipe, dataset, model, context_ids, question_ids, T, max_new,
+                                batch_decode, pad_decode)
+        else:
+            rows = [(run, _pipeline_row(run, ex, pipe, dataset, model, tokenizer, T, max_new)) for run in pending]
+        for run, row in rows:
+            harness.append_row(run.out / "predictions.jsonl", row)
+    for run in runs:
+        metrics[run.index] = harness.finish_run(run.out, examples, run.names, run.cfg, command)
+    return [metrics[k] for k in range(len(cfgs))]
+

@@ -1,0 +1,143 @@
+"""The one registry of press capabilities the harness reads: nowhere else in ``evaluation/`` is a press
+recognised by its class or its name (``no_press``, the uncompressed baseline, aside).
+
+- This project's presses state their capabilities themselves (the press contract, :mod:`presses.base`).
+- kvpress's presses get theirs from :data:`KVPRESS`, by class, and their input limits from
+  :func:`press_input_problem`: kvpress checks its inputs with ``assert`` (skipped under ``python -O``) or not
+  at all, so the harness turns each limit into a ``ValueError`` naming the value and the limit before the
+  prefill (``evaluation.guards.check_press_input``).
+
+A press the registry does not know runs through kvpress's pipeline (it may not share a prefill), and only the
+model layout is checked for it.
+"""
+
+from __future__ import annotations
+
+from kvpress import (
+    AdaKVPress,
+    ComposedPress,
+    CriticalAdaKVPress,
+    CriticalKVPress,
+    ExpectedAttentionPress,
+    ObservedAttentionPress,
+    PrefillDecodingPress,
+    PyramidKVPress,
+    ScorerPress,
+    SnapKVPress,
+    StreamingLLMPress,
+    TOVAPress,
+)
+
+from presses.attention_bias import take_biases
+from presses.base import Capabilities, ResearchPress
+
+__all__ = ["KVPRESS", "UNKNOWN", "capabilities", "inner_press", "press_input_problem", "export_decode_state"]
+
+#: kvpress presses by class, most specific first. Scorer presses compress in their forward hooks after the
+#: attention output is computed, so one recorded uncompressed prefill can be replayed for them
+#: (``evaluation.fused``); ObservedAttention reads eager attention weights and PyramidKV keeps per-layer
+#: lengths that kvpress's question forward cannot follow, so neither shares one.
+KVPRESS: tuple[tuple[type, Capabilities], ...] = (
+    (ObservedAttentionPress, Capabilities(shares_prefill=False, needs_eager=True)),
+    (PyramidKVPress, Capabilities(shares_prefill=False)),
+    (ScorerPress, Capabilities()),
+)
+
+#: Anything else (kvpress's other wrappers and presses, user presses): run it through kvpress's pipeline.
+UNKNOWN = Capabilities(shares_prefill=False)
+
+#: kvpress wrappers that hold one press in a field (their capabilities follow the inner press for eager).
+_SINGLE_WRAPPERS = (AdaKVPress, CriticalKVPress, CriticalAdaKVPress)
+
+
+def inner_press(press):
+    """The press a single-press kvpress wrapper (AdaKV, CriticalKV) holds, else ``press`` itself."""
+    return press.press if isinstance(press, _SINGLE_WRAPPERS) else press
+
+
+def capabilities(press) -> Capabilities:
+    """What ``press`` (None = no compression) can do, as the harness reads it.
+
+    Returns:
+        The press's own :attr:`presses.base.ResearchPress.capabilities`; kvpress's from :data:`KVPRESS`;
+        wrappers combine their inner presses' (eager if any inner press needs it; a prefill is shared only by a
+        ``ComposedPress`` / ``PrefillDecodingPress`` of presses that all share one); :data:`UNKNOWN` otherwise.
+    """
+    if press is None:
+        return Capabilities()
+    if isinstance(press, ResearchPress):
+        return press.capabilities
+    for cls, caps in KVPRESS:
+        if isinstance(press, cls):
+            return caps
+    inner = []
+    if isinstance(press, _SINGLE_WRAPPERS):
+        inner = [press.press]
+    elif isinstance(press, ComposedPress):
+        inner = list(press.presses)
+    elif isinstance(press, PrefillDecodingPress):
+        inner = [p for p in (press.prefilling_press, press.decoding_press) if p is not None]
+    if not inner:
+        return UNKNOWN
+    caps = [capabilities(p) for p in inner]
+    shares = not isinstance(press, _SINGLE_WRAPPERS) and all(c.shares_prefill for c in caps) and \
+        not (isinstance(press, PrefillDecodingPress) and press.decoding_press is not None)
+    return Capabilities(shares_prefill=shares, needs_question=any(c.needs_question for c in caps),
+                        changes_prefill=any(c.changes_prefill for c in caps),
+                        decode_state=any(c.decode_state for c in caps), needs_eager=any(c.needs_eager for c in caps),
+                        composable=all(c.composable for c in caps))
+
+
+def press_input_problem(press, model, context_length: int, multi_token_forward: bool = False) -> str | None:
+    """Why kvpress's ``press`` cannot compress a ``T``-token context on ``model``, or None.
+
+    The limits (kvpress 0.5.5): SnapKV, PyramidKV and AdaKV over a windowed scorer need ``T > window_size``;
+    StreamingLLM and ExpectedAttention need ``T > n_sink``; TOVA needs ``T >= 2``; AdaKV and PyramidKV do not
+    run on eager attention; PyramidKV cannot be followed by a multi-token forward (the pipeline's question).
+    This project's presses compress any input they accept, and validate their own parameters.
+
+    Args:
+        press: the instantiated press (not None).
+        model: the causal LM.
+        context_length: ``T``.
+        multi_token_forward: a forward of more than one token follows the prefill on the compressed cache.
+
+    Returns:
+        A one-line message naming the press, the value and the limit, or None.
+    """
+    inner = inner_press(press)
+    if not getattr(inner, "compression_ratio", None):
+        return None
+    label = type(press).__name__ if inner is press else f"{type(press).__name__}({type(inner).__name__})"
+    T = int(context_length)
+    eager = getattr(model.config, "_attn_implementation", None) == "eager"
+    if isinstance(press, AdaKVPress) and eager:
+        return (f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
+                "attention only): use sdpa")
+    if isinstance(inner, PyramidKVPress) and eager:
+        return (f"{label} keeps a different number of entries per layer, which the eager attention mask of the "
+                "decode step cannot follow (size mismatch): use sdpa")
+    if isinstance(inner, PyramidKVPress) and multi_token_forward:
+        return (f"{label} keeps a different number of entries per layer, but transformers builds the attention "
+                "mask of a multi-token forward after the prefill (the question) from layer 0's cache length, so "
+                "the other layers fail with a size mismatch: it cannot answer questions through kvpress's pipeline "
+                "(kvpress 0.5.5, transformers 5.x)")
+    if isinstance(inner, SnapKVPress) and T <= inner.window_size:  # PyramidKVPress subclasses SnapKVPress
+        return (f"{label}: the context has T={T} tokens but needs more than window_size={inner.window_size}: use "
+                "a longer context or a smaller press.window_size")
+    if isinstance(inner, (StreamingLLMPress, ExpectedAttentionPress)) and T <= inner.n_sink:
+        return f"{label}: the context has T={T} tokens but needs more than n_sink={inner.n_sink}"
+    if isinstance(inner, TOVAPress) and T < 2:
+        return f"{label}: the context has T={T} tokens but needs at least 2 (it scores the keys before the last token)"
+    return None
+
+
+def export_decode_state(press, model) -> tuple:
+    """The decode-time state a prefill under ``press`` left on ``model`` (one entry per layer), taken off it.
+
+    A press of this project exports it itself (:meth:`presses.base.ResearchPress.export_decode_state`); a wrapper
+    holding one leaves the same per-layer attention biases, taken with :func:`presses.attention_bias.take_biases`.
+    """
+    if isinstance(press, ResearchPress):
+        return press.export_decode_state(model)
+    return take_biases(model)

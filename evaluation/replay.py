@@ -1,0 +1,281 @@
+"""Replay one uncompressed prefill for many presses, and decode their caches as one batch.
+
+Why this is exact. A kvpress press that compresses in its forward hooks (``BasePress.forward_hook``)
+replaces the layer's cache entries *after* the attention output is computed; the hidden states of the
+prefill are those of the uncompressed model, and layer ``i``'s hook reads only layer ``i``'s keys and
+values. So one uncompressed prefill, with the inputs every hook saw recorded (:class:`PrefillCapture`: the
+layer's ``hidden_states``, ``position_embeddings``, ``cache_position`` and attention output), lets each press's
+hooks be called again afterwards, in the forward's order, on a fresh cache that receives the same keys and
+values layer by layer (:func:`replay_prefill`). Which presses qualify is a capability
+(``shares_prefill``, :mod:`evaluation.registry`); ``tests/test_fused.py`` checks bit-equal caches and equal
+predictions against separate runs. The question may sit inside the compressed context (``query_aware``) or
+come after it: the replay does not care.
+
+Decoding: :func:`generate_answers` decodes caches of equal per-layer lengths as one batch (kvpress's greedy
+decode, batched); :func:`pad_to_common_lengths` pads the caches of one compression ratio to common lengths,
+the padding masked with a ``-inf`` logit bias (:mod:`presses.attention_bias`), so a row computes what it would
+alone up to the rounding of batched matrix products. Presses with decode-time state (the SNIS correction)
+export it after their replay and the batch's states are stacked row by row (the press contract).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from evaluation.registry import capabilities
+from presses.attention_bias import AttentionBias, clear_attention_bias
+
+logger = logging.getLogger("evaluation.replay")
+
+__all__ = ["PrefillCapture", "replay_prefill", "generate_answers", "pad_to_common_lengths", "round_robin_by_task"]
+
+
+def check_shareable(press, name: str = "") -> None:
+    """Raise unless ``press`` (None = no press) can be evaluated from a shared prefill (its capability
+    ``shares_prefill``, :mod:`evaluation.registry`).
+
+    Raises:
+        ValueError: naming the press and what to use instead.
+    """
+    caps = capabilities(press)
+    if not caps.shares_prefill or caps.needs_eager:
+        raise ValueError(f"press {name or type(press).__name__} ({type(press).__name__}) cannot share a prefill "
+                         "(it changes the prefill, reads eager attention weights, or is not known to compress in "
+                         "its forward hooks only): run it with python -m evaluation.run")
+
+
+def _language_model(model):
+    return model.model.language_model if hasattr(model.model, "language_model") else model.model
+
+
+class PrefillCapture:
+    """Record what the forward hooks of a prefill see: per attention layer ``(args, kwargs, output)``
+    (``kwargs`` without the cache), the layer's keys and values after the forward, and the language
+    model's ``(args, kwargs, output)``.
+
+    Use ``with PrefillCapture(model) as cap: model.model(input_ids=ids, past_key_values=cache)``; then
+    ``cap.layers[i] = (args, kwargs, output, keys, values)`` with keys/values ``(B, H_kv, T, d)``.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.layers: list = []
+        self.lm_call: tuple | None = None
+        self._handles: list = []
+
+    def __enter__(self):
+        lm = _language_model(self.model)
+        self.layers = [None] * len(lm.layers)
+
+        def layer_hook(i, module, args, kwargs, output):
+            cache = kwargs["past_key_values"]
+            kw = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+            self.layers[i] = (args, kw, output, cache.layers[i].keys, cache.layers[i].values)
+
+        def lm_hook(module, args, kwargs, output):
+            self.lm_call = (args, {k: v for k, v in kwargs.items() if k != "past_key_values"}, output)
+
+        for i, layer in enumerate(lm.layers):
+            self._handles.append(layer.self_attn.register_forward_hook(functools.partial(layer_hook, i),
+                                                                       with_kwargs=True))
+        self._handles.append(lm.register_forward_hook(lm_hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return False
+
+
+def _pre_hooks(module, args, kwargs):
+    """Call ``module``'s forward pre-hooks as ``nn.Module.__call__`` does; return ``(args, kwargs)``."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args, kwargs
+
+
+def _post_hooks(module, args, kwargs, output, name: str):
+    """Call ``module``'s forward hooks as ``nn.Module.__call__`` does.
+
+    Raises:
+        ValueError: if a hook replaces the output (the prefill would no longer be the shared one).
+    """
+    for hook_id, hook in list(module._forward_hooks.items()):
+        if hook_id in module._forward_hooks_with_kwargs:
+            result = hook(module, args, kwargs, output)
+        else:
+            result = hook(module, args, output)
+        if result is not None and result is not output:
+            raise ValueError(f"a forward hook on {name} changed its output: the press changes the prefill, "
+                             "so it cannot share one (run it with python -m evaluation.run)")
+    return output
+
+
+def replay_prefill(model, press, capture: PrefillCapture):
+    """Build ``press``'s compressed cache from a captured uncompressed prefill.
+
+    Inside ``with press(model)``: the language model's pre-hooks, then per layer ``i`` the layer's keys
+    and values are written to a fresh ``DynamicCache`` (``cache.update``, as the attention forward does)
+    and the attention module's forward hooks are called with the recorded inputs and output; then the
+    language model's forward hooks. Attention wrappers keep per-module state (a decode-time bias), which
+    a real prefill resets; it is reset here too.
+
+    Args:
+        model: the causal LM the capture was taken on.
+        press: a press accepted by :func:`check_shareable`, or None (the uncompressed cache).
+        capture: a filled :class:`PrefillCapture`.
+
+    Returns:
+        The press's cache, as the pipeline's prefill would have left it.
+
+    Raises:
+        ValueError: for a press that cannot share a prefill, or hooks outside the attention modules and
+            the language model.
+    """
+    check_shareable(press)
+    lm = _language_model(model)
+    cache = DynamicCache()
+    clear_attention_bias(model)  # what the bias attention wrapper does at every new prefill
+    with press(model) if press is not None else contextlib.nullcontext():
+        for i, layer in enumerate(lm.layers):
+            if layer._forward_pre_hooks or layer._forward_hooks or layer.self_attn._forward_pre_hooks:
+                raise ValueError(f"press {type(press).__name__} hooks decoder layer {i} or its attention's input: "
+                                 "it changes the prefill and cannot share one (run it with python -m evaluation.run)")
+        lm_args, lm_kwargs, lm_output = capture.lm_call
+        _, lm_kwargs = _pre_hooks(lm, lm_args, {**lm_kwargs, "past_key_values": cache})
+        for i, layer in enumerate(lm.layers):
+            args, kwargs, output, keys, values = capture.layers[i]
+            cache.update(keys, values, i)
+            _post_hooks(layer.self_attn, args, {**kwargs, "past_key_values": cache}, output, f"layer {i} attention")
+        _post_hooks(lm, lm_args, {**lm_kwargs, "past_key_values": cache}, lm_output, "the language model")
+    return cache
+
+
+def generate_answers(pipe, question_ids, caches: list, context_length: int, max_new_tokens: int) -> list[str]:
+    """Greedy answers for several caches of equal per-layer lengths in one batch.
+
+    The batched form of ``KVPressTextGenerationPipeline.generate_answer`` (question forward at positions
+    ``context_length ...``, then greedy decoding until EOS or ``max_new_tokens``), one row per cache; a
+    row's answer stops at its first EOS after the first token (the pipeline never tests the first one).
+    One cache is decoded by the pipeline's own method. Rows of a batch see no padding (or padding that
+    :func:`pad_to_common_lengths` masked to zero attention), so each row computes what it would alone, up
+    to floating-point rounding of batched matrix products.
+
+    Raises:
+        ValueError: if the caches' per-layer lengths differ.
+    """
+    if len(caches) == 1:
+        lengths = [caches[0].get_seq_length(i) for i in range(len(caches[0]))]
+        answer = pipe.generate_answer(question_ids=question_ids, cache=caches[0], context_length=context_length,
+                                      max_new_tokens=max_new_tokens)
+        pipe._remove_answer_from_cache(caches[0], lengths)  # as the pipeline does: the cache holds the context
+        return [answer]
+    lengths = {tuple(c.get_seq_length(i) for i in range(len(c))) for c in caches}
+    if len(lengths) != 1:
+        raise ValueError(f"batched decoding needs equal per-layer cache lengths, got {sorted(lengths)}")
+    model, n = pipe.model, len(caches)
+    cache = DynamicCache()
+    for i in range(len(caches[0])):
+        cache.update(torch.cat([c.layers[i].keys for c in caches]), torch.cat([c.layers[i].values for c in caches]), i)
+    position_ids = torch.arange(context_length, context_length + question_ids.shape[1],
+                                device=model.device).unsqueeze(0).expand(n, -1)
+    outputs = model(input_ids=question_ids.expand(n, -1), past_key_values=cache, position_ids=position_ids,
+                    logits_to_keep=1)
+    position_ids = position_ids[:, -1:] + 1
+    generated = [outputs.logits[:, -1].argmax(-1)]
+    stop = model.generation_config.eos_token_id
+    stop = torch.tensor(stop if isinstance(stop, list) else [stop], device=model.device)
+    done = torch.zeros_like(generated[0], dtype=torch.bool)  # as generate_answer: the first token is never a stop
+    for i in range(max_new_tokens - 1):
+        if bool(done.all()):
+            break
+        outputs = model(input_ids=generated[-1].unsqueeze(1), past_key_values=cache, position_ids=position_ids + i)
+        generated.append(outputs.logits[:, -1].argmax(-1))
+        done = done | torch.isin(generated[-1], stop)
+    tokens = torch.stack(generated, dim=1)  # (n, steps)
+    answers = []
+    for row in tokens:
+        hits = torch.isin(row[1:], stop).nonzero()
+        end = int(hits[0]) + 2 if len(hits) else len(row)
+        answers.append(str(pipe.tokenizer.decode(row[:end], skip_special_tokens=True)))
+    return answers
+
+
+def pad_to_common_lengths(caches: list, states_per_run: list) -> tuple[list, list]:
+    """Pad the caches of several runs to common per-layer lengths so that they decode as one batch.
+
+    Layer ``i`` of every cache is padded at its end with zero keys and values to ``P_i``, the longest
+    length of that layer among the runs. The padded slots are masked with a ``-inf`` logit bias carried by a
+    :class:`presses.attention_bias.AttentionBias` (the bias attention wrapper turns it into the attention
+    mask), so they get exactly zero attention weight; a run's own decode-time bias is kept on its real slots and a
+    run without one gets ``0`` there. Layers where no run is padded and no run has a bias get none.
+    Keys carry their RoPE positions already, so where the padding sits does not matter to the real slots.
+
+    Args:
+        caches: one ``DynamicCache`` per run (keys/values ``(1, G, L_i, d)`` per layer), not modified.
+        states_per_run: per run, one bias state or ``None`` per layer (a press's exported decode state).
+
+    Returns:
+        ``(caches, states_per_run)``: the inputs themselves when every layer already has equal lengths,
+        else new padded caches (``(1, G, P_i, d)``) and states (bias ``(1, G, P_i)`` float32).
+
+    Raises:
+        ValueError: if a run's bias state does not cover exactly its cache at some layer.
+    """
+    n_layers = len(caches[0])
+    lengths = [[c.get_seq_length(i) for i in range(n_layers)] for c in caches]
+    for k, states in enumerate(states_per_run):
+        for i, state in enumerate(states):
+            if state is not None and state.prefix_len != lengths[k][i]:
+                raise ValueError(f"run {k}, layer {i}: bias state covers {state.prefix_len} slots but the cache "
+                                 f"holds {lengths[k][i]}")
+    if all(row == lengths[0] for row in lengths):
+        return caches, states_per_run
+    padded = [DynamicCache() for _ in caches]
+    padded_states = [[None] * n_layers for _ in caches]
+    for i in range(n_layers):
+        longest = max(row[i] for row in lengths)
+        masked = any(row[i] < longest for row in lengths) or any(states[i] is not None for states in states_per_run)
+        for k, cache in enumerate(caches):
+            keys, values, extra = cache.layers[i].keys, cache.layers[i].values, longest - lengths[k][i]
+            padded[k].update(F.pad(keys, (0, 0, 0, extra)), F.pad(values, (0, 0, 0, extra)), i)
+            if masked:
+                state = states_per_run[k][i]
+                bias = state.bias if state is not None else torch.zeros(keys.shape[:3], device=keys.device)
+                padded_states[k][i] = AttentionBias(F.pad(bias.float(), (0, extra), value=float("-inf")))
+    return padded, [tuple(states) for states in padded_states]
+
+
+def round_robin_by_task(examples: list) -> list:
+    """Reorder examples so that tasks take turns: the first example of every task, then the second, ...
+
+    A sweep stopped part-way then holds a few examples of every task rather than all examples of the
+    first tasks. Only the order changes: which examples run, and their rows, are the same.
+
+    Args:
+        examples: harness examples with a ``task`` attribute (``None`` counts as one task).
+
+    Returns:
+        The same examples, each task's in their original order.
+    """
+    by_task: dict = {}
+    for ex in examples:
+        by_task.setdefault(ex.task, []).append(ex)
+    queues = list(by_task.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+
+

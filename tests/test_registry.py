@@ -1,0 +1,67 @@
+"""The harness reads what a press can do from one registry (issue 16): ``evaluation/registry.py``.
+
+A grep of ``evaluation/`` (the harness; the UOR analysis of paper 000 under ``evaluation/uor`` aside) finds
+``isinstance`` on a press class, a press class name, or a press config name only in the registry, and the
+uncompressed baseline ``no_press`` only where run directories are named.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import kvpress
+import pytest
+from kvpress import (
+    AdaKVPress,
+    ComposedPress,
+    KnormPress,
+    ObservedAttentionPress,
+    PrefillDecodingPress,
+    PyramidKVPress,
+    SnapKVPress,
+)
+
+from evaluation.registry import UNKNOWN, capabilities
+from presses import EntroPrefillPress, PageEntroKVPress, ProbabilisticEvictionPress
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = [p for p in sorted((ROOT / "evaluation").rglob("*.py")) if "uor" not in p.relative_to(ROOT).parts]
+PRESS_CLASSES = sorted({name for name in dir(kvpress) if name.endswith("Press") and name != "BasePress"}
+                       | {"PageEntroKVPress", "ProbabilisticEvictionPress", "EntroPrefillPress", "ResearchPress"})
+CONFIG_NAMES = sorted(p.stem for p in (ROOT / "configs" / "press").glob("*.yaml") if p.stem != "no_press")
+
+
+def test_capabilities():
+    assert capabilities(None).shares_prefill
+    assert capabilities(KnormPress(0.5)).shares_prefill and not capabilities(KnormPress(0.5)).decode_state
+    assert capabilities(ObservedAttentionPress(0.5)).needs_eager
+    assert not capabilities(ObservedAttentionPress(0.5)).shares_prefill
+    assert not capabilities(PyramidKVPress(0.5)).shares_prefill
+    assert capabilities(PageEntroKVPress(0.5)).shares_prefill
+    snis = capabilities(ProbabilisticEvictionPress(0.5))
+    assert snis.shares_prefill and snis.decode_state
+    entro = capabilities(EntroPrefillPress())
+    assert entro.needs_question and entro.changes_prefill and not entro.shares_prefill
+    assert capabilities(AdaKVPress(ObservedAttentionPress(0.5))).needs_eager
+    assert not capabilities(AdaKVPress(SnapKVPress(0.5))).shares_prefill
+    assert capabilities(ComposedPress([ProbabilisticEvictionPress(0.5), KnormPress(0.5)])).decode_state
+    assert not capabilities(PrefillDecodingPress(prefilling_press=EntroPrefillPress())).shares_prefill
+
+    class Mine(kvpress.BasePress):
+        pass
+
+    assert capabilities(Mine()) == UNKNOWN
+
+
+@pytest.mark.parametrize("path", HARNESS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_harness_recognises_presses_only_through_the_registry(path):
+    if path.name == "registry.py":
+        return
+    text = path.read_text()
+    classes = [c for c in PRESS_CLASSES if re.search(rf"\b{c}\b", text)]
+    names = [n for n in CONFIG_NAMES if re.search(rf"""["'`=\[,]{n}\b""", text)]
+    press_isinstance = re.findall(r"isinstance\([^)]*Press\b", text)
+    assert not classes and not names and not press_isinstance, (classes, names, press_isinstance)
+    if "no_press" in text:
+        assert path.name in ("harness.py", "fused.py", "report.py"), "no_press outside the run-directory naming"
