@@ -142,12 +142,17 @@ def cache_stats(cache, model, context_length: int) -> dict:
 # Keys a run may change between a start and its resume: they do not change its examples or predictions.
 RESUME_FREE_KEYS = ("overwrite", "output_dir", "device")
 
+#: Press classes that moved module with no change of behaviour (the layout by method): a run saved under the
+#: old import path resumes under the new one.
+MOVED_TARGETS = {"presses.snis_press.ProbabilisticEvictionPress": "presses.probabilistic.ProbabilisticEvictionPress"}
+
 
 def config_changes(saved, cfg) -> list[str]:
     """The settings in which ``cfg`` differs from a run directory's ``saved`` config, as ``key: old -> new``.
 
-    Both are (resolved) configs; nested keys are compared leaf by leaf with dotted names, and the
-    keys in ``RESUME_FREE_KEYS`` are ignored.
+    Both are (resolved) configs; nested keys are compared leaf by leaf with dotted names, the keys in
+    ``RESUME_FREE_KEYS`` are ignored, and a saved ``_target_`` that merely moved (:data:`MOVED_TARGETS`) counts
+    as its new path.
     """
     def flat(node, prefix=""):
         if isinstance(node, dict):
@@ -156,6 +161,7 @@ def config_changes(saved, cfg) -> list[str]:
 
     old = flat(OmegaConf.to_container(OmegaConf.create(saved), resolve=True))
     new = flat(OmegaConf.to_container(OmegaConf.create(cfg), resolve=True))
+    old = {k: MOVED_TARGETS.get(v, v) if k.endswith("_target_") else v for k, v in old.items()}
     return [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in sorted(set(old) | set(new))
             if k.split(".")[0] not in RESUME_FREE_KEYS and old.get(k, "<unset>") != new.get(k, "<unset>")]
 

@@ -151,3 +151,12 @@ def test_resume_refuses_other_settings(tmp_path):
     (out / "metrics.json").unlink()
     harness.start_run(composed(*base, "seed=43", "overwrite=true"), names)  # overwrite starts afresh
     assert not (out / "predictions.jsonl").exists()
+
+
+def test_a_moved_press_class_resumes_but_another_class_does_not():
+    saved = {"press": {"_target_": "presses.snis_press.ProbabilisticEvictionPress", "tau": 1.0}}
+    moved = {"press": {"_target_": "presses.probabilistic.ProbabilisticEvictionPress", "tau": 1.0}}
+    other = {"press": {"_target_": "presses.page_entrokv.PageEntroKVPress", "tau": 1.0}}
+    assert harness.config_changes(saved, moved) == []
+    assert harness.config_changes(saved, other) == [
+        "press._target_: 'presses.probabilistic.ProbabilisticEvictionPress' -> 'presses.page_entrokv.PageEntroKVPress'"]
