@@ -7,7 +7,7 @@
   Chinese variant), rouge-L, classification with credit split across the named labels, passage retrieval,
   passage count, code edit similarity over the first non-comment line; ``LONGBENCH_METRICS`` maps each task
   to its metric (``dataset2metric``) and :func:`longbench_score` applies ``eval.py``'s per-task rules.
-* Win score (paper 003, section 7; SPEC section 5): per example a method's rank is the number of other
+* Win score (paper 003, section 7; docs/methods.md §5): per example a method's rank is the number of other
   methods it beats or ties, averaged per task, normalised by ``n - 1`` and averaged over tasks.
 * 95 % intervals: Wilson for 0/1 scores, Student t otherwise (``score_interval`` picks).
 
@@ -326,7 +326,7 @@ def example_ranks(scores: Mapping[str, float]) -> dict[str, int]:
 
 
 def win_scores(per_task: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[str, float]:
-    """Win score of each method (paper 003 section 7; SPEC section 5).
+    """Win score of each method (paper 003 section 7; docs/methods.md §5).
 
     Args:
         per_task: ``{task: {method: [score of example 0, example 1, ...]}}``; inside a task every method
@@ -340,7 +340,7 @@ def win_scores(per_task: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[st
         ValueError: fewer than 2 methods, no task, a task without examples, a method whose list length
             differs inside a task, or tasks with different method sets.
 
-    Example (SPEC section 5): ``win_scores({"t": {"A": [1, 0], "B": [1, .5], "C": [0, 1]}})`` gives
+    Example (docs/methods.md §5): ``win_scores({"t": {"A": [1, 0], "B": [1, .5], "C": [0, 1]}})`` gives
     ``{"A": 0.5, "B": 0.75, "C": 0.5}``.
     """
     if not per_task:

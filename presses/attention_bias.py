@@ -110,7 +110,7 @@ def clear_attention_bias(model) -> None:
 
 
 def decode_bias(state: AttentionBias, key: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Per-group logit bias ``(B, G, K)`` float32 of a one-token decode step (paper 003 eq. 10; SPEC 3.5).
+    """Per-group logit bias ``(B, G, K)`` float32 of a one-token decode step (paper 003 eq. 10; docs/methods.md §3 item 5).
 
     The ``P`` prompt slots get ``state.bias``; the ``K - P`` slots written after eviction get ``0``, or the
     model's own additive mask there (padding) when it passed one that all heads share.

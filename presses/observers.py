@@ -19,7 +19,7 @@ __all__ = ["observer_attention"]
 
 def observer_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,
                        position_embeddings, attentions: torch.Tensor | None = None) -> torch.Tensor:
-    """Observer-averaged attention of the last ``window_size`` prefill queries (SPEC 1 step 1).
+    """Observer-averaged attention of the last ``window_size`` prefill queries (docs/methods.md §1 step 1).
 
     Uses the layer's eager attention weights when kvpress passes them, and otherwise recomputes the
     window queries and calls the dispatch point :func:`presses.kernels.window_attention` (Triton on

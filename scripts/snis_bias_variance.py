@@ -1,4 +1,4 @@
-"""Bias vs variance of KV eviction estimators (paper 003 section 6, Fig. 2; SPEC 3.7).
+"""Bias vs variance of KV eviction estimators (paper 003 section 6, Fig. 2; docs/methods.md §3 item 7).
 
 On one prompt (paper 003 appendix E: the Roman Empire text; first answer token = first token of
 "Who was the first Roman emperor?"), compute the uncompressed KV cache, then for every layer and

@@ -1,4 +1,4 @@
-"""Sample budget of probabilistic eviction (paper 003 appendix F, Alg. 2; SPEC 3.2-3.3)."""
+"""Sample budget of probabilistic eviction (paper 003 appendix F, Alg. 2; docs/methods.md §3 items 2-3)."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 from presses.core.coupon import expected_unique
 from presses.probabilistic.budget import MAX_SAMPLES, sample_counts, search_num_samples
 
-# SPEC 3.3 worked example (the paper's F.1 example with the ratios put right)
+# docs/methods.md §3 item 3 worked example (the paper's F.1 example with the ratios put right)
 PI_EXAMPLE = torch.tensor([0.8, 0.0998, 0.0001, 0.0001], dtype=torch.float64)
 
 

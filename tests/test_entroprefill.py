@@ -1,4 +1,4 @@
-"""EntroPrefill (paper 001 Algorithm 1, SPEC section 4): math properties, dual bound, forced-layer
+"""EntroPrefill (paper 001 Algorithm 1, docs/methods.md §4): math properties, dual bound, forced-layer
 equivalence on a tiny random Llama, fallbacks and the missing-question error."""
 
 from __future__ import annotations

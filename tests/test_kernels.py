@@ -196,7 +196,7 @@ def test_expected_unique_many_matches_reference_and_spec_example():
     ref = expected_unique_many_reference(pi, m)
     assert out.dtype == torch.float64 and out.shape == (3, 25)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
-    # SPEC 3.3: pi = (0.8, 0.0998, 0.0001, 0.0001): E[J] is within 0.5 of 3 exactly for m in [2877, 13862]
+    # docs/methods.md §3 item 3: pi = (0.8, 0.0998, 0.0001, 0.0001): E[J] is within 0.5 of 3 exactly for m in [2877, 13862]
     spec_pi = torch.tensor([0.8, 0.0998, 0.0001, 0.0001], dtype=torch.float64)
     e = expected_unique_many_triton(spec_pi, torch.tensor([2876.0, 2877.0, 13862.0, 13863.0]))
     assert bool((e[1:3] - 3).abs().le(0.5).all()) and bool((e[[0, 3]] - 3).abs().gt(0.5).all())
@@ -324,7 +324,7 @@ def _run_page_entrokv(model, ids, mode, monkeypatch):
 
 
 def test_page_entrokv_same_pages_through_dispatch(tiny_llama, monkeypatch):
-    """SPEC 1 through the dispatch point: reference forced, default (reference on CPU) and Triton
+    """docs/methods.md §1 through the dispatch point: reference forced, default (reference on CPU) and Triton
     forced (interpreter) keep the same pages in every layer and give the same cache and logits."""
     model = tiny_llama(num_heads=4, num_kv_heads=1, num_layers=2, attn_implementation="sdpa", seed=3)  # r = 4
     ids = torch.randint(3, 128, (1, 83), generator=_gen(2))

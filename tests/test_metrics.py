@@ -125,7 +125,7 @@ def test_longbench_score_rules():
 
 
 def test_win_score_spec_worked_case():
-    # SPEC section 5: ex1 A=1, B=1, C=0; ex2 A=0, B=0.5, C=1 -> A=0.50, B=0.75, C=0.50
+    # docs/methods.md §5: ex1 A=1, B=1, C=0; ex2 A=0, B=0.5, C=1 -> A=0.50, B=0.75, C=0.50
     ws = M.win_scores({"task": {"A": [1, 0], "B": [1, 0.5], "C": [0, 1]}})
     assert ws == pytest.approx({"A": 0.5, "B": 0.75, "C": 0.5})
 

@@ -1,6 +1,6 @@
 """PageEntroKVPress mechanics on tiny random GQA Llamas: strict per-layer cache length, kvpress
 pipeline and ``model.generate``, RoPE continuity at position T, sdpa/eager agreement, records and
-summary (SPEC section 1; paper 000 Theorem 3; paper 001 section 7)."""
+summary (docs/methods.md §1; paper 000 Theorem 3; paper 001 section 7)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ W, B, N_SINK = 16, 8, 4
 
 
 def expected_kept(T: int, ratio: float, page_size: int = B, n_sink: int = N_SINK, window: int = W) -> int:
-    """Strict-budget count from the SPEC formula, computed independently of presses.core.paging."""
+    """Strict-budget count from the formula of docs/methods.md §1 step 8, computed independently of presses.core.paging."""
     b = math.floor(round(T * (1 - ratio), 9))
     pages = {j // page_size for j in range(T) if j < n_sink or j >= T - window}
     prot = sum(1 for j in range(T) if j // page_size in pages)

@@ -1,4 +1,4 @@
-"""Page policy under the strict budget: SPEC section 1 steps 6-9, paper 000 Theorem 3 (cardinality),
+"""Page policy under the strict budget: docs/methods.md §1 steps 6-9, paper 000 Theorem 3 (cardinality),
 paper 001 section 7 (Proposition 7.1, byte accounting)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from presses.core.paging import (
 
 
 def brute_force_plan(T: int, ratio: str, B: int, n_sink: int, W: int):
-    """Independent plan from the SPEC text: (b, protected page set, protected tokens, K)."""
+    """Independent plan from docs/methods.md §1 steps 7-8: (b, protected page set, protected tokens, K)."""
     b = math.floor(T * (1 - Fraction(ratio)))
     page_of = [j // B for j in range(T)]
     protected = {page_of[j] for j in range(T) if j < n_sink or j >= T - W}

@@ -1,4 +1,4 @@
-"""Proposals of probabilistic eviction (paper 003 appendix H, D, D.1; SPEC 3.1)."""
+"""Proposals of probabilistic eviction (paper 003 appendix H, D, D.1; docs/methods.md §3 item 1)."""
 
 import math
 

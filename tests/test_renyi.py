@@ -1,4 +1,4 @@
-"""Sink-isolated Rényi pooling inside GQA groups: SPEC section 1 steps 2-5 and the paper-000
+"""Sink-isolated Rényi pooling inside GQA groups: docs/methods.md §1 steps 2-5 and the paper-000
 properties (Table 10 needle bound, Table 5a temperature limit, Theorem 2 sink masquerade, entropy range).
 Exercised through the press's pooling path :func:`presses.core.pooling.pooled_group_scores`."""
 
@@ -17,7 +17,7 @@ TABLE10_DELTA = {4096: 1.59e-6, 8192: 3.97e-7, 16384: 9.92e-8, 32768: 2.48e-8, 6
 
 
 def needle_construction(T: int, r: int = 8, n_sink: int = 4, needle_mass: float = 0.95, needle: int | None = None):
-    """SPEC 1 needle construction: head 0 puts ``needle_mass`` on the needle and the rest uniformly on
+    """docs/methods.md §1 needle construction: head 0 puts ``needle_mass`` on the needle and the rest uniformly on
     the other non-sink positions; ``r - 1`` siblings are uniform on the non-sink positions except the
     needle; no sink mass. Returns ``(attn (1, r, T) float32, needle)``."""
     N = T - n_sink
@@ -85,7 +85,7 @@ def test_tau_limit_and_monotone_sharpness(r):
 
 
 def test_alpha2_weights_are_collision_powers():
-    """SPEC 1 step 4: for alpha = 2, w_h = C_h^(1/tau) / sum C^(1/tau) with C_h = sum a~^2."""
+    """docs/methods.md §1 step 4: for alpha = 2, w_h = C_h^(1/tau) / sum C^(1/tau) with C_h = sum a~^2."""
     attn = real_ish_attention(heads=6)
     tau = 0.7
     _, diag = pooled_group_scores(attn, 2, n_sink=4, alpha=2.0, tau=tau, diagnostics=True)

@@ -1,4 +1,4 @@
-"""Probabilistic eviction press with SNIS decode-time correction (paper 003; SPEC 3.2-3.6)."""
+"""Probabilistic eviction press with SNIS decode-time correction (paper 003; docs/methods.md §3 items 2-6)."""
 
 import math
 
@@ -122,7 +122,7 @@ def test_bias_values_and_errors():
 # ---------------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("budget", ["head", "global"])
 def test_counts_at_expectation_give_full_attention(tiny_llama, monkeypatch, budget):
-    """SPEC 3.6: with c_i = m pi_i the corrected decode equals the uncompressed model."""
+    """docs/methods.md §3 item 6: with c_i = m pi_i the corrected decode equals the uncompressed model."""
     monkeypatch.setattr(snis_press, "sample_counts", lambda pi, m, generator=None: m.unsqueeze(-1) * pi.double())
     model = tiny_llama(num_layers=2, attn_implementation="sdpa")
     ids, question = _prompt(0), _prompt(1, 5)

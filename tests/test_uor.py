@@ -1,6 +1,6 @@
 """UOR analysis: certificates (paper 000 Table 2, Theorem 1, Corollary 1, Remark 1), head-independent
 replay on synthetic selections, the pooled row, byte accounting (paper 001 section 7), the ablation
-and census helpers, and the capture driver on a tiny random GQA Llama (SPEC section 2)."""
+and census helpers, and the capture driver on a tiny random GQA Llama (docs/methods.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Needle in a haystack, generated locally from a seed (SPEC section 5).
+"""Needle in a haystack, generated locally from a seed (docs/methods.md §5).
 
 The haystack is offline English prose (:mod:`evaluation.datasets.prose`); the needle is RULER's
 "special magic number": a key word pair and a 7-digit value. Context lengths are counted in the

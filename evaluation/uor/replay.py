@@ -1,7 +1,7 @@
 """Union overhead of head-independent selection inside GQA groups, and its certificates.
 
 Paper 000 section 6.2 (Table 2, Table 4, Theorem 1, Corollary 1, Remark 1, Fig. 4) and paper 001
-section 7; SPEC section 2. Pure tensor math, no model: the analysis driver
+section 7; docs/methods.md §2. Pure tensor math, no model: the analysis driver
 (:mod:`evaluation.uor`) captures attention and calls these functions.
 
 Notation: ``H_Q`` query heads, ``G`` KV groups, ``r = H_Q / G`` (query head ``h`` belongs to group
@@ -57,7 +57,7 @@ __all__ = [
     "classify_heads",
 ]
 
-#: Per-head scorers of the replay (SPEC 2): ``h2o`` = column sums of the prefill attention,
+#: Per-head scorers of the replay (docs/methods.md §2): ``h2o`` = column sums of the prefill attention,
 #: ``last_row`` = attention of the last query, ``snapkv`` = window-averaged (observer) attention.
 SCORERS = ("h2o", "last_row", "snapkv")
 #: Budgets ``k / T`` of paper 000 Table 4.
@@ -67,7 +67,7 @@ HEAD_CLASSES = ("sink", "retrieval", "contextual")
 
 
 def selection_size(seq_len: int, k_over_t: float) -> int:
-    """``s = round(k/T * T)`` positions per head (SPEC 2).
+    """``s = round(k/T * T)`` positions per head (docs/methods.md §2).
 
     Raises:
         ValueError: if ``k_over_t`` is outside ``(0, 1]`` or ``s`` rounds to 0.
@@ -115,7 +115,7 @@ def selection_masks(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def set_statistics(masks: torch.Tensor) -> dict[str, torch.Tensor]:
-    """UOR and pairwise Jaccard similarity of ``r`` equal-size sets (SPEC 2; paper 000 section 6.2).
+    """UOR and pairwise Jaccard similarity of ``r`` equal-size sets (docs/methods.md §2; paper 000 section 6.2).
 
     Args:
         masks: ``(..., r, T)`` bool; the ``r`` sets of one cell must all hold ``s >= 1`` elements.
@@ -229,7 +229,7 @@ def _cells(masks: torch.Tensor, finite: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def head_independent_replay(scores: torch.Tensor, num_groups: int, k_over_t: float) -> dict[str, torch.Tensor]:
-    """Head-independent top-``s`` selection per query head, scored per (…, group) cell (SPEC 2).
+    """Head-independent top-``s`` selection per query head, scored per (…, group) cell (docs/methods.md §2).
 
     Args:
         scores: ``(..., H_Q, T)`` per-head scores (any of :data:`SCORERS`), e.g. ``(L, H_Q, T)``.
@@ -281,7 +281,7 @@ def pooled_replay(pooled: torch.Tensor, r: int, k_over_t: float) -> dict[str, to
 
 
 def summarize_cells(cells: Iterable[dict[str, torch.Tensor]]) -> dict[str, float | int]:
-    """Table 4 row from replay cells (SPEC 2): over the finite cells, mean and max UOR,
+    """Table 4 row from replay cells (docs/methods.md §2): over the finite cells, mean and max UOR,
     ``frac(UOR > 1)``, the cells certified ``>= 2`` by each certificate, ``frac(UOR >= 2)``, mean
     ``J_bar`` and ``J_max``; ``cells`` and ``skipped`` (non-finite) counts.
 

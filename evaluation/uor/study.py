@@ -18,7 +18,7 @@ Outputs, under ``output_dir`` (default ``results/uor/<model>``):
 
 - ``table4.csv`` / ``table4.md`` and ``cells.csv``: head-independent replay per (prompt, layer, group) for
   the scorers at every ``k/T`` (UOR, ``J_bar``, ``J_max``, Bonferroni and sandwich certificates), the
-  pooled Page-EntroKV rows (paper 000 Table 4; SPEC section 2);
+  pooled Page-EntroKV rows (paper 000 Table 4; docs/methods.md §2);
 - ``fig4_uor_vs_jbar.png``: UOR against ``J_bar`` with the lower envelopes and the ceiling ``r`` (Fig. 4);
 - ``page_accounting.csv``: per layer, per-group allocation bytes against union-materialisation bytes
   (paper 001 section 7);
@@ -220,7 +220,7 @@ def needle_positions(tokenizer, input_ids: torch.Tensor, needle: str, value: str
 
 
 def page_accounting(records: list[dict], head_dim: int, page_size: int, bytes_per_element: int) -> list[dict]:
-    """Per-layer physical page accounting of a page press (paper 001 section 7; SPEC section 2).
+    """Per-layer physical page accounting of a page press (paper 001 section 7; docs/methods.md §2).
 
     Per layer ``l``: ``K_{l,g}`` kept pages of each group, ``U_l = |union_g K_{l,g}|``; per-group allocation
     ``2 e d B sum_g K_{l,g}`` bytes against union materialisation ``2 e d B G U_l`` bytes

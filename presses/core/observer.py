@@ -1,6 +1,6 @@
 """Observer attention: what the last ``W`` prefill queries attend to, averaged over the window.
 
-SPEC section 1 step 1 (paper 000 section 3; paper 001 eq. 2 and appendix C): the observer rows are
+docs/methods.md §1 step 1 (paper 000 section 3; paper 001 eq. 2 and appendix C): the observer rows are
 averaged BEFORE any entropy is taken. This module is the torch reference; the Triton kernel of
 ``presses.kernels`` computes the same quantity without materialising ``W x T`` per head.
 """
@@ -53,7 +53,7 @@ def window_queries(module, hidden_states: torch.Tensor, window_size: int, positi
 
 
 def observer_attention_reference(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Observer-averaged causal attention, torch reference (SPEC 1 step 1).
+    """Observer-averaged causal attention, torch reference (docs/methods.md §1 step 1).
 
     ``a^h[j] = mean_u softmax_j(q_u . k_j / sqrt(d))`` over the last ``W`` queries, where window query
     ``u`` (absolute position ``T - W + u``) sees keys ``j <= T - W + u``.

@@ -1,6 +1,6 @@
 """Page-granular KV selection under a strict token budget (one job: pages).
 
-SPEC section 1 steps 6-9; paper 001 section 7 (eq. 29, Proposition 7.1 and the byte accounting);
+docs/methods.md §1 steps 6-9; paper 001 section 7 (eq. 29, Proposition 7.1 and the byte accounting);
 paper 000 Theorem 3 (cardinality exactness). Page ``k`` holds positions ``[kB, (k+1)B)``; the last
 page may be partial. Shapes use ``B`` for the batch, ``G`` KV groups, ``T`` positions, ``P`` pages
 (``P = ceil(T / page_size)``).
@@ -39,7 +39,7 @@ BUDGET_CONFLICT_MODES = ("raise", "keep_protected")
 
 
 def token_budget(seq_len: int, compression_ratio: float) -> int:
-    """Strict token budget ``b = floor(T * (1 - compression_ratio))`` (SPEC 1 step 8).
+    """Strict token budget ``b = floor(T * (1 - compression_ratio))`` (docs/methods.md §1 step 8).
 
     A tolerance of ``1e-6`` tokens absorbs binary round-off (``1000 * (1 - 0.9)`` is ``99.999...``
     in floating point and must give ``100``).
@@ -62,7 +62,7 @@ def num_pages(seq_len: int, page_size: int) -> int:
 
 
 def page_scores(scores: torch.Tensor, page_size: int, method: str = "block_max") -> torch.Tensor:
-    """Page priorities from per-position scores (SPEC 1 step 6, paper 001 eq. 29).
+    """Page priorities from per-position scores (docs/methods.md §1 step 6, paper 001 eq. 29).
 
     Args:
         scores: ``(..., T)`` per-position scores (e.g. the pooled ``p_g``).
@@ -89,7 +89,7 @@ def page_scores(scores: torch.Tensor, page_size: int, method: str = "block_max")
 
 
 def protected_page_mask(seq_len: int, page_size: int, n_sink: int, window_size: int) -> torch.Tensor:
-    """Protected pages (SPEC 1 step 7): every page holding a sink position ``j < n_sink`` and every
+    """Protected pages (docs/methods.md §1 step 7): every page holding a sink position ``j < n_sink`` and every
     page touching the last ``window_size`` positions (this includes the final, partial page).
 
     Returns:
@@ -150,7 +150,7 @@ class PageBudget:
 
 def page_budget(seq_len: int, compression_ratio: float, page_size: int, n_sink: int, window_size: int,
                 on_budget_conflict: str = "raise") -> PageBudget:
-    """Strict budget plan (SPEC 1 step 8, paper 000 Theorem 3).
+    """Strict budget plan (docs/methods.md §1 step 8, paper 000 Theorem 3).
 
     Keeps all protected pages plus ``K = floor((b - protected_tokens) / B)`` unprotected pages (capped
     by the number of unprotected pages), so the kept count never exceeds ``b``. Unprotected pages are
@@ -199,7 +199,7 @@ def page_budget(seq_len: int, compression_ratio: float, page_size: int, n_sink: 
 
 
 def select_pages(scores: torch.Tensor, protected: torch.Tensor, num_selected: int) -> torch.Tensor:
-    """Protected pages plus the ``num_selected`` best unprotected pages of every row (SPEC 1 step 8).
+    """Protected pages plus the ``num_selected`` best unprotected pages of every row (docs/methods.md §1 step 8).
 
     Ties go to the lower page index; NaN scores rank last.
 
@@ -232,7 +232,7 @@ def select_pages(scores: torch.Tensor, protected: torch.Tensor, num_selected: in
 
 
 def pages_to_positions(pages: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
-    """Expand ascending page ids to ascending token positions (SPEC 1 step 9).
+    """Expand ascending page ids to ascending token positions (docs/methods.md §1 step 9).
 
     Every row must contain the last (possibly partial) page, as the protected set guarantees, so all
     rows keep the same number of positions.
@@ -262,7 +262,7 @@ def pages_to_positions(pages: torch.Tensor, seq_len: int, page_size: int) -> tor
 def select_positions(scores: torch.Tensor, compression_ratio: float, page_size: int, n_sink: int,
                      window_size: int, page_score: str = "block_max", on_budget_conflict: str = "raise",
                      ) -> tuple[torch.Tensor, torch.Tensor, PageBudget]:
-    """Per-group page selection under the strict budget (SPEC 1 steps 6-9).
+    """Per-group page selection under the strict budget (docs/methods.md §1 steps 6-9).
 
     Args:
         scores: ``(B, G, T)`` per-position pooled scores.

@@ -1,6 +1,6 @@
 """Sink-isolated Rényi entropy and entropy-weighted head pooling inside GQA groups.
 
-Shared by Page-EntroKV (paper 000, SPEC section 1, steps 2-5), EntroPrefill (paper 001 section 3.1,
+Shared by Page-EntroKV (paper 000, docs/methods.md §1, steps 2-5), EntroPrefill (paper 001 section 3.1,
 eqs. 3-5) and the UOR analysis. Shapes use ``H_Q`` query heads, ``G`` KV groups, ``r = H_Q / G``
 and ``T`` key positions. Query head ``h`` belongs to group ``h // r`` (the Hugging Face
 ``repeat_kv`` layout).
@@ -18,7 +18,7 @@ RENYI_ORDERS = "alpha is a float > 0 (1 = Shannon, 2 = collision) or float('inf'
 
 
 def sink_isolate(attn: torch.Tensor, n_sink: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Condition observer attention on the non-sink positions (SPEC 1 step 2, paper 000 Thm. 2).
+    """Condition observer attention on the non-sink positions (docs/methods.md §1 step 2, paper 000 Thm. 2).
 
     Args:
         attn: ``(..., T)`` observer-averaged attention ``a^h[j]`` (rows sum to 1 over ``T``).
@@ -43,7 +43,7 @@ def sink_isolate(attn: torch.Tensor, n_sink: int) -> tuple[torch.Tensor, torch.T
 
 
 def renyi_entropy(p: torch.Tensor, alpha: float = 2.0) -> torch.Tensor:
-    """Rényi entropy of order ``alpha`` of distributions on the last axis, in nats (SPEC 1 step 3).
+    """Rényi entropy of order ``alpha`` of distributions on the last axis, in nats (docs/methods.md §1 step 3).
 
     ``alpha == 2``: collision entropy ``-ln sum p^2`` (one dot product); ``alpha == 1``: Shannon
     ``-sum p ln p``; ``alpha == inf``: min-entropy ``-ln max p``; otherwise
@@ -77,7 +77,7 @@ def renyi_entropy(p: torch.Tensor, alpha: float = 2.0) -> torch.Tensor:
 
 
 def group_weights(entropy: torch.Tensor, num_groups: int, tau: float = 0.5) -> torch.Tensor:
-    """Entropy-softmax head weights inside each GQA group (SPEC 1 step 4, paper 000 eq. for ``w_h``).
+    """Entropy-softmax head weights inside each GQA group (docs/methods.md §1 step 4, paper 000 eq. for ``w_h``).
 
     ``w_h = softmax_{h in group}(-H_h / tau)``. ``tau -> inf`` gives mean pooling ``1/r``;
     ``tau = inf`` is accepted and returns exactly ``1/r``.
@@ -106,7 +106,7 @@ def group_weights(entropy: torch.Tensor, num_groups: int, tau: float = 0.5) -> t
 
 
 def pool_groups(attn: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Pooled group score ``p_g[j] = sum_{h in g} w_h a^h[j]`` (SPEC 1 step 5).
+    """Pooled group score ``p_g[j] = sum_{h in g} w_h a^h[j]`` (docs/methods.md §1 step 5).
 
     Args:
         attn: ``(..., H_Q, T)`` observer attention (the ORIGINAL, not sink-isolated, rows).

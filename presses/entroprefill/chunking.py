@@ -4,7 +4,7 @@ EntroPrefill removes whole candidate chunks (documents, paragraphs or fixed toke
 precede the user question; instructions, the complete question, delimiters and the initial sink
 tokens are protected, and a chunk that overlaps a protected span becomes protected itself
 ("If protection intersects a chunk, the entire chunk is protected before indexing the remaining
-candidates", paper 001 section 2.1; SPEC section 4). The datasets use the same passage markers.
+candidates", paper 001 section 2.1; docs/methods.md §4). The datasets use the same passage markers.
 
 Everything works on token ids plus character offsets, so a chunk is a half-open token range
 ``[start, end)`` of the tokenized prompt. Token ``k`` with character span ``offsets[k] = (s, e)``

@@ -1,6 +1,6 @@
 """EntroPrefill: query-aware pruning of whole chunks in the middle of prefill.
 
-Paper 001 (EntroPrefill), Algorithm 1; SPEC section 4. Math helpers of this module implement
+Paper 001 (EntroPrefill), Algorithm 1; docs/methods.md §4. Math helpers of this module implement
 eqs. 2-5 (proposal and floored Rényi pooling), 8-9 (chunk priorities), Theorem 4.1 (deletion
 envelope), eq. 17 (Hoeffding audit radius), eq. 19 (set change) and eq. 32 (analytic saving); the
 greedy scan and the dual certificate (eqs. 14-16) live in :mod:`presses.entroprefill.dual`, chunking in
@@ -64,7 +64,7 @@ __all__ = ["EntroPrefillPress"]
 
 @dataclass
 class EntroPrefillPress(ResearchPress):
-    """Query-aware chunk pruning during prefill (paper 001 Algorithm 1; SPEC section 4).
+    """Query-aware chunk pruning during prefill (paper 001 Algorithm 1; docs/methods.md §4).
 
     At each monitored layer: proposal rows of the last ``proposal_window`` question tokens
     (eq. 2), floored sink-isolated collision weights (eqs. 3-5), chunk priorities (eqs. 8-9),

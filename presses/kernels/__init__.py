@@ -94,7 +94,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def window_attention(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Dispatch for the observer-averaged window attention ``(B, H_Q, W, d), (B, G, T, d) -> (B, H_Q, T)``
     float32; see :func:`presses.core.observer.observer_attention_reference` for shapes, errors and source
-    (SPEC 1 step 1). The Triton path never stores ``W x T`` per head."""
+    (docs/methods.md §1 step 1). The Triton path never stores ``W x T`` per head."""
     if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
         return attention_columns.window_attention_triton(queries, keys)
     return observer_attention_reference(queries, keys)
@@ -114,7 +114,7 @@ def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Te
 def pooled_page_scores(attn: torch.Tensor, num_groups: int, n_sink: int = 4, alpha: float = 2.0, tau: float = 0.5,
                        pooling: str = "entropy", page_size: int = 16, page_score: str = "block_max",
                        diagnostics: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
-    """Dispatch for Page-EntroKV's scoring after the observer attention (SPEC 1 steps 2-6): sink-isolated
+    """Dispatch for Page-EntroKV's scoring after the observer attention (docs/methods.md §1 steps 2-6): sink-isolated
     Rényi entropies, group weights, pooled group score and page scores.
 
     Args:
@@ -149,7 +149,7 @@ def expected_unique_many(pi: torch.Tensor, num_samples) -> torch.Tensor:
 def biased_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
                             scaling: float | None = None) -> torch.Tensor:
     """Dispatch for one-token decode attention with a per-group additive logit bias (SNIS correction,
-    paper 003 Alg. 1 / eq. 10; SPEC 3.5): ``(B, H_Q, 1, d)``, ``(B, G, K, d)`` x2, ``(B, G, K)`` ->
+    paper 003 Alg. 1 / eq. 10; docs/methods.md §3 item 5): ``(B, H_Q, 1, d)``, ``(B, G, K, d)`` x2, ``(B, G, K)`` ->
     ``(B, H_Q, 1, d)``; see :func:`presses.kernels.biased_decode.biased_decode_reference`. The Triton
     path is split-K flash decoding."""
     if use_triton(key) and query.dtype == key.dtype == value.dtype and key.dtype in _TRITON_DTYPES:

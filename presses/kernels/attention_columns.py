@@ -2,10 +2,10 @@
 
 One kernel family serves two presses:
 
-- Page-EntroKV / EntroPrefill observer attention (SPEC 1 step 1, paper 000 sec. 3, paper 001 eq. 2):
+- Page-EntroKV / EntroPrefill observer attention (docs/methods.md §1 step 1, paper 000 sec. 3, paper 001 eq. 2):
   ``a^h[j] = mean_u softmax_j(q_u . k_j / sqrt(d))`` over the last ``W`` queries
   (:func:`window_attention_triton`; reference :func:`presses.core.observer.observer_attention_reference`).
-- SNIS proposals (SPEC 3.1, paper 003 eqs. 16, 35-36): ``s^h[i] = sum_j w_j softmax_i(q_j . k_i * scaling)``
+- SNIS proposals (docs/methods.md §3 item 1, paper 003 eqs. 16, 35-36): ``s^h[i] = sum_j w_j softmax_i(q_j . k_i * scaling)``
   over a block of query rows with row weights ``w`` (the harmonic prior for ``h2o_h`` / ``min_h``)
   (:func:`column_sums_triton`; reference :func:`presses.core.columns.column_sums`).
 
@@ -154,7 +154,7 @@ def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: t
                        rows: torch.Tensor | None = None, scaling: float | None = None, row_scale: float = 1.0,
                        block_m: int | None = None, block_n: int | None = None,
                        num_splits: int | None = None) -> torch.Tensor:
-    """Triton weighted column sums of causal softmax attention (paper 003 eqs. 16, 36; SPEC 3.1).
+    """Triton weighted column sums of causal softmax attention (paper 003 eqs. 16, 36; docs/methods.md §3 item 1).
 
     ``s^h[i] = row_scale * sum_u w_u softmax_i(q^h_u . k_i * scaling) [i <= pos_u]``; same contract as
     :func:`presses.core.columns.column_sums` (which it matches to float round-off), plus ``row_scale``.
@@ -250,7 +250,7 @@ def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: t
 
 
 def window_attention_triton(queries: torch.Tensor, keys: torch.Tensor, **blocks) -> torch.Tensor:
-    """Triton observer-averaged causal window attention (SPEC 1 step 1; paper 000 sec. 3).
+    """Triton observer-averaged causal window attention (docs/methods.md §1 step 1; paper 000 sec. 3).
 
     ``a^h[j] = mean_u softmax_j(q_u . k_j / sqrt(d))`` over the last ``W`` queries (query ``u`` at
     position ``T - W + u`` sees keys ``j <= T - W + u``). Same contract as

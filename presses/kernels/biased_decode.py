@@ -1,6 +1,6 @@
 """Triton: one decode query per head against a padded per-group cache with a per-key logit bias.
 
-SNIS decode-time correction (paper 003 Algorithm 1 with eq. 10; SPEC 3.5): attention with an additive
+SNIS decode-time correction (paper 003 Algorithm 1 with eq. 10; docs/methods.md §3 item 5): attention with an additive
 bias ``b_i`` on the logits, ``b_i = (log c_i - log m - log pi_i) / tau`` on kept prompt entries, ``0``
 (or the model's own mask) on entries written after eviction, ``-inf`` on padding. The bias is per KV
 group and shared by its ``r`` query heads, exactly as :func:`presses.attention_bias.bias_mask` builds it

@@ -1,12 +1,12 @@
 """Torch references of the scoring kernels that have no reference elsewhere (no Triton import here).
 
 - :func:`pooled_page_scores_reference`: Page-EntroKV scoring after the observer attention
-  (SPEC 1 steps 2-6), composed from :func:`presses.core.pooling.pooled_group_scores` and
+  (docs/methods.md §1 steps 2-6), composed from :func:`presses.core.pooling.pooled_group_scores` and
   :func:`presses.core.paging.page_scores`.
 - :func:`expected_unique_many_reference`: ``E[J(m)]`` of many candidate ``m`` (paper 003 eq. 24) via
   :func:`presses.core.coupon.expected_unique`.
 - :func:`biased_decode_reference`: one-token decode attention with a per-group logit bias
-  (paper 003 Alg. 1, eq. 10; SPEC 3.5), the math of :mod:`presses.attention_bias`'s sdpa path.
+  (paper 003 Alg. 1, eq. 10; docs/methods.md §3 item 5), the math of :mod:`presses.attention_bias`'s sdpa path.
 
 The observer-attention and column-sum references are :func:`presses.core.observer.observer_attention_reference`
 and :func:`presses.core.columns.column_sums`.

@@ -1,7 +1,7 @@
 """Triton: sink-isolated Rényi statistics, group weights, pooled group score and page scores.
 
 From the observer attention ``a^h`` ``(B, H_Q, T)`` (the output of :mod:`presses.kernels.attention_columns`)
-Page-EntroKV needs (SPEC 1 steps 2-6; paper 000 sec. 3 and Thm. 2; paper 001 sec. 3.1 and eq. 29):
+Page-EntroKV needs (docs/methods.md §1 steps 2-6; paper 000 sec. 3 and Thm. 2; paper 001 sec. 3.1 and eq. 29):
 
 - ``z_h = sum_{j >= n_sink} a^h[j]`` and the Rényi entropy of ``a~^h = a^h / z_h`` on the non-sinks,
   plus the raw-row entropy (ablation ``pooling="raw_entropy"``): ``_row_entropy_kernel``, one program
@@ -137,7 +137,7 @@ def _alpha_mode(alpha: float) -> int:
 
 
 def row_entropies_triton(attn: torch.Tensor, n_sink: int, alpha: float = 2.0) -> dict[str, torch.Tensor]:
-    """Per-row sink-isolated and raw Rényi entropies (SPEC 1 steps 2-3) with Triton.
+    """Per-row sink-isolated and raw Rényi entropies (docs/methods.md §1 steps 2-3) with Triton.
 
     Args:
         attn: ``(..., T)`` observer attention rows (float32/bf16/fp16).
@@ -177,7 +177,7 @@ def pooled_page_scores_triton(attn: torch.Tensor, num_groups: int, n_sink: int =
                               page_score: str = "block_max", diagnostics: bool = False,
                               ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
     """Triton version of :func:`presses.kernels.references.pooled_page_scores_reference` (same arguments, returns and errors;
-    equal to float32 round-off). SPEC 1 steps 2-6."""
+    equal to float32 round-off). docs/methods.md §1 steps 2-6."""
 
     check_pooling_args(attn, num_groups, pooling, page_size, page_score)
     Bsz, HQ, T = attn.shape

@@ -32,7 +32,7 @@ __all__ = ["PageEntroKVPress"]
 
 @dataclass
 class PageEntroKVPress(ResearchPress, ScorerPress):
-    """Page-EntroKV (paper 000; SPEC section 1): one page selection per (layer, KV group) at prefill.
+    """Page-EntroKV (paper 000; docs/methods.md §1): one page selection per (layer, KV group) at prefill.
 
     The observer attention of the last ``window_size`` queries (averaged over the window) is pooled
     inside each GQA group with weights ``softmax(-H_alpha / tau)`` of the sink-isolated Rényi entropy,
@@ -187,7 +187,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
 
     def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  attentions: torch.Tensor | None, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep the protected pages plus the best ``K`` pages of each KV group (SPEC 1 steps 1-9).
+        """Keep the protected pages plus the best ``K`` pages of each KV group (docs/methods.md §1 steps 1-9).
 
         Args:
             module: the attention layer (``layer_idx``, ``q_proj``, ``head_dim``, ``config``).

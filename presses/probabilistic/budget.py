@@ -1,6 +1,6 @@
 """Sample budget of probabilistic eviction: how many draws ``m`` and the draws themselves.
 
-Paper 003 appendix F (Algorithm 2, eq. 24; F.1 for the global budget) and SPEC section 3 items 2-3:
+Paper 003 appendix F (Algorithm 2, eq. 24; F.1 for the global budget) and docs/methods.md §3 items 2-3:
 ``E[J(m)] = sum_i (1 - (1 - pi_i)^m)`` is the expected number of distinct entries after ``m`` draws
 with replacement from ``pi``; an integer binary search on ``m in [0, 1e12]`` stops at the first
 midpoint with ``|E[J(m)] - j*| <= 0.5``, ``j* = (1 - r*) t``. The draw of ``m`` samples is an exact
@@ -79,7 +79,7 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
 
 
 def sample_counts(pi: torch.Tensor, num_samples, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Counts ``c ~ Multinomial(m, pi)`` of ``m`` draws with replacement (SPEC 3.2).
+    """Counts ``c ~ Multinomial(m, pi)`` of ``m`` draws with replacement (docs/methods.md §3 item 2).
 
     Exact multinomial sampling by recursive binomial splitting over a binary tree of the entries:
     ``c_left ~ Binomial(c_node, pi_left / pi_node)``. Cost ``O(t log t)`` per row whatever ``m``

@@ -63,7 +63,7 @@ class ProbabilisticEvictionPress(ResearchPress):
         seed: seed of the sampling generator.
         block_size: query rows per block for the all-row proposals.
         window_size, kernel_size: SnapKV adapter parameters.
-        score_normalization: ``"softmax"`` (SPEC) or ``"sum"`` (appendix D eqs. 17, 20) for adapters.
+        score_normalization: ``"softmax"`` (docs/methods.md §3 item 1) or ``"sum"`` (appendix D eqs. 17, 20) for adapters.
     """
 
     compression_ratio: float = 0.0

@@ -2,8 +2,8 @@
 
 Paper 003 appendix H (the four proposals ``min``, ``min_h``, ``h2o``, ``h2o_h`` with the harmonic
 prior), appendix D (kvpress top-k scorers turned into proposals, D.1 temperature and uniform
-mixing) and section 5 (one proposal per GQA group: the mixture of its heads' proposals); SPEC
-section 3 item 1.
+mixing) and section 5 (one proposal per GQA group: the mixture of its heads' proposals);
+docs/methods.md §3 item 1.
 
 Shapes: ``B`` batch, ``H_Q`` query heads, ``G`` KV groups, ``r = H_Q / G``, ``t`` prompt entries,
 ``d`` head dim. Query head ``h`` belongs to group ``h // r``. Column sums over all prompt rows are
@@ -216,9 +216,9 @@ def adjust_proposal(pi: torch.Tensor, temperature: float = 1.0, uniform_mix: flo
 
 
 def score_to_proposal(scores: torch.Tensor, temperature: float = 1.0, normalization: str = "softmax") -> torch.Tensor:
-    """Turn top-k eviction scores into a proposal (paper 003 appendix D and D.1; SPEC 3.1).
+    """Turn top-k eviction scores into a proposal (paper 003 appendix D and D.1; docs/methods.md §3 item 1).
 
-    ``normalization="softmax"``: ``pi = softmax(score / T)`` (SPEC 3.1; eq. 18 for K-norm);
+    ``normalization="softmax"``: ``pi = softmax(score / T)`` (docs/methods.md §3 item 1; eq. 18 for K-norm);
     ``normalization="sum"``: ``pi ~ score ** (1 / T)`` for non-negative scores (eqs. 17 and 20).
 
     Args:
@@ -275,7 +275,7 @@ def compute_proposal(name: str, module, hidden_states: torch.Tensor, keys: torch
                      attentions: torch.Tensor | None, kwargs: dict, temperature: float = 1.0,
                      uniform_mix: float = 0.0, block_size: int = 128, window_size: int = 64,
                      kernel_size: int = 5, score_normalization: str = "softmax") -> torch.Tensor:
-    """The group proposal ``pi`` of one layer (SPEC 3.1): head proposals -> group mixture (``1/r``)
+    """The group proposal ``pi`` of one layer (docs/methods.md §3 item 1): head proposals -> group mixture (``1/r``)
     -> temperature -> uniform mixing; scorer adapters give group scores -> softmax(score / T) ->
     uniform mixing.
 
