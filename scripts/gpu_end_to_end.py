@@ -1,9 +1,13 @@
 """End-to-end GPU check of the presses on a random-weight model with SmolLM2-135M's shapes (issue 19).
 
 Two measurements, both on one model whose weights are drawn in this script (seeded), so no checkpoint
-has to travel:
+has to travel (timing first: it needs only the GPU, while the agreement's CPU runs take most of the time):
 
-1. **Agreement** (``--agree-lengths``, default 4096 tokens, float32): each press runs once on the CPU
+1. **Timing** (``--lengths``, default 8192 and 32768 tokens, bfloat16, on the GPU): the full prefill
+   (no press) and each press, with :func:`bench_speed_memory.measure_row`: prefill time, time inside the
+   press's hooks, greedy decode tokens/s, KV bytes kept and peak memory (one untimed warm-up per press
+   first, for Triton's JIT and the allocator).
+2. **Agreement** (``--agree-lengths``, default 4096 tokens, float32): each press runs once on the CPU
    with the torch reference kernels (``KVPRESS_RESEARCH_KERNELS=reference``) and once on the GPU with
    the Triton kernels forced (``KVPRESS_RESEARCH_KERNELS=triton``), on the same weights and the same
    prompt. For every (layer, KV group) the kept prompt positions of the two runs are compared by their
@@ -17,10 +21,6 @@ has to travel:
    random streams. A third run, on the device with the torch references, separates the two causes of a
    difference: ``kernels_mean_jaccard`` compares the device's Triton run with it (kernels vs references
    on the same device), ``mean_jaccard`` the device's Triton run with the CPU (what a user sees).
-2. **Timing** (``--lengths``, default 8192 and 32768 tokens, bfloat16, on the GPU): the full prefill
-   (no press) and each press, with :func:`bench_speed_memory.measure_row`: prefill time, time inside the
-   press's hooks, greedy decode tokens/s, KV bytes kept and peak memory (one untimed warm-up per press
-   first, for Triton's JIT and the allocator).
 
 Presses (the harness configs ``configs/press/<name>.yaml`` at ``--ratio``): ``snapkv`` (kvpress),
 ``page_entrokv`` (paper 000), ``snis_min_h`` (paper 003: proposal ``min_h``, global budget, corrected),
@@ -448,7 +448,44 @@ def main(argv=None) -> int:
         (out / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
 
     save_meta()
-    # ------------------------------------------------------------------ 1. agreement (float32)
+    # ------------------------------------------------------------------ 1. timing (bfloat16 on the GPU)
+    timing_rows = []
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    fast_model = model if args.dry_run else copy.deepcopy(model).to(device, dtype)
+    sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
+    warmed: set[str] = set() if not args.dry_run else {NO_PRESS, *presses}  # the dry run times nothing
+    for T in lengths:
+        ids = build_prompt(tok, words, T, seed=args.seed)
+        q_ids = ids[:, -1:]  # the decode loop starts by re-reading the prompt's last token at position T
+        for name in [NO_PRESS, *presses]:
+            row = {"press": name, "T": T, "dtype": str(dtype).replace("torch.", ""), "compression_ratio": args.ratio}
+            if over_time():
+                row["error"] = "skipped: time limit"
+                timing_rows.append(row)
+                continue
+            try:
+                press = None if name == NO_PRESS else press_for(name)
+                if name not in warmed:
+                    measure_row(fast_model, press, ids, q_ids, min(2, decode_tokens), device)
+                    warmed.add(name)
+                sync()
+                res = measure_row(fast_model, press, ids, q_ids, decode_tokens, device)
+                row.update(res)
+            except Exception as err:
+                row["error"] = f"{type(err).__name__}: {err}"
+            timing_rows.append(row)
+            print(f"timing T={T} {name}: " + ", ".join(
+                f"{k}={row.get(k, '')}" if not isinstance(row.get(k), float) else f"{k}={row[k]:.4g}"
+                for k in ("prefill_s", "press_s", "decode_tok_s", "peak_mem_mb", "error")), flush=True)
+            write_csv(out / "timing.csv", TIMING_COLUMNS, timing_rows)
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    write_csv(out / "timing.csv", TIMING_COLUMNS, timing_rows)
+    del fast_model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ 2. agreement (float32)
     agreement_rows, summary_rows = [], []
     dev_model = model if args.dry_run else copy.deepcopy(model).to(device)
     dev_mode = "triton"  # forced: compiled on the GPU, interpreted in the dry run
@@ -494,42 +531,6 @@ def main(argv=None) -> int:
             save_meta()
     write_csv(out / "agreement.csv", AGREEMENT_COLUMNS, agreement_rows)
     write_csv(out / "agreement_summary.csv", SUMMARY_COLUMNS, summary_rows)
-
-    # ------------------------------------------------------------------ 2. timing (bfloat16 on the GPU)
-    timing_rows = []
-    dtype = torch.float32 if args.dry_run else torch.bfloat16
-    if not args.dry_run:
-        del model
-        dev_model = dev_model.to(dtype)
-    sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
-    warmed: set[str] = set() if not args.dry_run else {NO_PRESS, *presses}  # the dry run times nothing
-    for T in lengths:
-        ids = build_prompt(tok, words, T, seed=args.seed)
-        q_ids = ids[:, -1:]  # the decode loop starts by re-reading the prompt's last token at position T
-        for name in [NO_PRESS, *presses]:
-            row = {"press": name, "T": T, "dtype": str(dtype).replace("torch.", ""), "compression_ratio": args.ratio}
-            if over_time():
-                row["error"] = "skipped: time limit"
-                timing_rows.append(row)
-                continue
-            try:
-                press = None if name == NO_PRESS else press_for(name)
-                if name not in warmed:
-                    measure_row(dev_model, press, ids, q_ids, min(2, decode_tokens), device)
-                    warmed.add(name)
-                sync()
-                res = measure_row(dev_model, press, ids, q_ids, decode_tokens, device)
-                row.update(res)
-            except Exception as err:
-                row["error"] = f"{type(err).__name__}: {err}"
-            timing_rows.append(row)
-            print(f"timing T={T} {name}: " + ", ".join(
-                f"{k}={row.get(k, '')}" if not isinstance(row.get(k), float) else f"{k}={row[k]:.4g}"
-                for k in ("prefill_s", "press_s", "decode_tok_s", "peak_mem_mb", "error")), flush=True)
-            write_csv(out / "timing.csv", TIMING_COLUMNS, timing_rows)
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-    write_csv(out / "timing.csv", TIMING_COLUMNS, timing_rows)
     if over_time():
         notes.append(f"time limit {time_limit:g} s reached: later rows say 'skipped: time limit'")
     save_meta()
