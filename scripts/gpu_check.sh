@@ -42,7 +42,7 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 MODE=gpu
 OUT_DIR=""
-ONLY="install,tests,bench,e2e,report"
+ONLY="install,tests,bench,e2e,report"  # = ALL_STAGES below
 BUDGET_S=470
 # --prepare: the wheels the device machine lacks, pinned (the versions the project's tests run on); the last two
 # exist only as source distributions and are built here into pure-python wheels
@@ -90,8 +90,16 @@ fi
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 LOG="$OUT_DIR/gpu_check.log"
-: > "$LOG"
-echo "stage,rc,seconds" > "$OUT_DIR/stages.csv"
+ALL_STAGES="install,tests,bench,e2e,report"
+if [ "$ONLY" = "$ALL_STAGES" ]; then  # a full run: no stale file of an earlier run may stay
+  rm -rf "$OUT_DIR/kernels" "$OUT_DIR/end_to_end"
+  rm -f "$OUT_DIR"/{README.md,stages.csv,install.txt,env.txt,kernel_tests.xml,gpu_check.log} "$OUT_DIR"/*.log
+fi
+[ -f "$OUT_DIR/stages.csv" ] || echo "stage,rc,seconds" > "$OUT_DIR/stages.csv"
+for st in install ${ONLY//,/ }; do  # a partial rerun replaces the rows of the stages it reruns
+  grep -v "^$st," "$OUT_DIR/stages.csv" > "$OUT_DIR/stages.tmp"; mv "$OUT_DIR/stages.tmp" "$OUT_DIR/stages.csv"
+done
+echo "--- $(date -u +%Y-%m-%dT%H:%M:%SZ) bash scripts/gpu_check.sh $ARGS" >> "$LOG"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 START=$(date +%s)
