@@ -8,6 +8,9 @@
 #
 # Options: --out DIR (default results/gpu; the dry run defaults to a new temp folder), --only STAGES
 # (comma-separated subset of install,tests,bench,e2e,report, for a rerun), --budget-s S (whole run, default 470).
+# Environment: PYTHON (default python3), GPU_CHECK_WHEELS (default wheels), GPU_CHECK_TARGET_PYTHON (the device's
+# python for --prepare, default 3.12), GPU_CHECK_FORCE_INSTALL=1 (install the wheels even when nothing lacks;
+# with --dry-run, into a temp folder: a rehearsal of the install stage).
 #
 # Stages:
 #   install  kvpress 0.5.5, transformers<5.3 (5.2.0) and hydra are needed: the presses import kvpress, whose
@@ -61,7 +64,7 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR="$2"; shift ;;
     --only) ONLY="$2"; shift ;;
     --budget-s) BUDGET_S="$2"; shift ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
