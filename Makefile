@@ -15,7 +15,7 @@ RESULTS ?= results
 SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean,snis_min,snis_min_uncorrected,snis_min_h,snis_min_h_uncorrected,snis_h2o,snis_h2o_uncorrected,snis_h2o_h,snis_h2o_h_uncorrected
 SWEEP_RATIOS ?= 0.5,0.75
 
-.PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels bench-speed
+.PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,9 @@ entroprefill-bench: install  # EntroPrefill vs full prefill -> results/entropref
 
 bench-kernels: install       # Triton kernels vs references on a CUDA GPU -> results/kernels/
 	$(PY) scripts/bench_kernels.py
+
+gpu-check: install           # kernels compiled + benchmark + presses end to end on one CUDA GPU -> results/gpu/
+	PYTHON=$(PY) bash scripts/gpu_check.sh
 
 bench-speed: install         # speed and memory of every press at T in {1k,2k,4k,8k} -> results/speed_memory/
 	$(PY) scripts/bench_speed_memory.py

@@ -23,6 +23,8 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from evaluation.registry import MOVED_TARGETS
+
 logger = logging.getLogger("evaluation.harness")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -32,6 +34,18 @@ _MODEL_CACHE: dict = {}
 def config_choices(group: str) -> list[str]:
     """Names of the configs in one Hydra group (``press``, ``dataset``, ``model``)."""
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
+    """Compose ``configs/<config_name>.yaml`` with ``overrides`` as Hydra would (defaults lists included), from
+    inside a Hydra app or outside one."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name=config_name, overrides=overrides)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
 
 
 def check_ratio(compression_ratio) -> float:
@@ -141,10 +155,6 @@ def cache_stats(cache, model, context_length: int) -> dict:
 
 # Keys a run may change between a start and its resume: they do not change its examples or predictions.
 RESUME_FREE_KEYS = ("overwrite", "output_dir", "device")
-
-#: Press classes that moved module with no change of behaviour (the layout by method): a run saved under the
-#: old import path resumes under the new one.
-MOVED_TARGETS = {"presses.snis_press.ProbabilisticEvictionPress": "presses.probabilistic.ProbabilisticEvictionPress"}
 
 
 def config_changes(saved, cfg) -> list[str]:

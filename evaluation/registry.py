@@ -31,7 +31,7 @@ from kvpress import (
 from presses.attention_bias import take_biases
 from presses.base import Capabilities, ResearchPress
 
-__all__ = ["KVPRESS", "UNKNOWN", "capabilities", "inner_press", "press_input_problem", "export_decode_state"]
+__all__ = ["KVPRESS", "MOVED_TARGETS", "UNKNOWN", "capabilities", "inner_press", "press_input_problem", "export_decode_state"]
 
 #: kvpress presses by class, most specific first. Scorer presses compress in their forward hooks after the
 #: attention output is computed, so one recorded uncompressed prefill can be replayed for them
@@ -42,6 +42,10 @@ KVPRESS: tuple[tuple[type, Capabilities], ...] = (
     (PyramidKVPress, Capabilities(shares_prefill=False)),
     (ScorerPress, Capabilities()),
 )
+
+#: Press classes that moved module with no change of behaviour (the layout by method): a run directory saved
+#: under the old import path resumes under the new one (``evaluation.harness.config_changes``).
+MOVED_TARGETS = {"presses.snis_press.ProbabilisticEvictionPress": "presses.probabilistic.ProbabilisticEvictionPress"}
 
 #: Anything else (kvpress's other wrappers and presses, user presses): run it through kvpress's pipeline.
 UNKNOWN = Capabilities(shares_prefill=False)

@@ -3,7 +3,9 @@
 For each kernel and each context length T (default 4k, 16k, 64k) the reference and the Triton kernel
 run in the same process on the same inputs; the script reports both times (CUDA events, median),
 their ratio, the achieved memory bandwidth of the Triton kernel (ideal bytes moved / time) against
-the device's peak, the peak extra memory of each implementation, and the max difference between them.
+the device's peak and against a measured device-to-device copy, the kernel's arithmetic intensity
+(estimated FLOPs / ideal bytes) and whether it is memory- or compute-bound at these shapes (``bound``),
+the peak extra memory of each implementation, and the max difference between them.
 It writes one CSV per kernel to ``--out`` (default ``results/kernels``). A wall-clock guard (default
 420 s) skips a reference whose predicted time would not fit, so the whole run stays under 8 minutes.
 
@@ -13,6 +15,7 @@ page_size = 16; ``E[J]`` scores 63 candidates (6 binary-search levels) for L x G
 Usage:
     python scripts/bench_kernels.py                   # on a CUDA machine
     python scripts/bench_kernels.py --dry-run         # CPU plumbing check: TRITON_INTERPRET, tiny shapes
+    python scripts/bench_kernels.py --out results/gpu/kernels --budget-s 150   # as scripts/gpu_check.sh runs it
 
 ``--dry-run`` writes to ``<out>/dry_run/`` and labels every row as a plumbing check: its times are those
 of the Triton interpreter on toy shapes and mean nothing.
@@ -50,6 +53,8 @@ class Case:
     shape: str
     dtype: str
     ideal_bytes: int
+    flops: float  # estimated floating-point operations of the Triton kernel (for the intensity)
+    bound: str  # "memory" or "compute" at the benchmark's shapes (see the comment where the case is built)
     reference: object  # () -> tensor
     triton: object  # () -> tensor
     ref_cost_exp: float  # how the reference's time grows with T (for the time guard)
@@ -63,6 +68,7 @@ def _parse():
     p.add_argument("--budget-s", type=float, default=420.0, help="wall-clock guard for the whole run")
     p.add_argument("--peak-gbps", type=float, default=None, help="device peak bandwidth override (GB/s)")
     p.add_argument("--kernels", default=None, help="comma-separated subset of: " + ", ".join(KERNELS))
+    p.add_argument("--reps", type=int, default=None, help="timed calls per measurement (default 20; 3 dry run)")
     return p.parse_args()
 
 
@@ -90,6 +96,27 @@ def peak_bandwidth(torch, device, override_gbps):
         if key in props.name:
             return bw, f"table ({key})"
     return float("nan"), "unknown device"
+
+
+def copy_bandwidth(torch, device, n_bytes: int = 1 << 30) -> float:
+    """Achieved bytes/s (read + write) of a ``n_bytes`` device-to-device copy, median of 10 after a
+    warm-up (the practical ceiling a memory-bound kernel can approach); NaN off CUDA."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(n_bytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (n_bytes // 2) * 2 / statistics.median(times)
 
 
 def build_cases(torch, device, lengths, dry, only):
@@ -127,6 +154,8 @@ def build_cases(torch, device, lengths, dry, only):
             q = randn(B, HQ, W, d)
             yield Case("window_attention", T, f"B={B} H_Q={HQ} G={G} W={W} d={d}", dname,
                        keys.numel() * e + q.numel() * e + B * HQ * T * 4,
+                       4.0 * B * HQ * W * T * d,  # two passes over K, one W x T x d product each
+                       "compute",  # ~480 FLOP/byte at W=64, r=4, d=128: above any GPU's bf16 ridge point
                        lambda q=q, k=keys: observer_attention_reference(q, k),
                        lambda q=q, k=keys: window_attention_triton(q, k), 1.0)
         if want("column_sums_h2o_h"):
@@ -142,7 +171,10 @@ def build_cases(torch, device, lengths, dry, only):
                 return out
 
             yield Case("column_sums_h2o_h", T, f"B={B} H_Q={HQ} G={G} rows=T d={d} (query blocks of {qblock})",
-                       dname, keys.numel() * e + qa.numel() * e + B * HQ * T * 4, ref_cs,
+                       dname, keys.numel() * e + qa.numel() * e + B * HQ * T * 4,
+                       2.0 * B * HQ * T * T * d,  # two passes, each ~T^2/2 causal q.k products of 2d FLOPs
+                       "compute",  # O(T^2 d) work on O(T d) bytes
+                       ref_cs,
                        lambda qa=qa, k=keys, prior=prior, T=T: column_sums_triton(
                            qa, k, prior, torch.arange(T, device=device)), 2.0)
         if want("pooled_page_scores"):
@@ -150,6 +182,8 @@ def build_cases(torch, device, lengths, dry, only):
             P = -(-T // page)
             yield Case("pooled_page_scores", T, f"B={B} H_Q={HQ} G={G} page_size={page} alpha=2 entropy", "float32",
                        3 * attn.numel() * 4 + B * G * (T + P) * 4,
+                       20.0 * attn.numel(),  # a few elementwise passes (powers, logs, pooling, page max)
+                       "memory",  # ~1.5 FLOP/byte
                        lambda a=attn: pooled_page_scores_reference(a, G, 4, 2.0, 0.5, "entropy", page)[1],
                        lambda a=attn: pooled_page_scores_triton(a, G, 4, 2.0, 0.5, "entropy", page)[1], 1.0)
         if want("expected_unique_many"):
@@ -157,6 +191,8 @@ def build_cases(torch, device, lengths, dry, only):
             m = torch.logspace(0, 12, M, device=device, dtype=torch.float64).round()
             yield Case("expected_unique_many", T, f"rows=L*G={L * G} M={M} candidates", "float64",
                        pi.numel() * 8 + L * G * M * 8,
+                       4.0 * pi.numel() * M,  # one float64 log1p + exp + multiply-add per (row, key, m)
+                       "compute",  # ~30 float64 FLOP/byte (transcendentals), above the float64 ridge (~14 on H100/H200)
                        lambda pi=pi, m=m: expected_unique_many_reference(pi, m),
                        lambda pi=pi, m=m: expected_unique_many_triton(pi, m), 1.0)
         if want("biased_decode") or want("biased_decode_vs_sdpa_mask"):
@@ -166,12 +202,16 @@ def build_cases(torch, device, lengths, dry, only):
         if want("biased_decode"):
             yield Case("biased_decode", T, f"B={B} H_Q={HQ} G={G} K=T d={d} (10% padding)", dname,
                        2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
+                       4.0 * B * HQ * T * d,  # q.k and p.v
+                       "memory",  # ~4 FLOP/byte
+
                        lambda q=qd, k=keys, v=vals, b=bias: biased_decode_reference(q, k, v, b),
                        lambda q=qd, k=keys, v=vals, b=bias: biased_decode_triton(q, k, v, b), 1.0)
         if want("biased_decode_vs_sdpa_mask"):
             # the path the SNIS press takes today: sdpa with a (B, H_Q, 1, K) float mask (bias_mask)
             yield Case("biased_decode_vs_sdpa_mask", T, f"B={B} H_Q={HQ} G={G} K=T d={d}", dname,
                        2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
+                       4.0 * B * HQ * T * d, "memory",
                        lambda q=qd, k=keys, v=vals, b=bias: torch.nn.functional.scaled_dot_product_attention(
                            q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1),
                            attn_mask=b.to(dtype).repeat_interleave(r, 1).unsqueeze(2)),
@@ -229,10 +269,12 @@ def main() -> int:
     out_dir = Path(args.out) / ("dry_run" if args.dry_run else "")
     out_dir.mkdir(parents=True, exist_ok=True)
     peak_bw, peak_src = peak_bandwidth(torch, device, args.peak_gbps)
+    copy_bw = copy_bandwidth(torch, device)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
     label = "PLUMBING CHECK (dry run, Triton interpreter on CPU): times are meaningless" if args.dry_run \
         else "measured"
-    print(f"device: {dev_name}; peak bandwidth {peak_bw / 1e9:.0f} GB/s ({peak_src}); torch {torch.__version__}, "
+    print(f"device: {dev_name}; peak bandwidth {peak_bw / 1e9:.0f} GB/s ({peak_src}), measured device copy "
+          f"{copy_bw / 1e9:.0f} GB/s; torch {torch.__version__}, "
           f"triton {triton.__version__}; {label}", flush=True)
 
     t_start = time.perf_counter()
@@ -241,7 +283,7 @@ def main() -> int:
     for case in build_cases(torch, device, lengths, args.dry_run, only):
         elapsed = time.perf_counter() - t_start
         left = args.budget_s - elapsed
-        reps = 3 if args.dry_run else 20
+        reps = args.reps or (3 if args.dry_run else 20)
         tri_ms, tri_out, tri_mb = timed(torch, device, case.triton, reps, min(5.0, max(0.5, left / 20)))
         ref_ms = ref_mb = err = float("nan")
         note = ""
@@ -255,12 +297,16 @@ def main() -> int:
             last_ref[case.kernel] = (case.T, ref_ms)
             err = float((tri_out.float() - ref_out.float()).abs().nan_to_num(0.0).max())
         achieved = case.ideal_bytes / (tri_ms / 1e3)
+        intensity = case.flops / case.ideal_bytes
         row = {
             "kernel": case.kernel, "T": case.T, "shape": case.shape, "dtype": case.dtype,
             "reference_ms": f"{ref_ms:.4f}", "triton_ms": f"{tri_ms:.4f}",
             "speedup_ref_over_triton": f"{ref_ms / tri_ms:.3f}" if not math.isnan(ref_ms) else "nan",
             "ideal_bytes": case.ideal_bytes, "triton_GBps": f"{achieved / 1e9:.1f}",
             "peak_GBps": f"{peak_bw / 1e9:.0f}", "bandwidth_fraction": f"{achieved / peak_bw:.3f}",
+            "peak_source": peak_src, "copy_GBps": f"{copy_bw / 1e9:.0f}",
+            "fraction_of_copy": f"{achieved / copy_bw:.3f}",
+            "flop_per_byte": f"{intensity:.1f}", "bound": case.bound,
             "reference_peak_extra_MB": f"{ref_mb:.1f}", "triton_peak_extra_MB": f"{tri_mb:.1f}",
             "max_abs_diff": f"{err:.3g}", "device": dev_name, "status": label, "note": note,
         }

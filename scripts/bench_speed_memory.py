@@ -66,7 +66,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from evaluation.harness import (  # noqa: E402
-    CONFIG_DIR, cache_stats, check_ratio, command_line, config_choices, write_atomic,
+    CONFIG_DIR, cache_stats, check_ratio, command_line, compose_config, config_choices, write_atomic,
 )
 from evaluation.registry import capabilities  # noqa: E402
 
@@ -212,7 +212,8 @@ def press_config(name: str, overrides: dict | None = None) -> DictConfig:
     """
     if name not in config_choices("press"):
         raise ValueError(f"unknown press '{name}'; valid: {', '.join(config_choices('press'))}")
-    node = OmegaConf.load(CONFIG_DIR / "press" / f"{name}.yaml")
+    # composed by Hydra, so a config's defaults list (e.g. configs/press/base/snis.yaml) is merged in
+    node = OmegaConf.create(OmegaConf.to_container(compose_config([f"press={name}"]).press, resolve=False))
     if overrides:
         node = OmegaConf.merge(node, OmegaConf.create(dict(overrides)))
     return node

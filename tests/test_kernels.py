@@ -20,18 +20,34 @@ and ``exp2`` vs ``exp`` differ:
 
 Note: the interpreter multiplies bfloat16 tiles as raw integers, so under the interpreter the kernels
 upcast bfloat16 tiles to float32 before ``tl.dot`` (exact); on a GPU the native bf16 ``tl.dot`` runs.
+
+Compiled on a GPU: ``KVPRESS_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels.py`` puts every
+input (and the tiny models) on the GPU, so the kernels are compiled rather than interpreted, and runs every
+low-precision-capable test in float32, bfloat16 and float16 (``scripts/gpu_check.sh`` does this). Inputs are
+drawn on the CPU from the same seeds and then moved, so both devices test the same values.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported in this process
+DEVICE_NAME = os.environ.get("KVPRESS_TEST_DEVICE", "cpu")
+if DEVICE_NAME == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported in this process
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+
+DEVICE = torch.device(DEVICE_NAME)
+ON_GPU = DEVICE.type == "cuda"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if ON_GPU and not torch.cuda.is_available():
+    raise RuntimeError(f"KVPRESS_TEST_DEVICE={DEVICE_NAME} but torch sees no CUDA device")
+if ON_GPU and INTERPRET:
+    raise RuntimeError(f"KVPRESS_TEST_DEVICE={DEVICE_NAME} needs TRITON_INTERPRET=0 (compiled kernels)")
+ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 from presses.kernels import (  # noqa: E402
     biased_decode_attention,
@@ -59,14 +75,19 @@ DECODE_TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1.6e-2), torch
 D = 20  # head dim: not a power of two, so the padded head-dim lanes are exercised
 
 
+def _dtype_id(value):
+    """Test ids name the dtype (``float32``) rather than ``dtype0``."""
+    return str(value).replace("torch.", "") if isinstance(value, torch.dtype) else None
+
+
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
 def _qk(B, G, r, n, t, dtype, seed=0, scale=1.5):
     g = _gen(seed)
-    q = (torch.randn(B, G * r, n, D, generator=g) * scale).to(dtype)
-    k = (torch.randn(B, G, t, D, generator=g) * scale).to(dtype)
+    q = (torch.randn(B, G * r, n, D, generator=g) * scale).to(DEVICE, dtype)
+    k = (torch.randn(B, G, t, D, generator=g) * scale).to(DEVICE, dtype)
     return q, k
 
 
@@ -82,16 +103,18 @@ WINDOW_CASES = [(2, 1, 1, 37), (1, 3, 16, 70), (1, 4, 64, 100), (1, 8, 16, 75)]
 WINDOW_PARAMS = ([(*c, torch.float32) for c in WINDOW_CASES]
                  + [(*WINDOW_CASES[i], torch.bfloat16) for i in (0, 2)]
                  + [(*WINDOW_CASES[i], torch.float16) for i in (1, 3)])
+if ON_GPU:  # compiled: every shape in every dtype
+    WINDOW_PARAMS = [(*c, dtype) for dtype in ALL_DTYPES for c in WINDOW_CASES]
 
 
-@pytest.mark.parametrize(("G", "r", "W", "T", "dtype"), WINDOW_PARAMS)
+@pytest.mark.parametrize(("G", "r", "W", "T", "dtype"), WINDOW_PARAMS, ids=_dtype_id)
 def test_window_attention_matches_reference(G, r, W, T, dtype):
     q, k = _qk(1, G, r, W, T, dtype, seed=G * 100 + r * 10 + W)
     out = window_attention_triton(q, k)
     ref = observer_attention_reference(q, k)
     atol, rtol = STAT_TOL[dtype]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
-    torch.testing.assert_close(out.sum(-1), torch.ones(1, G * r), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.sum(-1), torch.ones(1, G * r, device=DEVICE), atol=1e-5, rtol=0)
     # causality: window query u never sees keys after T - W + u, so the last key gets only 1/W of a row
     assert bool((out[..., -1] <= 1.0 / W + 1e-6).all())
 
@@ -117,32 +140,34 @@ def test_window_attention_bad_input():
 
 
 # ------------------------------------------------------------------------------ proposal column sums
-def test_column_sums_harmonic_prior_all_rows():
+@pytest.mark.parametrize("dtype", ALL_DTYPES if ON_GPU else [torch.float32], ids=_dtype_id)
+def test_column_sums_harmonic_prior_all_rows(dtype):
     """``h2o_h``: all t rows weighted by the harmonic prior (paper 003 eq. 35-36), r = 4."""
     t = 45
-    q, k = _qk(1, 1, 4, t, t, torch.float32, seed=3)
-    prior = harmonic_prior(t)
-    rows = torch.arange(t)
+    q, k = _qk(1, 1, 4, t, t, dtype, seed=3)
+    prior = harmonic_prior(t, DEVICE)
+    rows = torch.arange(t, device=DEVICE)
     out = column_sums_triton(q, k, prior, rows)
     ref = column_sums_reference(q, k, prior, rows)
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-4)
-    torch.testing.assert_close(out.sum(-1), torch.ones(1, 4), atol=1e-5, rtol=0)  # the prior sums to 1
+    atol, rtol = STAT_TOL[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.sum(-1), torch.ones(1, 4, device=DEVICE), atol=1e-5, rtol=0)  # the prior sums to 1
     # the press's query blocks: summing per-block column sums gives the same result
     blocks = sum(column_sums_triton(q[:, :, s:s + 16], k, prior[s:s + 16], rows[s:s + 16]) for s in range(0, t, 16))
-    torch.testing.assert_close(blocks, ref, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(blocks, ref, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", list(ALL_DTYPES) if ON_GPU else [torch.bfloat16, torch.float16], ids=_dtype_id)
 def test_column_sums_unsorted_rows_low_precision(dtype):
     q, k = _qk(1, 2, 3, 5, 50, dtype, seed=4)
-    rows = torch.tensor([40, 3, 17, 49, 0])
-    w = torch.tensor([0.5, 2.0, 1.0, 0.25, 3.0])
+    rows = torch.tensor([40, 3, 17, 49, 0], device=DEVICE)
+    w = torch.tensor([0.5, 2.0, 1.0, 0.25, 3.0], device=DEVICE)
     out = column_sums_triton(q, k, w, rows, scaling=0.3)
     ref = column_sums_reference(q, k, w, rows, scaling=0.3)
     atol, rtol = STAT_TOL[dtype]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     with pytest.raises(ValueError, match=r"row positions must lie in \[0, t=50\)"):
-        column_sums_triton(q, k, w, torch.tensor([0, 1, 2, 3, 50]))
+        column_sums_triton(q, k, w, torch.tensor([0, 1, 2, 3, 50], device=DEVICE))
 
 
 # ------------------------------------------------------------------------------ Rényi / pooling / pages
@@ -161,6 +186,7 @@ def test_pooled_page_scores_match_reference(alpha, pooling, page_size, page_scor
     attn = torch.softmax(torch.randn(2, G * r, T, generator=_gen(5)) * 3, dim=-1)
     attn[0, 0] = 0.0
     attn[0, 0, :n_sink] = 1.0 / n_sink  # all mass on the sinks: z = 0, a~ uniform by convention
+    attn = attn.to(DEVICE)
     out = pooled_page_scores_triton(attn, G, n_sink, alpha, 0.5, pooling, page_size, page_score, diagnostics=True)
     ref = pooled_page_scores_reference(attn, G, n_sink, alpha, 0.5, pooling, page_size, page_score,
                                        diagnostics=True)
@@ -175,7 +201,7 @@ def test_pooled_page_scores_match_reference(alpha, pooling, page_size, page_scor
 
 
 def test_pooled_page_scores_bad_input():
-    attn = torch.softmax(torch.randn(1, 4, 10), -1)
+    attn = torch.softmax(torch.randn(1, 4, 10), -1).to(DEVICE)
     with pytest.raises(ValueError, match="pooling='median' is not one of"):
         pooled_page_scores_triton(attn, 2, pooling="median")
     with pytest.raises(ValueError, match="n_sink=10 must satisfy 0 <= n_sink < T=10"):
@@ -190,15 +216,15 @@ def test_pooled_page_scores_bad_input():
 def test_expected_unique_many_matches_reference_and_spec_example():
     pi = torch.softmax(torch.randn(3, 50, generator=_gen(6), dtype=torch.float64) * 4, -1)
     pi[0, :3] = 0.0
-    pi = pi / pi.sum(-1, keepdim=True)
-    m = torch.tensor([0, 1, 2, 7, 50, 1000, 10**6, 10**12] * 3 + [5], dtype=torch.float64)  # M = 25
+    pi = (pi / pi.sum(-1, keepdim=True)).to(DEVICE)
+    m = torch.tensor([0, 1, 2, 7, 50, 1000, 10**6, 10**12] * 3 + [5], dtype=torch.float64, device=DEVICE)  # M = 25
     out = expected_unique_many_triton(pi, m, block_m=16, block_t=16)
     ref = expected_unique_many_reference(pi, m)
     assert out.dtype == torch.float64 and out.shape == (3, 25)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
     # docs/methods.md §3 item 3: pi = (0.8, 0.0998, 0.0001, 0.0001): E[J] is within 0.5 of 3 exactly for m in [2877, 13862]
-    spec_pi = torch.tensor([0.8, 0.0998, 0.0001, 0.0001], dtype=torch.float64)
-    e = expected_unique_many_triton(spec_pi, torch.tensor([2876.0, 2877.0, 13862.0, 13863.0]))
+    spec_pi = torch.tensor([0.8, 0.0998, 0.0001, 0.0001], dtype=torch.float64, device=DEVICE)
+    e = expected_unique_many_triton(spec_pi, torch.tensor([2876.0, 2877.0, 13862.0, 13863.0], device=DEVICE))
     assert bool((e[1:3] - 3).abs().le(0.5).all()) and bool((e[[0, 3]] - 3).abs().gt(0.5).all())
 
 
@@ -208,9 +234,11 @@ DECODE_CASES = [(1, 1, 37, 1), (2, 3, 70, 2), (1, 4, 50, 3), (1, 8, 100, 1)]
 DECODE_PARAMS = ([(*c, torch.float32) for c in DECODE_CASES]
                  + [(*DECODE_CASES[i], torch.bfloat16) for i in (1, 3)]
                  + [(*DECODE_CASES[i], torch.float16) for i in (0, 2)])
+if ON_GPU:  # compiled: every shape in every dtype
+    DECODE_PARAMS = [(*c, dtype) for dtype in ALL_DTYPES for c in DECODE_CASES]
 
 
-@pytest.mark.parametrize(("G", "r", "K", "splits", "dtype"), DECODE_PARAMS)
+@pytest.mark.parametrize(("G", "r", "K", "splits", "dtype"), DECODE_PARAMS, ids=_dtype_id)
 def test_biased_decode_matches_reference(G, r, K, splits, dtype):
     g = _gen(K)
     q = torch.randn(2, G * r, 1, D, generator=g).to(dtype)
@@ -219,6 +247,7 @@ def test_biased_decode_matches_reference(G, r, K, splits, dtype):
     bias = torch.randn(2, G, K, generator=g)
     bias[:, :, -5:] = float("-inf")  # padded slots
     bias[0, 0, 16:32] = float("-inf")  # a whole masked tile (a whole split when splits = 2)
+    q, k, v, bias = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), bias.to(DEVICE)
     out = biased_decode_triton(q, k, v, bias, scaling=0.3, block_n=16, num_splits=splits)
     ref = biased_decode_reference(q, k, v, bias, scaling=0.3)
     assert out.dtype == dtype and out.shape == (2, G * r, 1, D)
@@ -226,7 +255,7 @@ def test_biased_decode_matches_reference(G, r, K, splits, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", list(ALL_DTYPES) if ON_GPU else [torch.float32, torch.bfloat16], ids=_dtype_id)
 def test_biased_decode_equals_snis_sdpa_path(dtype):
     """The kernel computes what presses.attention_bias's sdpa wrapper computes for one decode token:
     per-group SNIS bias on the prompt slots, -inf padding, the post-eviction entries unbiased."""
@@ -242,6 +271,7 @@ def test_biased_decode_equals_snis_sdpa_path(dtype):
     q = torch.randn(B, G * r, 1, D, generator=g).to(dtype)
     k = torch.randn(B, G, P + n_after, D, generator=g).to(dtype)
     v = torch.randn(B, G, P + n_after, D, generator=g).to(dtype)
+    prefix, q, k, v = prefix.to(DEVICE), q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = r, True
     mask = bias_mask(AttentionBias(prefix), q, k, None)  # (B, H_Q, 1, K) in the query dtype
@@ -252,11 +282,11 @@ def test_biased_decode_equals_snis_sdpa_path(dtype):
 
 
 def test_biased_decode_bad_input():
-    q, k = torch.randn(1, 4, 1, D), torch.randn(1, 2, 9, D)
+    q, k = torch.randn(1, 4, 1, D, device=DEVICE), torch.randn(1, 2, 9, D, device=DEVICE)
     with pytest.raises(ValueError, match=r"bias has shape \(1, 2, 8\), expected \(B, G, K\) = \(1, 2, 9\)"):
-        biased_decode_triton(q, k, k, torch.zeros(1, 2, 8))
+        biased_decode_triton(q, k, k, torch.zeros(1, 2, 8, device=DEVICE))
     with pytest.raises(ValueError, match="one decode token"):
-        biased_decode_triton(torch.randn(1, 4, 2, D), k, k, torch.zeros(1, 2, 9))
+        biased_decode_triton(torch.randn(1, 4, 2, D, device=DEVICE), k, k, torch.zeros(1, 2, 9, device=DEVICE))
 
 
 # ------------------------------------------------------------------------------ dispatch
@@ -273,27 +303,40 @@ def test_dispatch_names_are_functions_after_kernel_imports():
 def test_kernel_mode_selection(monkeypatch):
     x = torch.zeros(1)
     assert not use_triton(x)  # auto: CPU tensors take the reference
+    if ON_GPU:
+        assert use_triton(x.to(DEVICE))  # auto: CUDA tensors take Triton
     monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", "reference")
     assert not use_triton(x)
+    if ON_GPU:
+        assert not use_triton(x.to(DEVICE))
     monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", "triton")
-    assert use_triton(x)
+    if INTERPRET:
+        assert use_triton(x)
+    else:  # compiled Triton cannot take a CPU tensor
+        with pytest.raises(RuntimeError, match="on a CPU tensor needs TRITON_INTERPRET=1"):
+            use_triton(x)
+    if ON_GPU:
+        assert use_triton(x.to(DEVICE))
     monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", "fast")
     with pytest.raises(ValueError, match=r"KVPRESS_RESEARCH_KERNELS='fast' is not one of \('auto', 'reference'"):
         use_triton(x)
 
 
 def test_dispatch_functions_route_by_mode(monkeypatch):
-    """Auto on CPU returns the reference bit for bit; forced Triton returns the kernel's result."""
+    """Auto on CPU (reference forced on a GPU, where auto picks Triton) returns the reference bit for bit;
+    forced Triton returns the kernel's result."""
+    if ON_GPU:
+        monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", "reference")
     q, k = _qk(1, 1, 3, 16, 40, torch.float32, seed=9)
     attn = window_attention(q, k)
     assert torch.equal(attn, observer_attention_reference(q, k))
     assert torch.equal(column_sums(q, k), column_sums_reference(q, k))
     pooled_ref = pooled_page_scores(attn, 1, page_size=8)
     assert torch.equal(pooled_ref[1], pooled_page_scores_reference(attn, 1, page_size=8)[1])
-    pi = torch.softmax(torch.randn(2, 40, generator=_gen(1)), -1)
-    assert torch.equal(expected_unique_many(pi, torch.tensor([3.0, 90.0])),
-                       expected_unique_many_reference(pi, torch.tensor([3.0, 90.0])))
-    v, bias = k.clone(), torch.zeros(1, 1, 40)
+    pi = torch.softmax(torch.randn(2, 40, generator=_gen(1)), -1).to(DEVICE)
+    m = torch.tensor([3.0, 90.0], device=DEVICE)
+    assert torch.equal(expected_unique_many(pi, m), expected_unique_many_reference(pi, m))
+    v, bias = k.clone(), torch.zeros(1, 1, 40, device=DEVICE)
     dec_ref = biased_decode_attention(q[:, :, -1:], k, v, bias)
     assert torch.equal(dec_ref, biased_decode_reference(q[:, :, -1:], k, v, bias))
 
@@ -319,15 +362,15 @@ def _run_page_entrokv(model, ids, mode, monkeypatch):
         model.model(input_ids=ids, past_key_values=cache)
     with torch.no_grad():  # one decode step on the compressed cache
         logits = model(input_ids=ids[:, -1:], past_key_values=cache,
-                       position_ids=torch.tensor([[ids.shape[1]]])).logits
+                       position_ids=torch.tensor([[ids.shape[1]]], device=ids.device)).logits
     return press.records, cache, logits
 
 
 def test_page_entrokv_same_pages_through_dispatch(tiny_llama, monkeypatch):
     """docs/methods.md §1 through the dispatch point: reference forced, default (reference on CPU) and Triton
     forced (interpreter) keep the same pages in every layer and give the same cache and logits."""
-    model = tiny_llama(num_heads=4, num_kv_heads=1, num_layers=2, attn_implementation="sdpa", seed=3)  # r = 4
-    ids = torch.randint(3, 128, (1, 83), generator=_gen(2))
+    model = tiny_llama(num_heads=4, num_kv_heads=1, num_layers=2, attn_implementation="sdpa", seed=3).to(DEVICE)  # r = 4
+    ids = torch.randint(3, 128, (1, 83), generator=_gen(2)).to(DEVICE)
     runs = {mode: _run_page_entrokv(model, ids, mode, monkeypatch) for mode in ("reference", None, "triton")}
     ref_records, ref_cache, ref_logits = runs["reference"]
     for mode in (None, "triton"):
@@ -340,7 +383,7 @@ def test_page_entrokv_same_pages_through_dispatch(tiny_llama, monkeypatch):
             torch.testing.assert_close(rec["entropy"], ref["entropy"], atol=1e-5, rtol=1e-5)
         for layer, ref_layer in zip(cache.layers, ref_cache.layers):
             assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(layer.values, ref_layer.values)
-        if mode is None:
+        if mode is None and not ON_GPU:  # auto is the reference on CPU (and Triton on a GPU)
             assert torch.equal(logits, ref_logits)
         else:
             torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
@@ -354,8 +397,9 @@ def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
     import presses.probabilistic.press as snis_press
     from transformers import DynamicCache
 
-    model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation="sdpa", seed=4)
-    ids = torch.randint(3, 128, (1, 48), generator=_gen(3))
+    model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation="sdpa",
+                       seed=4).to(DEVICE)
+    ids = torch.randint(3, 128, (1, 48), generator=_gen(3)).to(DEVICE)
     results, triton_calls = {}, []
     real_triton = attention_columns.column_sums_triton
 
@@ -400,9 +444,10 @@ def test_snis_decode_through_biased_decode_kernel(tiny_llama, monkeypatch, attn)
     from presses.probabilistic.press import ProbabilisticEvictionPress
     from transformers import DynamicCache
 
-    model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation=attn, seed=5)
-    ids = torch.randint(3, 128, (1, 40), generator=_gen(5))
-    nxt = torch.randint(3, 128, (1, 1), generator=_gen(6))
+    model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation=attn,
+                       seed=5).to(DEVICE)
+    ids = torch.randint(3, 128, (1, 40), generator=_gen(5)).to(DEVICE)
+    nxt = torch.randint(3, 128, (1, 1), generator=_gen(6)).to(DEVICE)
     calls = []
     real = biased_decode.biased_decode_triton
     monkeypatch.setattr(biased_decode, "biased_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -414,7 +459,7 @@ def test_snis_decode_through_biased_decode_kernel(tiny_llama, monkeypatch, attn)
         with torch.no_grad():
             with press(model):
                 model.model(input_ids=ids, past_key_values=cache)
-            pos = torch.tensor([[ids.shape[1]]])  # decoding continues at position T
+            pos = torch.tensor([[ids.shape[1]]], device=DEVICE)  # decoding continues at position T
             out = model(input_ids=nxt, past_key_values=cache, position_ids=pos)
         logits[mode] = out.logits
         assert len(calls) == (0 if mode == "reference" else 2)  # one call per layer when Triton is picked
@@ -431,7 +476,7 @@ def test_budget_search_through_expected_unique_kernel(monkeypatch, pool_dims):
     from presses.core.coupon import expected_unique
     from presses.probabilistic.budget import search_num_samples
 
-    pi = torch.softmax(3 * torch.randn(1, 2, 3, 50, generator=_gen(5), dtype=torch.float64), -1)
+    pi = torch.softmax(3 * torch.randn(1, 2, 3, 50, generator=_gen(5), dtype=torch.float64), -1).to(DEVICE)
     calls = []
     real = expected_unique_module.expected_unique_many_triton
 

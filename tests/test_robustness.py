@@ -85,8 +85,8 @@ def model_for(name: str, attn: str = "sdpa", dtype=torch.float32, heads=(4, 2)):
 def build(name: str, ratio: float, **overrides):
     """Instantiate ``configs/press/<name>.yaml`` as the harness does (``compression_ratio`` and ``seed``
     interpolated from the top level); EntroPrefill gets the byte tokenizer."""
-    root = OmegaConf.create({"compression_ratio": ratio, "seed": 0,
-                             "press": OmegaConf.load(CONFIG_DIR / "press" / f"{name}.yaml")})
+    node = OmegaConf.to_container(harness.compose_config([f"press={name}"]).press, resolve=False)  # defaults merged
+    root = OmegaConf.create({"compression_ratio": ratio, "seed": 0, "press": node})
     for key, value in overrides.items():
         OmegaConf.update(root, f"press.{key}", value)
     press = instantiate(root.press)
