@@ -41,6 +41,7 @@ from kvpress import ComposedPress
 from presses.base import Capabilities, ResearchPress, language_model
 from presses.entroprefill.chunking import CHUNK_MODES, ChunkPlan, find_question, plan_chunks, token_offsets
 from presses.entroprefill.dual import dual_certificate, greedy_feasible_scan
+from presses.entroprefill.page_policy import PagePolicyDriver
 from presses.entroprefill.equations import (
     analytic_saving,
     chunk_priorities,
@@ -102,6 +103,11 @@ class EntroPrefillPress(ResearchPress):
         tokenizer: tokenizer of the model (loaded from ``model.name_or_path`` when None).
         force_layer: TESTING: accept at this layer regardless of target, streak and audit.
         force_chunks: TESTING (with ``force_layer``): remove exactly these chunk indices.
+        page_policy: optional press that evicts the cache of the retained support after the prune, at every
+            layer (Algorithm 1 step 7; e.g. a :class:`presses.page_entrokv.PageEntroKVPress`; any kvpress press
+            whose ``compress`` evicts one layer's cache, see :mod:`presses.entroprefill.page_policy`). It is driven
+            by this press's hooks, not registered on the model; on a bypass it evicts the full prefill's cache.
+            Its own ``compression_ratio`` applies to the retained support ``T'``.
     """
 
     compression_ratio: float = 0.5
@@ -132,6 +138,7 @@ class EntroPrefillPress(ResearchPress):
     tokenizer: Any = None
     force_layer: int | None = None
     force_chunks: Sequence[int] | None = None
+    page_policy: Any = None
 
     capabilities: ClassVar[Capabilities] = Capabilities(shares_prefill=False, needs_question=True,
                                                         changes_prefill=True)
@@ -165,6 +172,7 @@ class EntroPrefillPress(ResearchPress):
         if self.force_chunks is not None and self.force_layer is None:
             raise ValueError("force_chunks needs force_layer")
         self._model_info: dict = {}
+        self._pages = PagePolicyDriver(self.page_policy) if self.page_policy is not None else None
         self._reset(None)
 
     # -- setup -----------------------------------------------------------------------------
@@ -196,6 +204,8 @@ class EntroPrefillPress(ResearchPress):
                             "monitored": monitored, "a": a, "b": b}
         if self.tokenizer is None:
             self.tokenizer = _load_tokenizer(model)
+        if self.page_policy is not None:  # as kvpress's wrappers do for the presses they hold
+            self.page_policy.post_init_from_model(model)
         super().post_init_from_model(model)
 
     def _reset(self, plan: ChunkPlan | None):
@@ -210,6 +220,8 @@ class EntroPrefillPress(ResearchPress):
         self._pruned_kwargs: dict | None = None
         self._t0 = 0.0
         self._stats = {}
+        if self.__dict__.get("_pages") is not None:
+            self._pages.reset()
 
     # -- summary ---------------------------------------------------------------------------
 
@@ -222,8 +234,11 @@ class EntroPrefillPress(ResearchPress):
         layer or, on bypass, of the last layer that reached the scan, ``dual_method``,
         ``audit_bound`` (``b``), ``eta_hat_max`` (largest audited ``eta_hat``), ``bypass_reason``
         ("" when pruned), ``layer_reasons`` (``layer:reason;...``), ``T``, ``T_prime``,
-        ``compression`` (``1 - T'/T``), ``analytic_saving`` (eq. 32) and ``prefill_time_s``
-        (wall time of the decoder stack, chunk planning included).
+        ``compression`` (the total, ``1 - kept/T`` with ``kept`` the cache entries per layer averaged over
+        layers), split into ``prune_compression`` (``1 - T'/T``) and ``page_compression`` (``1 - kept/T'``, 0
+        without a page policy), ``analytic_saving`` (eq. 32) and ``prefill_time_s`` (wall time of the decoder
+        stack, chunk planning and the page policy included). With a page policy: ``page_kept_tokens`` and the
+        policy's own ``summary()`` keys prefixed ``page_``.
         """
         return dict(self._stats)
 
@@ -241,7 +256,8 @@ class EntroPrefillPress(ResearchPress):
 
     def check_wrappers(self, path: list) -> None:
         """Refuse a ``ComposedPress`` with other presses: EntroPrefill prunes the prefill itself, so the shallow
-        layers' cache it gathers at ``l*`` must be its own.
+        layers' cache it gathers at ``l*`` must be its own. A press that should evict after the prune is its
+        ``page_policy``.
 
         Raises:
             ValueError: naming the wrapper.
@@ -249,7 +265,8 @@ class EntroPrefillPress(ResearchPress):
         for wrapper in path[:-1]:
             if isinstance(wrapper, ComposedPress) and len(wrapper.presses) > 1:
                 raise ValueError("EntroPrefillPress cannot share a ComposedPress with other presses: it prunes "
-                                 "whole chunks during the prefill and gathers the shallow layers' cache itself")
+                                 "whole chunks during the prefill and gathers the shallow layers' cache itself; "
+                                 "pass the press that should evict afterwards as EntroPrefillPress(page_policy=...)")
 
     def reset(self) -> None:
         """Forget the previous request (plan, search state, statistics)."""
@@ -297,8 +314,11 @@ class EntroPrefillPress(ResearchPress):
             "accepted_layer": -1, "removed_chunks": "", "n_chunks": len(plan.chunks), "n_candidates": len(cand),
             "n_removed": 0, "target_saving": 0, "D_l": 0, "U_l": float("nan"), "dual_method": "",
             "audit_bound": float("nan"), "eta_hat_max": float("nan"), "bypass_reason": "", "layer_reasons": "",
-            "T": T, "T_prime": T, "compression": 0.0, "analytic_saving": 0.0, "prefill_time_s": float("nan"),
+            "T": T, "T_prime": T, "compression": 0.0, "prune_compression": 0.0, "page_compression": 0.0,
+            "analytic_saving": 0.0, "prefill_time_s": float("nan"),
         }
+        if self._pages is not None:
+            self._pages.start(T, [plan.chunks[i] for i in cand])
         N = sum(plan.sizes[i] for i in cand)
         self._target = math.ceil(self.compression_ratio * N - 1e-9)
         self._stats["target_saving"] = self._target
@@ -332,6 +352,10 @@ class EntroPrefillPress(ResearchPress):
         if not self._active:
             return output
         self._active = False
+        if self._pages is not None:
+            if self._pages.pending and kwargs.get("past_key_values") is not None:
+                self._pages.flush(kwargs["past_key_values"], None)  # no layer accepted: the full prompt's cache
+            self._stats.update(self._pages.stats(self._stats["T"], self._stats["T_prime"]))
         if self._state == "search":
             reasons = set(self._reasons.values())
             self._bypass(reasons.pop() if len(reasons) == 1 else "no_layer_accepted")
@@ -369,10 +393,20 @@ class EntroPrefillPress(ResearchPress):
         return args, kwargs
 
     def forward_hook(self, module, input, kwargs, output):
-        """Attention hook: Algorithm 1 steps 2-6 at a monitored layer during the prefill."""
-        if not self._active or self._state != "search":
+        """Attention hook: Algorithm 1 steps 2-6 at a monitored layer during the prefill, and the page policy's
+        eviction (step 7; :mod:`presses.entroprefill.page_policy`)."""
+        if not self._active:
             return output
         idx = module.layer_idx
+        if self._state != "search":
+            # after l* (the retained support) or after a bypass (the full prompt): the page policy evicts now
+            return self._pages.forward(module, input, kwargs, output) if self._pages is not None else output
+        if self._pages is not None:
+            if idx <= max(self._model_info["monitored"]):  # l* may still come: evict once R is known
+                self._pages.defer(module, kwargs["hidden_states"], kwargs["position_embeddings"])
+            else:  # the monitored window passed without acceptance: the full prompt is the support
+                self._pages.flush(kwargs["past_key_values"], None)
+                output = self._pages.forward(module, input, kwargs, output)
         if idx not in self._model_info["monitored"]:
             return output
         cache = kwargs.get("past_key_values")
@@ -462,6 +496,8 @@ class EntroPrefillPress(ResearchPress):
             layer = cache.layers[j]
             layer.keys = layer.keys[:, :, R]
             layer.values = layer.values[:, :, R]
+        if self._pages is not None:
+            self._pages.flush(cache, R)
         self._retained = R
         self._accepted_layer = idx
         self._state = "accepted"
@@ -469,7 +505,7 @@ class EntroPrefillPress(ResearchPress):
         T, Tp = plan.n_tokens, int(R.numel())
         self._stats.update(
             accepted_layer=idx, removed_chunks=",".join(map(str, removed)), n_removed=len(removed),
-            T_prime=Tp, compression=1.0 - Tp / T, bypass_reason="",
+            T_prime=Tp, compression=1.0 - Tp / T, prune_compression=1.0 - Tp / T, bypass_reason="",
             analytic_saving=analytic_saving(idx + 1, info["L"], T, Tp, info["a"], info["b"]),
         )
 
