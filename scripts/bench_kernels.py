@@ -10,7 +10,9 @@ It writes one CSV per kernel to ``--out`` (default ``results/kernels``). A wall-
 420 s) skips a reference whose predicted time would not fit, so the whole run stays under 8 minutes.
 
 Shapes (Llama-3-8B-like attention layer, bf16): B = 1, H_Q = 32, G = 8 (r = 4), d = 128, W = 64,
-page_size = 16; ``E[J]`` scores 63 candidates (6 binary-search levels) for L x G = 32 x 8 rows.
+page_size = 16; ``E[J]`` scores 63 candidates (6 binary-search levels) for L x G = 32 x 8 rows; EntroPrefill's
+row kernel reads the W_p = 8 proposal rows (chunk masses and their average) or 256 audit rows (chunk masses),
+over chunks of 128 tokens covering 90% of the keys.
 
 Usage:
     python scripts/bench_kernels.py                   # on a CUDA machine
@@ -43,7 +45,7 @@ PEAK_BW_BY_NAME = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H1
 
 
 KERNELS = ("window_attention", "column_sums_h2o_h", "pooled_page_scores", "expected_unique_many", "biased_decode",
-           "biased_decode_vs_sdpa_mask")
+           "biased_decode_vs_sdpa_mask", "row_chunk_masses_proposal", "row_chunk_masses_audit")
 
 
 @dataclass
@@ -131,6 +133,8 @@ def build_cases(torch, device, lengths, dry, only):
     from presses.kernels.renyi_pages import pooled_page_scores_triton
     from presses.core.observer import observer_attention_reference
     from presses.core.columns import column_sums as column_sums_reference
+    from presses.core.row_masses import chunk_ids, row_chunk_masses_reference
+    from presses.kernels.row_masses import row_chunk_masses_triton
     from presses.probabilistic.proposals import harmonic_prior
 
     if dry:
@@ -195,6 +199,33 @@ def build_cases(torch, device, lengths, dry, only):
                        "compute",  # ~30 float64 FLOP/byte (transcendentals), above the float64 ridge (~14 on H100/H200)
                        lambda pi=pi, m=m: expected_unique_many_reference(pi, m),
                        lambda pi=pi, m=m: expected_unique_many_triton(pi, m), 1.0)
+        for name, n_rows, average in (("row_chunk_masses_proposal", 8, True), ("row_chunk_masses_audit", 256, False)):
+            if not want(name):
+                continue
+            # EntroPrefill (paper 001 eqs. 2, 14, 17): chunks of 128 keys after 5% instructions, before a 5% question
+            cs = 16 if dry else 128
+            lo, hi = T // 20, T - T // 20
+            ids = chunk_ids(T, [(s0, min(s0 + cs, hi)) for s0 in range(lo, hi, cs)], device)
+            k = int(ids.max()) + 1
+            n_rows = n_rows if average else min(n_rows, T - hi)  # audit rows: distinct question positions
+            qr = randn(B, HQ, n_rows, d)
+            rows = (torch.arange(T - n_rows, T, device=device) if average
+                    else torch.randperm(T - hi, generator=gen, device=device)[:n_rows] + hi)
+            w = torch.full((n_rows,), 1.0 / n_rows, device=device) if average else None
+
+            def flat(out):
+                return out[0].flatten() if out[1] is None else torch.cat([out[0].flatten(), out[1].flatten()])
+
+            yield Case(name, T, f"B={B} H_Q={HQ} G={G} rows={n_rows} chunks={k} d={d}" + (" +average" if average else ""),
+                       dname, keys.numel() * e + qr.numel() * e + T * 4 + B * HQ * n_rows * k * 4
+                       + (B * HQ * T * 4 if average else 0),
+                       # q.k and the one-hot chunk product (fp32, ieee) in one pass; the average: a second q.k pass
+                       2.0 * B * HQ * n_rows * T * (d + min(128, k)) + (4.0 * B * HQ * n_rows * T * d if average else 0),
+                       "compute",  # the fp32 one-hot product runs at the non-tensor-core fp32 rate
+                       lambda q=qr, k_=keys, rows=rows, ids=ids, k=k, w=w: flat(
+                           row_chunk_masses_reference(q, k_, rows, ids, k, w)),
+                       lambda q=qr, k_=keys, rows=rows, ids=ids, k=k, w=w: flat(
+                           row_chunk_masses_triton(q, k_, rows, ids, k, w)), 1.0)
         if want("biased_decode") or want("biased_decode_vs_sdpa_mask"):
             qd, vals = randn(B, HQ, 1, d), randn(B, G, T, d)
             bias = randn(B, G, T, dt=torch.float32)

@@ -20,7 +20,8 @@
 #            5.2.0 and tokenizers 0.22.2 shadow newer ones); if the carried datasets wheel cannot import
 #            there (kvpress imports it only for presses this check does not run), a stub takes its place
 #            and install.txt says so.
-#   tests    tests/test_kernels.py with KVPRESS_TEST_DEVICE=cuda TRITON_INTERPRET=0: every kernel test compiled,
+#   tests    tests/test_kernels.py and tests/test_kernel_row_masses.py (EntroPrefill's row kernel) with
+#            KVPRESS_TEST_DEVICE=cuda TRITON_INTERPRET=0: every kernel test compiled,
 #            every low-precision-capable test in float32, bfloat16 and float16; the dispatch-equality tests
 #            force KVPRESS_RESEARCH_KERNELS=triton themselves (on CUDA, auto picks Triton too).
 #            -> kernel_tests.xml (JUnit), tests.log
@@ -263,7 +264,7 @@ if want tests; then
   "$PY" -c "import pytest_timeout" 2>/dev/null && plugins+=(--timeout 240)
   if [ "$MODE" = gpu ]; then
     run_stage tests 200 env KVPRESS_TEST_DEVICE=cuda TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider \
-      "${plugins[@]}" -rfEs --junitxml="$OUT_DIR/kernel_tests.xml" tests/test_kernels.py
+      "${plugins[@]}" -rfEs --junitxml="$OUT_DIR/kernel_tests.xml" tests/test_kernels.py tests/test_kernel_row_masses.py
   else  # interpreted, a fast subset: the stage's plumbing (JUnit, summary), not the kernels (make test has them)
     run_stage tests 120 env KVPRESS_TEST_DEVICE=cpu TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider \
       -rfEs --junitxml="$OUT_DIR/kernel_tests.xml" tests/test_kernels.py \

@@ -398,8 +398,13 @@ def test_fallback_all_heads_ineligible(shared):
 
 
 def test_fallback_nonfinite(shared, monkeypatch):
-    real = ep.row_attention
-    monkeypatch.setattr(ep, "row_attention", lambda *a, **k: real(*a, **k) * float("nan"))
+    real = ep.row_chunk_statistics
+
+    def nan_rows(*args, **kwargs):
+        masses, average = real(*args, **kwargs)
+        return masses * float("nan"), None if average is None else average * float("nan")
+
+    monkeypatch.setattr(ep, "row_chunk_statistics", nan_rows)
     _check_full_prefill(shared, EntroPrefillPress(tokenizer=TOK), "nonfinite")
 
 

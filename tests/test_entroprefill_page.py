@@ -1,4 +1,4 @@
-"""EntroPrefill with its page policy (paper 001 Algorithm 1 step 7; docs/methods.md §4 step 8): the composition
+"""EntroPrefill with its page policy (paper 001 Algorithm 1 step 7; docs/methods.md §4 step 7): the composition
 equals running the page policy on the pruned cache, a bypass equals the page policy alone, the two stages of
 the compression, the observer rows the deferred layers keep, and the policies that are refused."""
 

@@ -22,7 +22,7 @@ import gpu_end_to_end as e2e  # noqa: E402
 import gpu_report  # noqa: E402
 
 KERNELS = {"window_attention", "column_sums_h2o_h", "pooled_page_scores", "expected_unique_many", "biased_decode",
-           "biased_decode_vs_sdpa_mask"}
+           "biased_decode_vs_sdpa_mask", "row_chunk_masses_proposal", "row_chunk_masses_audit"}
 
 
 def _rows(path: Path) -> list[dict]:

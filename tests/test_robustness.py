@@ -448,16 +448,16 @@ def test_mha_and_mqa(name, heads):
 # ---------------------------------------------------------------------------------------------- GPU kernels
 @pytest.mark.parametrize("name", PRESSES)
 def test_which_presses_use_the_kernel_dispatch(name, monkeypatch):
-    """GPU kernels: Page-EntroKV's scoring and the SNIS proposals' column sums go through presses.kernels
-    (Triton on CUDA; the SNIS decode step too, see tests/test_kernels.py); the others run torch code on
-    every device."""
+    """GPU kernels: Page-EntroKV's scoring, the SNIS proposals' column sums and EntroPrefill's per-row chunk
+    masses go through presses.kernels (Triton on CUDA; the SNIS decode step too, see tests/test_kernels.py);
+    the others run torch code on every device."""
     import presses.kernels as kernels
 
     calls = []
     real = kernels.use_triton
     monkeypatch.setattr(kernels, "use_triton", lambda t: calls.append(t.device) or real(t))
     prefill(build(name, 0.5), model_for(name), PROMPT_IDS)
-    assert bool(calls) == (name in ("page_entrokv", "snis_h2o"))
+    assert bool(calls) == (name in ("page_entrokv", "snis_h2o", "entroprefill"))
 
 
 # ---------------------------------------------------------------------------------------------- models

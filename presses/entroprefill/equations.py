@@ -14,9 +14,13 @@ from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
 from presses.core.renyi import group_weights, pool_groups, renyi_entropy, sink_isolate
+from presses.core.row_masses import chunk_masses_from_rows
+from presses.kernels import row_chunk_masses
 
 __all__ = [
     "row_attention",
+    "row_queries",
+    "row_chunk_statistics",
     "floor_weights",
     "pooled_proposal",
     "chunk_priorities",
@@ -51,10 +55,7 @@ def row_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, posit
     """
     if attentions is not None:
         return attentions[:, :, positions, :].float()
-    q = get_prerope_query_states(module, hidden_states[:, positions])
-    cos, sin = position_embeddings
-    cos, sin = cos[:, positions].unsqueeze(1), sin[:, positions].unsqueeze(1)
-    q = (q * cos + rotate_half(q) * sin).float()
+    q = row_queries(module, hidden_states, positions, position_embeddings).float()
     B, H, P, d = q.shape
     G, T = keys.shape[1], keys.shape[2]
     if H % G:
@@ -64,6 +65,54 @@ def row_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, posit
     logits = logits.reshape(B, H, P, T)
     future = torch.arange(T, device=keys.device).view(1, T) > positions.to(keys.device).view(P, 1)
     return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+
+
+def row_queries(module, hidden_states: torch.Tensor, positions: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """RoPE'd queries of the prefill rows at ``positions`` (paper 001 eq. 1's ``q^{l,h}_u``).
+
+    Args:
+        module: the Llama-like attention module of the layer.
+        hidden_states: ``(B, T, D_model)`` input of the attention layer.
+        positions: ``(P,)`` int64 token indices of the rows.
+        position_embeddings: ``(cos, sin)`` each ``(B, T, d)``.
+
+    Returns:
+        ``(B, H_Q, P, d)`` in the dtype of ``hidden_states``.
+    """
+    q = get_prerope_query_states(module, hidden_states[:, positions])
+    cos, sin = position_embeddings
+    cos, sin = cos[:, positions].unsqueeze(1), sin[:, positions].unsqueeze(1)
+    return (q * cos + rotate_half(q) * sin).to(hidden_states.dtype)
+
+
+def row_chunk_statistics(module, hidden_states: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                         position_embeddings, ids: torch.Tensor, num_chunks: int,
+                         row_weights: torch.Tensor | None = None,
+                         attentions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What Algorithm 1 reads from the causal rows at ``positions``: each row's mass on each chunk (eqs. 14, 17)
+    and, with ``row_weights``, the rows' weighted average per head (eq. 2 with ``w = 1/W_p``).
+
+    Recomputes the rows' queries and calls the kernel dispatch :func:`presses.kernels.row_chunk_masses` (Triton
+    on CUDA, which never stores the ``P x T`` rows; the torch reference elsewhere); with eager attention
+    weights it reads the rows from them instead.
+
+    Args:
+        module, hidden_states, keys, positions, position_embeddings, attentions: as :func:`row_attention`.
+        ids: ``(T,)`` chunk of every key, ``-1`` outside the chunks
+            (:func:`presses.core.row_masses.chunk_ids`).
+        num_chunks: ``k``.
+        row_weights: ``(P,)`` weights of the average, or ``None``.
+
+    Returns:
+        ``(masses (B, H_Q, P, k), average (B, H_Q, T) or None)`` float32.
+    """
+    if attentions is not None:
+        rows = attentions[:, :, positions, :].float()
+        average = None if row_weights is None else (rows * row_weights.to(rows).view(-1, 1)).sum(-2)
+        return chunk_masses_from_rows(rows, ids.to(rows.device), num_chunks), average
+    q = row_queries(module, hidden_states, positions, position_embeddings)
+    scaling = getattr(module, "scaling", q.shape[-1] ** -0.5)
+    return row_chunk_masses(q, keys, positions, ids, num_chunks, row_weights, scaling)
 
 
 def floor_weights(attn: torch.Tensor, num_groups: int, n_sink: int, tau: float, zeta: float,

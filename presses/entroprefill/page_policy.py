@@ -1,5 +1,5 @@
 """EntroPrefill's page policy: evict the cache of the retained support after the prune (paper 001 Algorithm 1
-step 7, "decode using the resulting cache and the configured page policy"; docs/methods.md §4 step 8).
+step 7, "decode using the resulting cache and the configured page policy"; docs/methods.md §4 step 7).
 
 The page policy is any kvpress press whose ``compress`` evicts one layer's cache from that layer's hidden
 states, keys and values (:class:`presses.page_entrokv.PageEntroKVPress`, kvpress's ``ScorerPress`` family...).

@@ -39,6 +39,7 @@ import torch
 from kvpress import ComposedPress
 
 from presses.base import Capabilities, ResearchPress, language_model
+from presses.core.row_masses import chunk_ids
 from presses.entroprefill.chunking import CHUNK_MODES, ChunkPlan, find_question, plan_chunks, token_offsets
 from presses.entroprefill.dual import dual_certificate, greedy_feasible_scan
 from presses.entroprefill.page_policy import PagePolicyDriver
@@ -49,7 +50,7 @@ from presses.entroprefill.equations import (
     hoeffding_radius,
     layer_cost_coefficients,
     pooled_proposal,
-    row_attention,
+    row_chunk_statistics,
     set_change,
 )
 
@@ -338,6 +339,7 @@ class EntroPrefillPress(ResearchPress):
             return self._bypass(f"unsupported_cache_{type(cache).__name__}")
         W = min(self.proposal_window, q1 - q0)
         self._proposal_pos = torch.arange(T - W, T, device=input_ids.device)
+        self._chunk_ids = chunk_ids(T, [plan.chunks[i] for i in cand], input_ids.device)  # candidate i -> i
         gen = torch.Generator().manual_seed(self.seed)
         draws = torch.randint(q0, q1, (self.audit_size,), generator=gen)
         uniq, counts = torch.unique(draws, return_counts=True)
@@ -427,15 +429,18 @@ class EntroPrefillPress(ResearchPress):
         plan, info = self._plan, self._model_info
         hs, pe = kwargs["hidden_states"], kwargs["position_embeddings"]
         keys = cache.layers[idx].keys
-        rows = row_attention(module, hs, keys, self._proposal_pos, pe, attentions)[0]  # (H, W_p, T)
-        if not torch.isfinite(rows).all():
+        cand = plan.candidates
+        W = self._proposal_pos.numel()
+        # eq. 2 and eq. 14's per-row chunk masses, from one pass over the rows (kernel dispatch)
+        masses, a = row_chunk_statistics(module, hs, keys, self._proposal_pos, pe, self._chunk_ids, len(cand),
+                                         torch.full((W,), 1.0 / W, device=keys.device), attentions)
+        masses, a = masses[0], a[0]  # (H, W_p, k), (H, T)
+        if not (torch.isfinite(masses).all() and torch.isfinite(a).all()):
             raise _Invalid("nonfinite")
-        a = rows.mean(1)  # eq. 2
         fw = floor_weights(a, info["G"], self.n_sink, self.tau, self.zeta, self.z_min)
         if bool(fw["group_fallback"].all()):
             raise _Invalid("all_heads_ineligible")
         mu = pooled_proposal(a, fw["w"])  # eq. 5
-        cand = plan.candidates
         chunks = [plan.chunks[i] for i in cand]
         doc_mass = float(sum(mu[s:e].sum() for s, e in chunks))
         if not math.isfinite(doc_mass) or not torch.isfinite(mu).all():
@@ -445,8 +450,7 @@ class EntroPrefillPress(ResearchPress):
         pr = chunk_priorities(mu, chunks, self.smoothing, self.lambda_)  # eqs. 8-9
         if not torch.isfinite(pr["S"]).all():
             raise _Invalid("nonfinite")
-        flat = rows.reshape(-1, rows.shape[-1]).double()  # a = (h, u)
-        masses = torch.stack([flat[:, s:e].sum(-1) for s, e in chunks], dim=1).cpu()  # (A, k)
+        masses = masses.reshape(-1, len(cand)).double().cpu()  # (A, k), row a = (h, u)
         eps = torch.full((masses.shape[0],), float(self.epsilon), dtype=torch.float64)
         sizes = torch.tensor([e - s for s, e in chunks])
         m0 = min(self.min_chunks, len(cand))
@@ -474,13 +478,11 @@ class EntroPrefillPress(ResearchPress):
         if self._streak < self.stability_streak:
             self._reasons[idx] = "unstable"
             return
-        # independent audit (eq. 17): rows at the pre-drawn question positions
-        rm = torch.zeros(plan.n_tokens, dtype=torch.bool, device=keys.device)
-        for i in removed:
-            s, e = plan.chunks[i]
-            rm[s:e] = True
-        audit = row_attention(module, hs, keys, self._audit_pos, pe, attentions)[0]  # (H, P, T)
-        eta = (audit[:, :, rm].sum(-1).double().cpu() * self._audit_w).sum(-1)  # (H,)
+        # independent audit (eq. 17): rows at the pre-drawn question positions, their mass on the removal set
+        audit, _ = row_chunk_statistics(module, hs, keys, self._audit_pos, pe, self._chunk_ids, len(cand),
+                                        None, attentions)  # (1, H, P, k)
+        lost = audit[0][:, :, [cand.index(i) for i in removed]].sum(-1)  # (H, P)
+        eta = (lost.double().cpu() * self._audit_w).sum(-1)  # (H,)
         eta_max = float(eta.max())
         self._stats["eta_hat_max"] = eta_max
         if not math.isfinite(eta_max):

@@ -19,6 +19,8 @@ Dispatch function -> torch reference -> Triton implementation:
   :func:`presses.kernels.expected_unique.expected_unique_many_triton`
 - :func:`biased_decode_attention` -> :func:`presses.kernels.references.biased_decode_reference` ->
   :func:`presses.kernels.biased_decode.biased_decode_triton`
+- :func:`row_chunk_masses` -> :func:`presses.core.row_masses.row_chunk_masses_reference` ->
+  :func:`presses.kernels.row_masses.row_chunk_masses_triton`
 
 The references need no Triton: without it installed, the Triton modules are ``None`` and every call takes
 the reference (``KVPRESS_RESEARCH_KERNELS=triton`` then raises).
@@ -32,6 +34,7 @@ import torch
 
 from presses.core.columns import column_sums as column_sums_reference
 from presses.core.observer import observer_attention_reference
+from presses.core.row_masses import row_chunk_masses_reference
 from presses.kernels.references import (
     biased_decode_reference,
     expected_unique_many_reference,
@@ -39,9 +42,9 @@ from presses.kernels.references import (
 )
 
 try:  # the Triton implementations (an optional dependency: the ``triton`` extra)
-    from presses.kernels import attention_columns, biased_decode, expected_unique, renyi_pages
+    from presses.kernels import attention_columns, biased_decode, expected_unique, renyi_pages, row_masses
 except ImportError:  # pragma: no cover - only without triton
-    attention_columns = biased_decode = expected_unique = renyi_pages = None
+    attention_columns = biased_decode = expected_unique = renyi_pages = row_masses = None
 
 __all__ = [
     "KERNEL_MODES",
@@ -52,6 +55,7 @@ __all__ = [
     "pooled_page_scores",
     "expected_unique_many",
     "biased_decode_attention",
+    "row_chunk_masses",
 ]
 
 KERNEL_MODES = ("auto", "reference", "triton")
@@ -155,3 +159,16 @@ def biased_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if use_triton(key) and query.dtype == key.dtype == value.dtype and key.dtype in _TRITON_DTYPES:
         return biased_decode.biased_decode_triton(query, key, value, bias, scaling)
     return biased_decode_reference(query, key, value, bias, scaling)
+
+
+def row_chunk_masses(queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, num_chunks: int,
+                     row_weights: torch.Tensor | None = None,
+                     scaling: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Dispatch for EntroPrefill's per-row chunk masses and weighted row average (paper 001 eqs. 1-2, 14, 17;
+    docs/methods.md §4 steps 2, 4, 5): ``(B, H_Q, n, d)``, ``(B, G, t, d)``, rows ``(n,)``, chunk ids ``(t,)`` ->
+    ``(masses (B, H_Q, n, k), average (B, H_Q, t) or None)`` float32; see
+    :func:`presses.core.row_masses.row_chunk_masses_reference` for the contract and errors. The Triton path is
+    one flash-style pass over the keys with one-hot chunk "values" and never stores a row."""
+    if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
+        return row_masses.row_chunk_masses_triton(queries, keys, rows, ids, num_chunks, row_weights, scaling)
+    return row_chunk_masses_reference(queries, keys, rows, ids, num_chunks, row_weights, scaling)
