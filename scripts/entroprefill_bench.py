@@ -1,19 +1,29 @@
-"""EntroPrefill vs full prefill on the embedded model: prefill wall time, accuracy, bypasses, certificates.
+"""EntroPrefill vs full prefill on the embedded model: prefill time, accuracy, bypasses, answer-passage survival.
 
-For each multi-document QA example (evaluation/datasets/multidoc.py, query-aware) the script runs the
-kvpress pipeline's own steps twice in the same process -- full prefill and EntroPrefill prefill,
-alternating which goes first -- timing only the prefill call ``model.model(input_ids, cache)``, then
-decodes greedily with ``pipeline.generate_answer`` from position ``T``. It writes
+For each query-aware example of a passage set (``--dataset keyfacts``: evaluation/datasets/keyfacts.py, the set
+the uncompressed model answers; ``multidoc``: evaluation/datasets/multidoc.py) the script runs the kvpress
+pipeline's own steps in one process: full prefill and EntroPrefill prefill, alternating which goes first,
+timing only the prefill call ``model.model(input_ids, cache)`` (wall clock and process CPU time), then greedy
+decoding with ``pipeline.generate_answer`` from position ``T``. ``--skip-full`` runs EntroPrefill alone (for
+the position-bias study, which needs only its decisions). It writes to ``--out``:
 
-* ``<out>/examples.csv``: one row per (example, method) with time, score and the press summary;
-* ``<out>/summary.csv``: per context length: mean prefill times and their ratio, accuracies,
-  bypass frequency, mean ``T'/T``, mean greedy saving ``D_l`` vs dual bound ``U_l``, mean analytic
-  saving (paper 001 eq. 32);
-* ``<out>/README.md``: the summary as a markdown table, with the command that produced it.
+* ``examples.csv``: one row per (example, method): time, score, the press summary, the answer passage, its
+  rank among the candidate chunks by the priority ``S_i`` (eqs. 8-9) at the accepted layer (or the last
+  scanned one), and the Spearman correlation of ``S_i`` with the chunk index (> 0: later chunks rank higher);
+* ``summary.csv``: per context length: prefill times and their ratios, accuracies, bypass frequency, ``T'/T``,
+  answer removal among pruned examples, survival of the answer passage in the first and second half, greedy
+  saving ``D_l`` vs dual bound ``U_l``, analytic saving (paper 001 eq. 32);
+* ``survival.csv``: answer-passage survival among pruned examples by position quarter, per length;
+* ``README.md``: the tables, with the command that produced them.
 
-Usage (about 10 min on 2 CPU cores)::
+Study options: ``--reverse-passages`` reverses the passage order of every prompt (markers renumbered, the
+answer passage moves from position p to n + 1 - p); ``--scores rope_free`` computes the rows' attention with
+RoPE removed from queries and keys (every key at relative distance 0 from its observer: content only), a
+diagnostic, not the method; ``--press KEY=VALUE`` overrides EntroPrefillPress fields.
 
-    python scripts/entroprefill_bench.py --lengths 2048 4096 --n-per-kind 5 --compression-ratio 0.5
+Usage (``OMP_NUM_THREADS=1``; the committed runs list their commands in results/entroprefill/)::
+
+    python scripts/entroprefill_bench.py --dataset keyfacts --lengths 2048 4096 8192 --n 40 --threads 1
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import re
 import shlex
 import statistics
 import sys
@@ -47,19 +58,87 @@ def parse_value(v: str):
     return v
 
 
+def reverse_passages(example):
+    """The same prompt with its ``Passage N:`` passages in reverse order (markers renumbered); the metadata's
+    ``answer_passage`` and ``depth`` follow the answer passage."""
+    from evaluation.datasets.base import Example
+    from presses.entroprefill.chunking import PASSAGE_PATTERN, passage_marker
+
+    text = example.context
+    marks = list(re.finditer(PASSAGE_PATTERN, text))
+    q = text.rfind("\n\n" + "Answer the question") if "Question:" in text else len(text)
+    head, tail = text[:marks[0].start()], text[q:]
+    bodies = [text[m.end():(marks[i + 1].start() if i + 1 < len(marks) else q)] for i, m in enumerate(marks)]
+    bodies = [b.rstrip("\n") for b in bodies]
+    n = len(bodies)
+    context = head + "\n\n".join(passage_marker(i + 1) + b for i, b in enumerate(reversed(bodies))) + tail
+    meta = dict(example.metadata)
+    meta["answer_passage"] = n + 1 - example.metadata["answer_passage"]
+    meta["depth"] = 100.0 * (meta["answer_passage"] - 1) / max(1, n - 1)
+    return Example(id=example.id + "-rev", context=context, question=example.question, answers=example.answers,
+                   answer_prefix=example.answer_prefix, max_new_tokens=example.max_new_tokens, task=example.task,
+                   metadata=meta)
+
+
+def rope_free_rows():
+    """A replacement for the press's row statistics that removes RoPE from queries and keys (a diagnostic)."""
+    from kvpress.utils import get_prerope_query_states
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from presses.core.row_masses import row_chunk_masses_reference
+
+    def rows(module, hidden_states, keys, positions, position_embeddings, ids, num_chunks, row_weights=None,
+             attentions=None):
+        cos, sin = (x.unsqueeze(1) for x in position_embeddings)
+        q = get_prerope_query_states(module, hidden_states[:, positions])
+        k = keys * cos + rotate_half(keys) * -sin  # the inverse rotation: every key back at position 0
+        return row_chunk_masses_reference(q, k, positions, ids, num_chunks, row_weights,
+                                          getattr(module, "scaling", q.shape[-1] ** -0.5))
+
+    return rows
+
+
+def spearman(x: list[float]) -> float:
+    """Spearman correlation of ``x`` with its index (ties averaged); NaN below 3 values."""
+    n = len(x)
+    if n < 3:
+        return math.nan
+    order = sorted(range(n), key=lambda i: x[i])
+    ranks = [0.0] * n
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    mean = (n - 1) / 2
+    cov = sum((ranks[i] - mean) * (i - mean) for i in range(n))
+    var = sum((i - mean) ** 2 for i in range(n))
+    var_r = sum((r - mean) ** 2 for r in ranks)
+    return cov / math.sqrt(var * var_r) if var_r > 0 else math.nan
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
-    ap.add_argument("--n-per-kind", type=int, default=5, help="examples per fact kind (city, code) and length")
+    ap.add_argument("--dataset", choices=["keyfacts", "multidoc"], default="keyfacts")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--n", "--n-per-kind", dest="n", type=int, default=10,
+                    help="examples per length (keyfacts) or per fact kind and length (multidoc)")
+    ap.add_argument("--distractor-facts", default="none", help="keyfacts: none | other | number")
     ap.add_argument("--compression-ratio", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    ap.add_argument("--skip-full", action="store_true", help="EntroPrefill only (its decisions; no accuracy ratio)")
+    ap.add_argument("--reverse-passages", action="store_true")
+    ap.add_argument("--scores", choices=["model", "rope_free"], default="model")
     ap.add_argument("--press", nargs="*", default=[], metavar="KEY=VALUE",
                     help="EntroPrefillPress overrides, e.g. epsilon=0.3 monitored_layers=[3,4,5]")
-    ap.add_argument("--out", default="results/entroprefill")
+    ap.add_argument("--out", default="results/entroprefill/keyfacts")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,7 +146,7 @@ def main(argv=None) -> int:
     from kvpress import KVPressTextGenerationPipeline
     from transformers import DynamicCache
 
-    from evaluation.datasets.multidoc import MultiDocQADataset
+    import presses.entroprefill.press as ep
     from evaluation.models import load_model
     from presses.entroprefill import EntroPrefillPress
 
@@ -77,9 +156,33 @@ def main(argv=None) -> int:
     overrides = dict(kv.split("=", 1) for kv in args.press)
     press = EntroPrefillPress(compression_ratio=args.compression_ratio, tokenizer=tok,
                               **{k: parse_value(v) for k, v in overrides.items()})
-    ds = MultiDocQADataset(context_lengths=args.lengths, num_samples=args.n_per_kind,
-                           max_new_tokens=args.max_new_tokens)
-    examples = ds.examples(tok, None, args.seed, query_aware=True)
+    if args.dataset == "keyfacts":
+        from evaluation.datasets.keyfacts import KeyFactsDataset
+
+        ds = KeyFactsDataset(context_lengths=args.lengths, distractor_facts=args.distractor_facts,
+                             max_new_tokens=args.max_new_tokens)
+    else:
+        from evaluation.datasets.multidoc import MultiDocQADataset
+
+        ds = MultiDocQADataset(context_lengths=args.lengths, max_new_tokens=args.max_new_tokens)
+    examples = ds.examples(tok, args.n, args.seed, query_aware=True)
+    if args.reverse_passages:
+        examples = [reverse_passages(e) for e in examples]
+    if args.scores == "rope_free":
+        ep.row_chunk_statistics = rope_free_rows()
+    priorities: list = []  # (layer, S) of every layer that reached the chunk priorities, in order
+    real_priorities, real_monitor, layer = ep.chunk_priorities, press._monitor, [-1]
+
+    def recording_priorities(*a, **k):
+        out = real_priorities(*a, **k)
+        priorities.append((layer[0], out["S"].tolist()))
+        return out
+
+    def monitor(module, kwargs, cache, attentions, idx):
+        layer[0] = idx
+        return real_monitor(module, kwargs, cache, attentions, idx)
+
+    ep.chunk_priorities, press._monitor = recording_priorities, monitor
     print(f"loaded model and built {len(examples)} examples in {time.perf_counter() - t0:.1f}s", flush=True)
 
     def prefill(ids, use_press: bool):
@@ -97,7 +200,7 @@ def main(argv=None) -> int:
         return cache, time.perf_counter() - start, time.process_time() - cpu
 
     warm = pipe.preprocess(examples[0].context, [examples[0].question], "", int(1e10))["context_ids"][:, -512:]
-    prefill(warm.to(args.device), False)  # warm-up (allocator, kernels); EntroPrefill needs the question,
+    prefill(warm.to(args.device), False)  # warm-up (allocator, kernels); EntroPrefill needs the question
     rows = []
     for n, ex in enumerate(examples):
         inputs = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
@@ -105,83 +208,118 @@ def main(argv=None) -> int:
         q_ids = inputs["questions_ids"][0].to(args.device)
         T = ids.shape[1]
         order = ["full", "entroprefill"] if n % 2 == 0 else ["entroprefill", "full"]
+        if args.skip_full:
+            order = ["entroprefill"]
         for method in order:
+            priorities.clear()
             cache, seconds, cpu_seconds = prefill(ids, method == "entroprefill")
             with torch.inference_mode():
                 answer = pipe.generate_answer(q_ids, cache, T, ex.max_new_tokens or args.max_new_tokens)
+            answer_chunk = ex.metadata["answer_passage"] - 1
             row = {"id": ex.id, "method": method, "target_length": ex.metadata["target_length"], "T": T,
                    "answer_passage": ex.metadata["answer_passage"], "n_passages": ex.metadata["n_passages"],
-                   "answer": ex.answers[0], "prediction": answer.strip().replace("\n", " "),
-                   "score": ds.score(answer, ex), "prefill_s": seconds, "prefill_cpu_s": cpu_seconds,
-                   "cache_len": cache.get_seq_length()}
+                   "depth": ex.metadata["depth"], "answer": ex.answers[0],
+                   "prediction": answer.strip().replace("\n", " "), "score": ds.score(answer, ex),
+                   "prefill_s": seconds, "prefill_cpu_s": cpu_seconds, "cache_len": cache.get_seq_length()}
             if method == "entroprefill":
                 st = press.summary()
                 removed = [int(i) for i in st["removed_chunks"].split(",") if i]
                 row.update({k: st[k] for k in ("accepted_layer", "removed_chunks", "n_chunks", "D_l", "U_l",
                                                "target_saving", "audit_bound", "eta_hat_max", "bypass_reason",
                                                "layer_reasons", "T_prime", "analytic_saving", "prefill_time_s")})
-                row["answer_removed"] = int(ex.metadata["answer_passage"] - 1 in removed)
+                row["answer_removed"] = int(answer_chunk in removed)
+                # the candidates are every passage in these sets (chunk i = Passage i+1)
+                S = priorities[-1][1] if priorities else []
+                if S and answer_chunk < len(S):
+                    row["answer_rank"] = sum(s > S[answer_chunk] for s in S) / max(1, len(S) - 1)  # 0 = top
+                    row["priority_index_spearman"] = spearman(S)
+                    row["answer_rank_by_layer"] = ";".join(
+                        f"{li}:{sum(s > Sl[answer_chunk] for s in Sl) / max(1, len(Sl) - 1):.2f}" for li, Sl in priorities)
             rows.append(row)
             info = "" if method == "full" else (f"T_prime={row['T_prime']} layer={row['accepted_layer']} "
-                                                 f"bypass={row['bypass_reason'] or '-'}")
-            print(f"[{n + 1}/{len(examples)}] {method:12s} T={T} {seconds:6.2f}s (cpu {cpu_seconds:6.2f}s) score={row['score']:.0f} {info}"
-                  f" -> {row['prediction'][:40]!r} (ref {ex.answers[0]})", flush=True)
+                                                 f"bypass={row['bypass_reason'] or '-'} "
+                                                 f"ans@{row['answer_passage']}/{row['n_passages']} "
+                                                 f"removed={row['answer_removed']}")
+            print(f"[{n + 1}/{len(examples)}] {method:12s} T={T} {seconds:6.2f}s (cpu {cpu_seconds:6.2f}s) "
+                  f"score={row['score']:.0f} {info} -> {row['prediction'][:30]!r} (ref {ex.answers[0]})", flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[-1]).index(k) if k in rows[-1] else 99)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(out / "examples.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
 
-    summary = []
     mean = lambda xs: statistics.fmean(xs) if xs else math.nan  # noqa: E731
+    summary, survival = [], []
     for length in args.lengths:
         full = [r for r in rows if r["target_length"] == length and r["method"] == "full"]
-        ep = [r for r in rows if r["target_length"] == length and r["method"] == "entroprefill"]
-        pruned = [r for r in ep if not r["bypass_reason"]]
-        scanned = [r for r in ep if isinstance(r["U_l"], float) and math.isfinite(r["U_l"])]
+        ep_rows = [r for r in rows if r["target_length"] == length and r["method"] == "entroprefill"]
+        pruned = [r for r in ep_rows if not r["bypass_reason"]]
+        scanned = [r for r in ep_rows if isinstance(r["U_l"], float) and math.isfinite(r["U_l"])]
+        first = [r for r in pruned if r["answer_passage"] <= r["n_passages"] / 2]
+        second = [r for r in pruned if r["answer_passage"] > r["n_passages"] / 2]
+        full_s, ep_s = mean([r["prefill_s"] for r in full]), mean([r["prefill_s"] for r in ep_rows])
+        full_c, ep_c = mean([r["prefill_cpu_s"] for r in full]), mean([r["prefill_cpu_s"] for r in ep_rows])
         summary.append({
-            "target_length": length, "n": len(ep), "mean_T": mean([r["T"] for r in ep]),
-            "full_prefill_s": mean([r["prefill_s"] for r in full]),
-            "entroprefill_prefill_s": mean([r["prefill_s"] for r in ep]),
-            "time_ratio": mean([r["prefill_s"] for r in ep]) / mean([r["prefill_s"] for r in full]),
-            "cpu_time_ratio": mean([r["prefill_cpu_s"] for r in ep]) / mean([r["prefill_cpu_s"] for r in full]),
-            "time_ratio_pruned": (mean([r["prefill_s"] for r in pruned])
-                                  / mean([f["prefill_s"] for f in full for r in pruned if f["id"] == r["id"]])
-                                  if pruned else math.nan),
-            "acc_full": mean([r["score"] for r in full]), "acc_entroprefill": mean([r["score"] for r in ep]),
-            "bypass_freq": 1 - len(pruned) / len(ep) if ep else math.nan,
-            "mean_T_prime_over_T": mean([r["T_prime"] / r["T"] for r in ep]),
+            "target_length": length, "n": len(ep_rows), "mean_T": mean([r["T"] for r in ep_rows]),
+            "full_prefill_s": full_s, "entroprefill_prefill_s": ep_s, "time_ratio": ep_s / full_s if full else math.nan,
+            "full_prefill_cpu_s": full_c, "entroprefill_prefill_cpu_s": ep_c,
+            "cpu_time_ratio": ep_c / full_c if full else math.nan,
+            "acc_full": mean([r["score"] for r in full]), "acc_entroprefill": mean([r["score"] for r in ep_rows]),
+            "bypass_freq": 1 - len(pruned) / len(ep_rows) if ep_rows else math.nan,
+            "mean_T_prime_over_T": mean([r["T_prime"] / r["T"] for r in ep_rows]),
             "answer_removed_freq": mean([r["answer_removed"] for r in pruned]),
+            "survival_first_half": 1 - mean([r["answer_removed"] for r in first]), "n_first_half": len(first),
+            "survival_second_half": 1 - mean([r["answer_removed"] for r in second]), "n_second_half": len(second),
+            "mean_answer_rank": mean([r["answer_rank"] for r in ep_rows if "answer_rank" in r]),
+            "mean_priority_index_spearman": mean([r["priority_index_spearman"] for r in ep_rows
+                                                  if not math.isnan(r.get("priority_index_spearman", math.nan))]),
             "mean_accepted_layer": mean([r["accepted_layer"] for r in pruned]),
             "mean_D_l": mean([r["D_l"] for r in scanned]), "mean_U_l": mean([r["U_l"] for r in scanned]),
-            "mean_target": mean([r["target_saving"] for r in ep]),
-            "mean_analytic_saving": mean([r["analytic_saving"] for r in ep]),
-            "bypass_reasons": ";".join(sorted({r["bypass_reason"] for r in ep if r["bypass_reason"]})),
+            "mean_target": mean([r["target_saving"] for r in ep_rows]),
+            "mean_analytic_saving": mean([r["analytic_saving"] for r in ep_rows]),
+            "bypass_reasons": ";".join(sorted({r["bypass_reason"] for r in ep_rows if r["bypass_reason"]})),
         })
-    with open(out / "summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]))
-        w.writeheader()
-        w.writerows(summary)
+        for lo in (0, 25, 50, 75):
+            part = [r for r in pruned if lo <= r["depth"] < lo + 25 or (lo == 75 and r["depth"] == 100)]
+            survival.append({"target_length": length, "depth": f"[{lo}, {lo + 25}{']' if lo == 75 else ')'}",
+                             "n_pruned": len(part), "answer_survival": 1 - mean([r["answer_removed"] for r in part]),
+                             "acc_entroprefill": mean([r["score"] for r in part])})
+    for name, table in (("summary.csv", summary), ("survival.csv", survival)):
+        with open(out / name, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
 
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    cols = list(summary[0])
+
+    def md(table):
+        cols = list(table[0])
+        return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+                *("| " + " | ".join(fmt(s[c]) for c in cols) + " |" for s in table)]
+
     lines = [
-        "# EntroPrefill vs full prefill (multi-document QA, query-aware)", "",
-        f"Model `{args.model}` on `{args.device}` ({torch.get_num_threads()} torch threads), "
+        f"# EntroPrefill vs full prefill ({args.dataset}, query-aware)", "",
+        f"Model `{args.model}` on `{args.device}` ({torch.get_num_threads()} torch threads), seed {args.seed}, "
         f"compression_ratio (token-saving target as a fraction of document tokens) = {args.compression_ratio}, "
-        f"press overrides: `{' '.join(args.press) or 'none'}`.", "",
-        "Times are wall-clock seconds of the prefill call only, both methods in the same run (alternating order); "
-        "`time_ratio` = mean EntroPrefill time / mean full time over all examples (bypassed ones included), "
-        "`cpu_time_ratio` the same with process CPU time (robust to other jobs sharing the cores), "
-        "`time_ratio_pruned` over the pruned examples only. `mean_D_l` / `mean_U_l`: greedy token saving and "
-        "dual bound at the accepted layer (or at the last layer that reached the scan). `mean_analytic_saving`: "
-        "paper 001 eq. 32 (0 when bypassed).", "",
-        "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
-        *("| " + " | ".join(fmt(s[c]) for c in cols) + " |" for s in summary), "",
+        f"press overrides: `{' '.join(args.press) or 'none'}`"
+        + (f", distractor_facts={args.distractor_facts}" if args.dataset == "keyfacts" else "")
+        + (", passages REVERSED" if args.reverse_passages else "")
+        + (", scores RoPE-free (diagnostic)" if args.scores == "rope_free" else "")
+        + (", EntroPrefill only (no full prefill)" if args.skip_full else "") + ".", "",
+        "Times: the prefill call only, both methods in the same process (alternating order). `time_ratio`: mean "
+        "EntroPrefill wall time / mean full wall time (bypassed examples included); `cpu_time_ratio`: the same "
+        "with process CPU time, the figure to read on a shared machine (wall time includes waiting for the "
+        "cores). `answer_removed_freq` and `survival_*`: among pruned (not bypassed) examples; "
+        "`mean_answer_rank`: the answer passage's rank among the chunks by priority S_i (0 = kept first, 1 = "
+        "removed first) at the accepted or last scanned layer; `mean_priority_index_spearman`: Spearman "
+        "correlation of S_i with the chunk index (> 0: later passages rank higher). `mean_D_l` / `mean_U_l`: "
+        "greedy saving and dual bound; `mean_analytic_saving`: paper 001 eq. 32 (0 when bypassed).", "",
+        *md(summary), "", "Answer-passage survival among pruned examples, by the answer passage's depth "
+        "(percent of the passage list):", "", *md(survival), "",
         f"Command: `{cmd}`", "",
         f"Total wall time: {time.perf_counter() - t0:.0f} s. Per-example rows: `examples.csv`.", "",
     ]

@@ -441,3 +441,19 @@ def test_bad_parameters_raise():
         EntroPrefillPress(chunking="sentences")
     with pytest.raises(ValueError, match="force_chunks"):
         EntroPrefillPress(force_chunks=[0])
+
+
+def test_proposal_observers_suffix_or_whole_query(shared):
+    """Algorithm 1 step 1: the proposal observers are the last ``proposal_window`` query positions ("suffix") or
+    every position of the query span ("query"); the audit draws from the same span either way."""
+    model, ids = shared[0], shared[1]
+    T = ids.shape[1]
+    for mode, window in (("suffix", 5), ("query", 5)):
+        press = EntroPrefillPress(tokenizer=TOK, proposal_window=window, proposal_observers=mode, n_sink=2)
+        run_press(model, ids, press, [])
+        q0, q1 = press._plan.question
+        assert q1 == T and q1 - q0 > window
+        expected = torch.arange(T - window, T) if mode == "suffix" else torch.arange(q0, T)
+        assert torch.equal(press._proposal_pos, expected)
+    with pytest.raises(ValueError, match="proposal_observers='all'"):
+        EntroPrefillPress(proposal_observers="all")

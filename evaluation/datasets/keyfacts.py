@@ -79,7 +79,7 @@ class KeyFactsDataset:
 
     context_lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8192])
     passage_tokens: int = 96
-    distractor_facts: str = "number"
+    distractor_facts: str = "none"
     num_samples: int = 10
     max_new_tokens: int = 12
     name: str = "keyfacts"

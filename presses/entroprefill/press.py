@@ -56,7 +56,10 @@ from presses.entroprefill.equations import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EntroPrefillPress"]
+__all__ = ["EntroPrefillPress", "PROPOSAL_OBSERVERS"]
+
+#: the proposal observers (Algorithm 1 step 1): the last ``proposal_window`` query positions, or all of them
+PROPOSAL_OBSERVERS = ("suffix", "query")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +90,9 @@ class EntroPrefillPress(ResearchPress):
         protect_pattern: optional regex whose matches are protected (and protect their chunk).
         question_pattern: regex marking the question; its LAST match starts the protected query.
         n_sink: leading sink tokens ``|S|`` (protected, excluded from entropy).
-        proposal_window: ``W_p``, the last question tokens used as proposal observers.
+        proposal_window: ``W_p``, the last question tokens used as proposal observers (``"suffix"``).
+        proposal_observers: ``"suffix"``: the last ``proposal_window`` positions of the query span; ``"query"``:
+            every position of the query span (paper 001 section 2.1 allows any fixed set from the user query).
         monitored_layers: 0-based ``layer_idx`` values in ``[0, L-2]``; ``None`` gives the middle
             layers ``range(L // 3, max(L // 2, L // 3 + 1))`` clipped to ``[0, L-2]`` (10..14 for 30).
         tau: entropy temperature; zeta: group floor; z_min: eligibility threshold (eqs. 3-4).
@@ -120,6 +125,7 @@ class EntroPrefillPress(ResearchPress):
     question_pattern: str = r"Question:"
     n_sink: int = 4
     proposal_window: int = 8
+    proposal_observers: str = "suffix"
     monitored_layers: Sequence[int] | None = None
     tau: float = 0.5
     zeta: float = 0.2
@@ -153,6 +159,8 @@ class EntroPrefillPress(ResearchPress):
             raise ValueError(f"chunking={self.chunking!r} must be one of {CHUNK_MODES}")
         if self.chunking == "regex" and not self.delimiter:
             raise ValueError("chunking='regex' needs a delimiter regex")
+        if self.proposal_observers not in PROPOSAL_OBSERVERS:
+            raise ValueError(f"proposal_observers={self.proposal_observers!r} must be one of {PROPOSAL_OBSERVERS}")
         if self.proposal_window < 1:
             raise ValueError(f"proposal_window={self.proposal_window} (W_p) must be >= 1")
         if not 0 <= self.epsilon < 1:
@@ -337,7 +345,7 @@ class EntroPrefillPress(ResearchPress):
             return self._bypass("zero_target")
         if cache is not None and type(cache).__name__ != "DynamicCache":
             return self._bypass(f"unsupported_cache_{type(cache).__name__}")
-        W = min(self.proposal_window, q1 - q0)
+        W = min(self.proposal_window, q1 - q0) if self.proposal_observers == "suffix" else q1 - q0
         self._proposal_pos = torch.arange(T - W, T, device=input_ids.device)
         self._chunk_ids = chunk_ids(T, [plan.chunks[i] for i in cand], input_ids.device)  # candidate i -> i
         gen = torch.Generator().manual_seed(self.seed)
