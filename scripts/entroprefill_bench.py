@@ -19,7 +19,12 @@ the position-bias study, which needs only its decisions). It writes to ``--out``
 Study options: ``--reverse-passages`` reverses the passage order of every prompt (markers renumbered, the
 answer passage moves from position p to n + 1 - p); ``--scores rope_free`` computes the rows' attention with
 RoPE removed from queries and keys (every key at relative distance 0 from its observer: content only), a
-diagnostic, not the method; ``--press KEY=VALUE`` overrides EntroPrefillPress fields.
+diagnostic, not the method; ``--press KEY=VALUE`` overrides EntroPrefillPress fields; ``--variant NAME KEY=VALUE``
+(repeatable) runs several EntroPrefill configurations on every example after the same full prefill.
+
+Long runs: ``examples.csv`` is rewritten after every example and the tables after every length; ``--resume``
+(same arguments) keeps the finished examples and runs the rest. ``--shard i/n`` runs every n-th example and
+``--merge DIR ...`` writes the tables from the shards' ``examples.csv``.
 
 Usage (``OMP_NUM_THREADS=1``; the committed runs list their commands in results/entroprefill/)::
 
@@ -138,10 +143,28 @@ def main(argv=None) -> int:
     ap.add_argument("--scores", choices=["model", "rope_free"], default="model")
     ap.add_argument("--press", nargs="*", default=[], metavar="KEY=VALUE",
                     help="EntroPrefillPress overrides, e.g. epsilon=0.3 monitored_layers=[3,4,5]")
+    ap.add_argument("--variant", nargs="+", action="append", default=None, metavar="NAME [KEY=VALUE ...]",
+                    help="a named EntroPrefill variant (repeatable; each runs on every example after the same "
+                         "full prefill); --press overrides apply to every variant. Default: one variant "
+                         "'entroprefill'")
+    ap.add_argument("--shard", default=None, help="i/n: run examples i, i+n, ... only (merge with --merge)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                    help="write the tables from the examples.csv of these shard directories (no model run)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows of an earlier run's <out>/examples.csv (same arguments) and run only the "
+                         "examples it lacks; rows are written after every example and the tables after every length")
     ap.add_argument("--out", default="results/entroprefill/keyfacts")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.merge:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = read_rows(args.merge)
+        write_rows(rows, out)
+        names = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "full"))
+        write_tables(rows, args, names, out, 0.0, argv)
+        return 0
 
     from kvpress import KVPressTextGenerationPipeline
     from transformers import DynamicCache
@@ -153,9 +176,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tok = load_model(args.model, device=args.device)
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device=torch.device(args.device))
-    overrides = dict(kv.split("=", 1) for kv in args.press)
-    press = EntroPrefillPress(compression_ratio=args.compression_ratio, tokenizer=tok,
-                              **{k: parse_value(v) for k, v in overrides.items()})
+    common = dict(kv.split("=", 1) for kv in args.press)
+    variants = {}
+    for spec in args.variant or [["entroprefill"]]:
+        kw = {"compression_ratio": str(args.compression_ratio), **common, **dict(kv.split("=", 1) for kv in spec[1:])}
+        variants[spec[0]] = EntroPrefillPress(tokenizer=tok, **{k: parse_value(v) for k, v in kw.items()})
     if args.dataset == "keyfacts":
         from evaluation.datasets.keyfacts import KeyFactsDataset
 
@@ -166,32 +191,39 @@ def main(argv=None) -> int:
 
         ds = MultiDocQADataset(context_lengths=args.lengths, max_new_tokens=args.max_new_tokens)
     examples = ds.examples(tok, args.n, args.seed, query_aware=True)
+    if args.shard:
+        i, k = (int(x) for x in args.shard.split("/"))
+        examples = examples[i::k]
     if args.reverse_passages:
         examples = [reverse_passages(e) for e in examples]
     if args.scores == "rope_free":
         ep.row_chunk_statistics = rope_free_rows()
     priorities: list = []  # (layer, S) of every layer that reached the chunk priorities, in order
-    real_priorities, real_monitor, layer = ep.chunk_priorities, press._monitor, [-1]
+    real_priorities, layer = ep.chunk_priorities, [-1]
 
     def recording_priorities(*a, **k):
         out = real_priorities(*a, **k)
         priorities.append((layer[0], out["S"].tolist()))
         return out
 
-    def monitor(module, kwargs, cache, attentions, idx):
-        layer[0] = idx
-        return real_monitor(module, kwargs, cache, attentions, idx)
+    def recording_monitor(real):
+        def monitor(module, kwargs, cache, attentions, idx):
+            layer[0] = idx
+            return real(module, kwargs, cache, attentions, idx)
+        return monitor
 
-    ep.chunk_priorities, press._monitor = recording_priorities, monitor
+    ep.chunk_priorities = recording_priorities
+    for press in variants.values():
+        press._monitor = recording_monitor(press._monitor)
     print(f"loaded model and built {len(examples)} examples in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    def prefill(ids, use_press: bool):
+    def prefill(ids, press):
         cache = DynamicCache()
         sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
         with torch.inference_mode():
             sync()
             start, cpu = time.perf_counter(), time.process_time()
-            if use_press:
+            if press is not None:
                 with press(model):
                     model.model(input_ids=ids, past_key_values=cache)
             else:
@@ -200,19 +232,29 @@ def main(argv=None) -> int:
         return cache, time.perf_counter() - start, time.process_time() - cpu
 
     warm = pipe.preprocess(examples[0].context, [examples[0].question], "", int(1e10))["context_ids"][:, -512:]
-    prefill(warm.to(args.device), False)  # warm-up (allocator, kernels); EntroPrefill needs the question
-    rows = []
+    prefill(warm.to(args.device), None)  # warm-up (allocator, kernels); EntroPrefill needs the question
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = read_rows([out]) if args.resume and (out / "examples.csv").exists() else []
+    methods = ([] if args.skip_full else ["full"]) + list(variants)
+    done = {(r["id"], r["method"]) for r in rows}
+    rows = [r for r in rows if all((r["id"], m) in done for m in methods)]  # drop half-finished examples
+    if rows:
+        print(f"resuming: {len({r['id'] for r in rows})} examples already in {out / 'examples.csv'}", flush=True)
     for n, ex in enumerate(examples):
+        if all((ex.id, m) in done for m in methods):
+            continue
         inputs = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
         ids = inputs["context_ids"].to(args.device)
         q_ids = inputs["questions_ids"][0].to(args.device)
         T = ids.shape[1]
-        order = ["full", "entroprefill"] if n % 2 == 0 else ["entroprefill", "full"]
-        if args.skip_full:
-            order = ["entroprefill"]
+        order = list(methods)
+        if n % 2:  # alternate which method runs first
+            order.reverse()
         for method in order:
             priorities.clear()
-            cache, seconds, cpu_seconds = prefill(ids, method == "entroprefill")
+            press = variants.get(method)
+            cache, seconds, cpu_seconds = prefill(ids, press)
             with torch.inference_mode():
                 answer = pipe.generate_answer(q_ids, cache, T, ex.max_new_tokens or args.max_new_tokens)
             answer_chunk = ex.metadata["answer_passage"] - 1
@@ -221,7 +263,7 @@ def main(argv=None) -> int:
                    "depth": ex.metadata["depth"], "answer": ex.answers[0],
                    "prediction": answer.strip().replace("\n", " "), "score": ds.score(answer, ex),
                    "prefill_s": seconds, "prefill_cpu_s": cpu_seconds, "cache_len": cache.get_seq_length()}
-            if method == "entroprefill":
+            if press is not None:
                 st = press.summary()
                 removed = [int(i) for i in st["removed_chunks"].split(",") if i]
                 row.update({k: st[k] for k in ("accepted_layer", "removed_chunks", "n_chunks", "D_l", "U_l",
@@ -242,40 +284,73 @@ def main(argv=None) -> int:
                                                  f"removed={row['answer_removed']}")
             print(f"[{n + 1}/{len(examples)}] {method:12s} T={T} {seconds:6.2f}s (cpu {cpu_seconds:6.2f}s) "
                   f"score={row['score']:.0f} {info} -> {row['prediction'][:30]!r} (ref {ex.answers[0]})", flush=True)
+        write_rows(rows, out)
+        if n + 1 == len(examples) or examples[n + 1].metadata["target_length"] != ex.metadata["target_length"]:
+            write_tables(rows, args, list(variants), out, time.perf_counter() - t0, argv, echo=False)
+            print(f"length {ex.metadata['target_length']} done: tables in {out}", flush=True)
+    write_rows(rows, out)
+    write_tables(rows, args, list(variants), out, time.perf_counter() - t0, argv)
+    return 0
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+
+def write_rows(rows: list[dict], out: Path) -> None:
+    """``examples.csv`` (rewritten whole, through a temporary file, so an interrupted run leaves a readable one)."""
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / "examples.csv", "w", newline="") as f:
+    tmp = out / "examples.csv.tmp"
+    with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+    tmp.replace(out / "examples.csv")
 
+
+def read_rows(dirs) -> list[dict]:
+    """The rows of the ``examples.csv`` of shard directories, numbers parsed back."""
+    rows = []
+    for d in dirs:
+        with open(Path(d) / "examples.csv", newline="") as f:
+            for r in csv.DictReader(f):
+                rows.append({k: (v if k in ("id", "method", "answer", "prediction", "removed_chunks",
+                                            "bypass_reason", "layer_reasons", "answer_rank_by_layer")
+                                 else parse_value(v) if v != "" else math.nan) for k, v in r.items()})
+                for k in ("bypass_reason", "removed_chunks"):
+                    if k in rows[-1] and rows[-1][k] is None:
+                        rows[-1][k] = ""
+    return rows
+
+
+def write_tables(rows: list[dict], args, variants: list[str], out: Path, seconds: float, argv,
+                 echo: bool = True) -> None:
+    """``summary.csv``, ``survival.csv`` and ``README.md`` from the per-example rows (see the module docstring)."""
     mean = lambda xs: statistics.fmean(xs) if xs else math.nan  # noqa: E731
     summary, survival = [], []
-    for length in args.lengths:
+    for length, variant in ((ln, v) for ln in args.lengths for v in variants):
         full = [r for r in rows if r["target_length"] == length and r["method"] == "full"]
-        ep_rows = [r for r in rows if r["target_length"] == length and r["method"] == "entroprefill"]
+        ep_rows = [r for r in rows if r["target_length"] == length and r["method"] == variant]
+        if not ep_rows:
+            continue
         pruned = [r for r in ep_rows if not r["bypass_reason"]]
         scanned = [r for r in ep_rows if isinstance(r["U_l"], float) and math.isfinite(r["U_l"])]
         first = [r for r in pruned if r["answer_passage"] <= r["n_passages"] / 2]
         second = [r for r in pruned if r["answer_passage"] > r["n_passages"] / 2]
         full_s, ep_s = mean([r["prefill_s"] for r in full]), mean([r["prefill_s"] for r in ep_rows])
         full_c, ep_c = mean([r["prefill_cpu_s"] for r in full]), mean([r["prefill_cpu_s"] for r in ep_rows])
+        ranks = [r["answer_rank"] for r in ep_rows if isinstance(r.get("answer_rank"), float)
+                 and not math.isnan(r["answer_rank"])]
+        corr = [r["priority_index_spearman"] for r in ep_rows if isinstance(r.get("priority_index_spearman"), float)
+                and not math.isnan(r["priority_index_spearman"])]
         summary.append({
-            "target_length": length, "n": len(ep_rows), "mean_T": mean([r["T"] for r in ep_rows]),
+            "target_length": length, "variant": variant, "n": len(ep_rows), "mean_T": mean([r["T"] for r in ep_rows]),
             "full_prefill_s": full_s, "entroprefill_prefill_s": ep_s, "time_ratio": ep_s / full_s if full else math.nan,
             "full_prefill_cpu_s": full_c, "entroprefill_prefill_cpu_s": ep_c,
             "cpu_time_ratio": ep_c / full_c if full else math.nan,
             "acc_full": mean([r["score"] for r in full]), "acc_entroprefill": mean([r["score"] for r in ep_rows]),
-            "bypass_freq": 1 - len(pruned) / len(ep_rows) if ep_rows else math.nan,
+            "bypass_freq": 1 - len(pruned) / len(ep_rows),
             "mean_T_prime_over_T": mean([r["T_prime"] / r["T"] for r in ep_rows]),
             "answer_removed_freq": mean([r["answer_removed"] for r in pruned]),
             "survival_first_half": 1 - mean([r["answer_removed"] for r in first]), "n_first_half": len(first),
             "survival_second_half": 1 - mean([r["answer_removed"] for r in second]), "n_second_half": len(second),
-            "mean_answer_rank": mean([r["answer_rank"] for r in ep_rows if "answer_rank" in r]),
-            "mean_priority_index_spearman": mean([r["priority_index_spearman"] for r in ep_rows
-                                                  if not math.isnan(r.get("priority_index_spearman", math.nan))]),
+            "mean_answer_rank": mean(ranks), "mean_priority_index_spearman": mean(corr),
             "mean_accepted_layer": mean([r["accepted_layer"] for r in pruned]),
             "mean_D_l": mean([r["D_l"] for r in scanned]), "mean_U_l": mean([r["U_l"] for r in scanned]),
             "mean_target": mean([r["target_saving"] for r in ep_rows]),
@@ -284,8 +359,9 @@ def main(argv=None) -> int:
         })
         for lo in (0, 25, 50, 75):
             part = [r for r in pruned if lo <= r["depth"] < lo + 25 or (lo == 75 and r["depth"] == 100)]
-            survival.append({"target_length": length, "depth": f"[{lo}, {lo + 25}{']' if lo == 75 else ')'}",
-                             "n_pruned": len(part), "answer_survival": 1 - mean([r["answer_removed"] for r in part]),
+            survival.append({"target_length": length, "variant": variant,
+                             "depth": f"[{lo}, {lo + 25}{']' if lo == 75 else ')'}", "n_pruned": len(part),
+                             "answer_survival": 1 - mean([r["answer_removed"] for r in part]),
                              "acc_entroprefill": mean([r["score"] for r in part])})
     for name, table in (("summary.csv", summary), ("survival.csv", survival)):
         with open(out / name, "w", newline="") as f:
@@ -301,31 +377,33 @@ def main(argv=None) -> int:
         return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
                 *("| " + " | ".join(fmt(s[c]) for c in cols) + " |" for s in table)]
 
+    specs = "; ".join(f"`{' '.join(v)}`" for v in (args.variant or [["entroprefill"]]))
     lines = [
         f"# EntroPrefill vs full prefill ({args.dataset}, query-aware)", "",
-        f"Model `{args.model}` on `{args.device}` ({torch.get_num_threads()} torch threads), seed {args.seed}, "
-        f"compression_ratio (token-saving target as a fraction of document tokens) = {args.compression_ratio}, "
-        f"press overrides: `{' '.join(args.press) or 'none'}`"
+        f"Model `{args.model}` on `{args.device}` ({args.threads or torch.get_num_threads()} torch threads), seed "
+        f"{args.seed}, compression_ratio (token-saving target as a fraction of document tokens) = "
+        f"{args.compression_ratio}, press overrides for every variant: `{' '.join(args.press) or 'none'}`, "
+        f"variants: {specs}"
         + (f", distractor_facts={args.distractor_facts}" if args.dataset == "keyfacts" else "")
         + (", passages REVERSED" if args.reverse_passages else "")
         + (", scores RoPE-free (diagnostic)" if args.scores == "rope_free" else "")
         + (", EntroPrefill only (no full prefill)" if args.skip_full else "") + ".", "",
-        "Times: the prefill call only, both methods in the same process (alternating order). `time_ratio`: mean "
-        "EntroPrefill wall time / mean full wall time (bypassed examples included); `cpu_time_ratio`: the same "
-        "with process CPU time, the figure to read on a shared machine (wall time includes waiting for the "
-        "cores). `answer_removed_freq` and `survival_*`: among pruned (not bypassed) examples; "
-        "`mean_answer_rank`: the answer passage's rank among the chunks by priority S_i (0 = kept first, 1 = "
-        "removed first) at the accepted or last scanned layer; `mean_priority_index_spearman`: Spearman "
-        "correlation of S_i with the chunk index (> 0: later passages rank higher). `mean_D_l` / `mean_U_l`: "
-        "greedy saving and dual bound; `mean_analytic_saving`: paper 001 eq. 32 (0 when bypassed).", "",
+        "Times: the prefill call only, every method on the same example in the same process (order alternating). "
+        "`time_ratio`: mean EntroPrefill wall time / mean full wall time (bypassed examples included); "
+        "`cpu_time_ratio`: the same with process CPU time, the figure to read on a shared machine (wall time "
+        "includes waiting for the cores). `answer_removed_freq` and `survival_*`: among pruned (not bypassed) "
+        "examples; `mean_answer_rank`: the answer passage's rank among the chunks by priority S_i (0 = kept "
+        "first, 1 = removed first) at the accepted or last scanned layer; `mean_priority_index_spearman`: "
+        "Spearman correlation of S_i with the chunk index (> 0: later passages rank higher). `mean_D_l` / "
+        "`mean_U_l`: greedy saving and dual bound; `mean_analytic_saving`: paper 001 eq. 32 (0 when bypassed).", "",
         *md(summary), "", "Answer-passage survival among pruned examples, by the answer passage's depth "
         "(percent of the passage list):", "", *md(survival), "",
         f"Command: `{cmd}`", "",
-        f"Total wall time: {time.perf_counter() - t0:.0f} s. Per-example rows: `examples.csv`.", "",
+        f"Wall time: {seconds:.0f} s. Per-example rows: `examples.csv`.", "",
     ]
     (out / "README.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0
+    if echo:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
