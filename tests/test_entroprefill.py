@@ -394,7 +394,8 @@ def test_fallback_no_chunks(shared):
 
 def test_fallback_all_heads_ineligible(shared):
     st = _check_full_prefill(shared, EntroPrefillPress(tokenizer=TOK, z_min=1.0), "all_heads_ineligible")
-    assert st["layer_reasons"] == "1:all_heads_ineligible"  # default monitored layers of L=4: [1]
+    # default monitored layers of L=4: L//2-2 .. L//2+2 clipped to [0, L-2] = [0, 1, 2]
+    assert st["layer_reasons"] == "0:all_heads_ineligible;1:all_heads_ineligible;2:all_heads_ineligible"
 
 
 def test_fallback_nonfinite(shared, monkeypatch):

@@ -71,8 +71,7 @@ PROPOSAL_OBSERVERS = ("suffix", "query")
 class EntroPrefillPress(ResearchPress):
     """Query-aware chunk pruning during prefill (paper 001 Algorithm 1; docs/methods.md §4).
 
-    At each monitored layer: proposal rows of the last ``proposal_window`` question tokens
-    (eq. 2), floored sink-isolated collision weights (eqs. 3-5), chunk priorities (eqs. 8-9),
+    At each monitored layer: proposal rows of the query tokens (eq. 2), floored sink-isolated collision weights (eqs. 3-5), chunk priorities (eqs. 8-9),
     greedy feasible scan and dual certificate (eqs. 14-15), stability streak (eq. 19) and an
     independent Hoeffding audit at question positions drawn with a seeded generator (eq. 17).
     The first layer passing the token target, the streak and the audit is ``l*``; the remaining
@@ -91,10 +90,11 @@ class EntroPrefillPress(ResearchPress):
         question_pattern: regex marking the question; its LAST match starts the protected query.
         n_sink: leading sink tokens ``|S|`` (protected, excluded from entropy).
         proposal_window: ``W_p``, the last question tokens used as proposal observers (``"suffix"``).
-        proposal_observers: ``"suffix"``: the last ``proposal_window`` positions of the query span; ``"query"``:
-            every position of the query span (paper 001 section 2.1 allows any fixed set from the user query).
-        monitored_layers: 0-based ``layer_idx`` values in ``[0, L-2]``; ``None`` gives the middle
-            layers ``range(L // 3, max(L // 2, L // 3 + 1))`` clipped to ``[0, L-2]`` (10..14 for 30).
+        proposal_observers: ``"query"`` (default): every position of the query span; ``"suffix"``: its last
+            ``proposal_window`` positions (paper 001 section 2.1 allows any fixed set from the user query; the
+            suffix of a templated question holds no question word, docs/methods.md §4 ambiguity 1).
+        monitored_layers: 0-based ``layer_idx`` values in ``[0, L-2]``; ``None`` gives the five middle
+            layers ``L // 2 - 2 .. L // 2 + 2`` clipped to ``[0, L-2]`` (13..17 for 30).
         tau: entropy temperature; zeta: group floor; z_min: eligibility threshold (eqs. 3-4).
         doc_mass_min: ``Z_min``; a layer with pooled document mass below it is invalid.
         smoothing: ``eps_s`` of eq. 8; lambda_: ``lambda`` of eq. 9.
@@ -125,7 +125,7 @@ class EntroPrefillPress(ResearchPress):
     question_pattern: str = r"Question:"
     n_sink: int = 4
     proposal_window: int = 8
-    proposal_observers: str = "suffix"
+    proposal_observers: str = "query"
     monitored_layers: Sequence[int] | None = None
     tau: float = 0.5
     zeta: float = 0.2
@@ -193,8 +193,7 @@ class EntroPrefillPress(ResearchPress):
         cfg = getattr(cfg, "text_config", None) or cfg
         L = cfg.num_hidden_layers
         if self.monitored_layers is None:
-            lo = min(L // 3, L - 2)
-            monitored = list(range(lo, max(min(L // 2, L - 1), lo + 1)))
+            monitored = list(range(max(0, L // 2 - 2), min(L - 2, L // 2 + 2) + 1))
         else:
             monitored = sorted({int(i) for i in self.monitored_layers})
         bad = [i for i in monitored if not 0 <= i <= L - 2]
