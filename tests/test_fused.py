@@ -27,6 +27,7 @@ from test_harness import composed
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PRESSES = ["no_press", "snapkv", "tova", "streaming_llm", "knorm", "expected_attention", "page_entrokv",
+           "page_entrokv_paper000",
            "page_entrokv_mean", "snis_min", "snis_h2o_h_uncorrected", "snis_min_h"]
 # end-to-end equality on a representative subset (a scorer press, Page-EntroKV, SNIS with its decode-time
 # correction); the cache-level test above covers every press
