@@ -80,11 +80,17 @@ def parse_shard(shard) -> tuple[int, int] | None:
     return i, n
 
 
+def run_label(names: dict[str, str]) -> str:
+    """The press part of a run's directory: ``names["run_name"]`` when a caller labels a variant of a press
+    config (e.g. a tuning candidate with overrides), else the press config's name."""
+    return names.get("run_name") or names["press"]
+
+
 def run_dir(cfg: DictConfig, names: dict[str, str]) -> Path:
     """The directory of one run (see the module docstring)."""
     ratio = 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio)
     dataset = names["dataset"] + ("-qa" if cfg.get("query_aware") else "")  # the two protocols never mix
-    out = Path(cfg.output_dir) / dataset / names["model"] / names["press"] / f"cr{ratio:g}"
+    out = Path(cfg.output_dir) / dataset / names["model"] / run_label(names) / f"cr{ratio:g}"
     shard = parse_shard(cfg.get("shard"))
     return out / f"shard_{shard[0]}_of_{shard[1]}" if shard else out
 
@@ -190,7 +196,8 @@ def start_run(cfg: DictConfig, names: dict[str, str]) -> tuple[Path, dict | None
         ValueError: for a ratio outside ``[0, 1)``, a bad shard, an unknown config name, or a run
             directory whose saved settings differ (pass ``overwrite=true`` or another ``output_dir``).
     """
-    for group, name in names.items():
+    for group in ("press", "dataset", "model"):
+        name = names[group]
         if name not in config_choices(group):
             raise ValueError(f"unknown {group} '{name}'; valid: {', '.join(config_choices(group))}")
     check_ratio(cfg.compression_ratio)
@@ -236,7 +243,7 @@ def finish_run(out: Path, examples: list, names: dict[str, str], cfg: DictConfig
     ids = {e.id for e in examples}
     rows = [r for r in read_predictions(out / "predictions.jsonl") if r["id"] in ids]
     metrics = summarize(rows)
-    metrics.update({"press": names["press"], "dataset": names["dataset"], "model": names["model"],
+    metrics.update({"press": run_label(names), "dataset": names["dataset"], "model": names["model"],
                     "compression_ratio": 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio),
                     "shard": cfg.get("shard"), "command": command})
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=2))
