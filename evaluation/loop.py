@@ -45,6 +45,7 @@ from evaluation.replay import (
 )
 from presses.attention_bias import clear_attention_bias, install_biases
 from presses.base import Capabilities
+from presses.observers import shared_observers
 from presses.probabilistic.proposals import shared_proposals
 
 logger = logging.getLogger("evaluation.loop")
@@ -111,7 +112,9 @@ def _shared_rows(pending: list[Run], ex, pipe, dataset, model, context_ids, ques
     prefill_seconds = time.perf_counter() - start
     replayed = []  # (run, cache, replay seconds, decode state per layer)
     rows = []
-    with shared_proposals():  # presses differing only in ratio / correction / seed compute a proposal once
+    # presses differing only in ratio / correction / seed (SNIS) or ratio / protection (Page-EntroKV) compute their
+    # proposals and observer attention once per layer
+    with shared_proposals(), shared_observers():
         for run in pending:
             start = time.perf_counter()
             with torch.inference_mode():

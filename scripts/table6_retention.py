@@ -48,7 +48,8 @@ from evaluation.datasets.needle import NeedleDataset  # noqa: E402
 from evaluation.harness import compose_config, write_atomic  # noqa: E402
 from evaluation.models import load_model  # noqa: E402
 from evaluation.replay import PrefillCapture, replay_prefill  # noqa: E402
-from evaluation.uor.study import needle_positions, retention_from_records  # noqa: E402
+from presses.observers import shared_observers  # noqa: E402
+from evaluation.uor.study import retention_from_records  # noqa: E402
 from presses import PageEntroKVPress  # noqa: E402
 
 #: (variant name, press config, pooling override)
@@ -69,6 +70,24 @@ class _Observed(PageEntroKVPress):
         out = super()._observer_attention(module, hidden_states, keys, attentions, kwargs)
         self.observed[module.layer_idx] = out[0].float().cpu()
         return out
+
+
+def value_positions(tokenizer, ids: torch.Tensor, value: str) -> torch.Tensor:
+    """Token positions ``(n,)`` of the needle's value in ``ids (1, T)``: the tokens whose decoded text overlaps the
+    value's characters in the concatenation of the tokens' own decodings (robust where a decode/encode round trip
+    of the whole prompt changes the ids).
+
+    Raises:
+        ValueError: if the value does not occur exactly once.
+    """
+    pieces = [tokenizer.decode([i]) for i in ids[0].tolist()]
+    ends = torch.tensor([len(p) for p in pieces]).cumsum(0)
+    text = "".join(pieces)
+    start = text.find(value)
+    if start < 0 or text.find(value, start + 1) >= 0:
+        raise ValueError(f"needle value {value!r} must occur exactly once in the prompt")
+    starts = ends - torch.tensor([len(p) for p in pieces])
+    return ((starts < start + len(value)) & (ends > start)).nonzero().squeeze(-1)
 
 
 def build_press(config: str, ratio: float, pooling: str | None, observed: bool = False) -> PageEntroKVPress:
@@ -116,22 +135,23 @@ def run(args) -> None:
             ds = NeedleDataset(context_length=target - overhead, depths=args.depths, n_per_depth=args.n_per_depth)
             for ex in ds.examples(tokenizer, None, args.seed, query_aware):
                 ids = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))["context_ids"]
-                _, value_tokens = needle_positions(tokenizer, ids, ex.metadata["needle"], ex.answers[0])
+                value_tokens = value_positions(tokenizer, ids, ex.answers[0])
                 with torch.inference_mode(), PrefillCapture(model) as capture:
                     model.model(input_ids=ids, past_key_values=DynamicCache())
-                for name, config, pooling in VARIANTS:
-                    press = build_press(config, args.ratio, pooling, observed=name == "ours_entropy")
-                    with torch.inference_mode():
-                        replay_prefill(model, press, capture)
-                    kept = retention_from_records(press.records, value_tokens)  # (L, G) bool
-                    s = press.summary()
-                    retention.append({"protocol": protocol, "target_T": target, "T": ids.shape[1],
-                                      "depth": ex.metadata["depth"], "id": ex.id, "variant": name,
-                                      "pooled_selection": float(kept.float().mean()), "strict": int(bool(kept.all())),
-                                      "effective_compression": s["effective_compression"]})
-                    if name == "ours_entropy":
-                        fig9b += [{"protocol": protocol, "target_T": target, "T": ids.shape[1], "id": ex.id, **r}
-                                  for r in fig9b_rows(press, value_tokens, G)]
+                with shared_observers():  # the entropy and mean variants of a policy share the observers
+                    for name, config, pooling in VARIANTS:
+                        press = build_press(config, args.ratio, pooling, observed=name == "ours_entropy")
+                        with torch.inference_mode():
+                            replay_prefill(model, press, capture)
+                        kept = retention_from_records(press.records, value_tokens)  # (L, G) bool
+                        s = press.summary()
+                        retention.append({"protocol": protocol, "target_T": target, "T": ids.shape[1],
+                                          "depth": ex.metadata["depth"], "id": ex.id, "variant": name,
+                                          "pooled_selection": float(kept.float().mean()), "strict": int(bool(kept.all())),
+                                          "effective_compression": s["effective_compression"]})
+                        if name == "ours_entropy":
+                            fig9b += [{"protocol": protocol, "target_T": target, "T": ids.shape[1], "id": ex.id, **r}
+                                      for r in fig9b_rows(press, value_tokens, G)]
                 print(f"{protocol} T={ids.shape[1]} depth={ex.metadata['depth']:g}: " + ", ".join(
                     f"{r['variant']}={r['pooled_selection']:.2f}/{r['strict']}" for r in retention[-len(VARIANTS):]),
                     f"({time.perf_counter() - start:.0f} s)", flush=True)

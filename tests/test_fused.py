@@ -373,3 +373,31 @@ def test_round_robin_by_task_interleaves_and_keeps_every_example():
     order = [e.id for e in replay.round_robin_by_task(exs)]
     assert order == ["a0", "b0", "c0", "a1", "c1", "a2"]
     assert replay.round_robin_by_task([]) == []
+
+
+def test_shared_observers_compute_once_and_change_nothing(tiny, monkeypatch):
+    """Page-EntroKV at two ratios and two protections shares one observer attention per layer, bit for bit."""
+    from presses import PageEntroKVPress
+    from presses.observers import shared_observers
+
+    model, _ = tiny
+    calls = []
+    real = PageEntroKVPress._compute_observers
+    monkeypatch.setattr(PageEntroKVPress, "_compute_observers",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    presses = [PageEntroKVPress(compression_ratio=r, window_size=32, page_size=8, protect=p, observer_window="all",
+                                observer_block=64) for r in (0.5, 0.75) for p in ("sink_window", "none")]
+    ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        with replay.PrefillCapture(model) as capture:
+            model.model(input_ids=ids, past_key_values=DynamicCache())
+        alone = [[layer.keys.clone() for layer in replay.replay_prefill(model, p, capture).layers] for p in presses]
+        assert len(calls) == 3 * len(presses)
+        calls.clear()
+        with shared_observers():
+            shared = [[layer.keys.clone() for layer in replay.replay_prefill(model, p, capture).layers]
+                      for p in presses]
+        assert len(calls) == 3  # once per layer
+    assert len({tuple(k[0].shape) for k in alone}) > 1  # the presses keep different entries
+    for a, b in zip(alone, shared):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

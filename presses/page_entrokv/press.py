@@ -27,7 +27,7 @@ from presses.core.paging import (
 )
 from presses.core.pooling import POOLINGS
 from presses.kernels import column_sums, pooled_page_scores
-from presses.observers import observer_attention
+from presses.observers import memoized_observers, observer_attention
 
 __all__ = ["PageEntroKVPress", "GROUP_SELECTIONS", "MAX_OBSERVERS"]
 
@@ -186,6 +186,15 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         """
         n, T = hidden_states.shape[1], keys.shape[2]
         W = min(self.observers(T), n)
+        pe = kwargs.get("position_embeddings")
+        return memoized_observers(module, hidden_states, keys, W,
+                                  lambda: self._compute_observers(module, hidden_states, keys, attentions, kwargs, W),
+                                  attentions, pe, self.observer_block)
+
+    def _compute_observers(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                           attentions: torch.Tensor | None, kwargs: dict, W: int) -> torch.Tensor:
+        """The observer attention of :meth:`_observer_attention` (``W`` observers), computed."""
+        n, T = hidden_states.shape[1], keys.shape[2]
         pe = kwargs.get("position_embeddings")
         if attentions is not None:
             return observer_attention(module, hidden_states, keys, W, pe, attentions)
