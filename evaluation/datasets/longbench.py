@@ -230,7 +230,8 @@ class LongBenchDataset:
         ``query_aware=True`` appends the question to the context (and leaves ``question`` empty).
         Metadata: ``prompt_tokens`` (context + question + answer prefix, after truncation),
         ``original_tokens`` (before),
-        ``truncated``, ``length`` (LongBench's word count), ``language``, ``all_classes``, ``chat_template``.
+        ``truncated``, ``length`` (LongBench's word count), ``language``, ``all_classes``, ``chat_template``,
+        ``longbench_e`` (the report's by-length-range table reads it).
 
         Raises:
             FileNotFoundError / RuntimeError: see :func:`load_rows`.
@@ -267,7 +268,7 @@ class LongBenchDataset:
         meta = {
             "prompt_tokens": length, "original_tokens": full, "truncated": truncated,
             "length": row.get("length"), "language": row.get("language"), "all_classes": row.get("all_classes"),
-            "chat_template": task not in NO_CHAT_TEMPLATE, "index": index,
+            "chat_template": task not in NO_CHAT_TEMPLATE, "index": index, "longbench_e": self.longbench_e,
         }
         return Example(id=f"{task}-{row_id}", context=context, question=question,
                        answers=[str(a) for a in row["answers"]],
