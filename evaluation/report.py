@@ -22,7 +22,8 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
 * ``plots/<dataset>__<model>__{score,win,tasks}.png``: score vs ratio, win score vs ratio, per-task panels;
 * ``README.md`` linking all of it, with the commands that produced the runs (``metrics.json``'s ``command``).
 
-Every file is written atomically (temporary file + ``os.replace``); files of a previous report that this one
+A run that another process is writing (it holds the run directory's lock, :func:`evaluation.harness.claim_runs`)
+is listed as in progress, never as finished. Every file is written atomically (temporary file + ``os.replace``); files of a previous report that this one
 did not write are removed from ``tables/`` and ``plots/``. The output is regenerated, never hand-edited.
 """
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evaluation.metrics import score_interval, win_scores
-from evaluation.harness import config_changes, write_atomic
+from evaluation.harness import config_changes, run_in_progress, write_atomic
 
 logger = logging.getLogger("evaluation.report")
 
@@ -123,9 +124,11 @@ def scan(results_dir: Path) -> list[Run]:
                     seen.add(row.get("id"))
                     run.rows.append(row)
             metrics = _read_json(piece / "metrics.json")
-            if metrics is None:
-                run.problems.append(f"{piece.relative_to(directory.parent) if piece != directory else 'run'}"
-                                    " has no metrics.json (unfinished)")
+            where = piece.relative_to(directory.parent) if piece != directory else "run"
+            if run_in_progress(piece):  # its rows and metrics.json may change while we read them
+                run.problems.append(f"{where} is in progress (another process is writing it)")
+            elif metrics is None:
+                run.problems.append(f"{where} has no metrics.json (unfinished)")
             elif metrics.get("command") and metrics["command"] not in run.commands:
                 run.commands.append(metrics["command"])
         shards = [s for s, _ in pieces if s is not None]
