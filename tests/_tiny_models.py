@@ -54,7 +54,12 @@ def make_tiny_family(family: str, vocab: int = 260, num_layers: int = 2, attn_im
                                eos_token_id=2, pad_token_id=0, **values)
     cfg._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation).to(dtype).eval()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+    with torch.no_grad():  # trained norms are not all ones (with all-ones q/k norms, Qwen3's key norms would tie)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return model.to(dtype).eval()
 
 
 def save_tiny_checkpoint(family: str, path, tokenizer, seed: int = 0) -> None:
