@@ -111,8 +111,8 @@ def resolve_model(name_or_path: str, path: str | None = None) -> str:
 def check_available(name_or_path: str, path: str | None = None) -> str:
     """Where the model would be loaded from, checked in seconds and without loading it.
 
-    A local directory must hold a ``config.json``; the embedded model needs its package (or a converted
-    copy); a hub id needs the hub (:func:`evaluation.hub.hub_reachable`, which switches this process to
+    A local directory must hold a ``config.json``; the embedded model is always there (without its package
+    the load fails at once with the pip command); a hub id needs the hub (:func:`evaluation.hub.hub_reachable`, which switches this process to
     offline mode when it is unreachable) or a copy in the local Hugging Face cache.
 
     Returns:
@@ -120,15 +120,10 @@ def check_available(name_or_path: str, path: str | None = None) -> str:
 
     Raises:
         FileNotFoundError: a directory that does not exist or holds no ``config.json``.
-        ImportError: the embedded model's package is missing (names the pip command).
         ValueError: an unknown name (as :func:`resolve_model`).
         OSError: a hub model that is neither reachable nor cached (names the id and how to use ``model.path``).
     """
-    if name_or_path in EMBEDDED and not path:
-        target = cache_dir() / "models" / name_or_path
-        if not (target / "config.json").exists() and importlib.util.find_spec(EMBEDDED[name_or_path]["package"]) is None:
-            raise ImportError(f"model '{name_or_path}' needs the package {EMBEDDED[name_or_path]['package']}: run "
-                              f"`{EMBEDDED[name_or_path]['pip']}` (or `make install`)")
+    if name_or_path in EMBEDDED and not path:  # offline by construction; a missing package fails the load at once
         return "embedded"
     source = resolve_model(name_or_path, path)
     if Path(source).is_dir():
