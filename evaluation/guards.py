@@ -9,9 +9,9 @@ each with its test).
   context too short for the needle, ...) are checked by the dataset itself when it is built;
 - the run's examples (:func:`check_examples`): at least one (a shard past the last example, or filters that
   drop every example, give none);
-- the model (:func:`check_model`): the decoder layout every press hooks into (:func:`check_model_layout`), and
-  a tokenizer whose ids fit the model's embedding;
-- each example on the model (:func:`check_model_input`): prompt plus answer within the model's positions;
+- the model (:func:`check_model`): the decoder layout every press hooks into (:func:`check_model_layout`);
+- each example on the model (:func:`check_model_input`): prompt plus answer within the model's positions, and
+  token ids within its vocabulary;
 - each example under a press (:func:`check_press_input`): the press's limits, from the registry
   (:func:`evaluation.registry.press_input_problem`; kvpress's baselines check their inputs with ``assert``,
   skipped under ``python -O``, or not at all). This project's presses validate their own input.
@@ -116,17 +116,14 @@ def check_model_layout(model) -> None:
 
 
 def check_model(model, tokenizer) -> None:
-    """Raise for a model the harness cannot run, or a tokenizer that does not fit it.
+    """Raise for a model the harness cannot run (:func:`check_model_layout`). Whether the tokenizer fits the
+    model is checked on the ids it produces (:func:`check_model_input`): a tokenizer may hold a few added tokens
+    beyond the embedding that no text produces (the embedded SmolLM2's has 5).
 
     Raises:
-        ValueError: an unsupported layout (:func:`check_model_layout`), or a tokenizer with more tokens than the
-            model's embedding has rows (``vocab_size``): its larger ids would index past the embedding.
+        ValueError: an unsupported layout.
     """
     check_model_layout(model)
-    rows = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > rows:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} rows "
-                         f"(vocab_size={rows}): ids >= {rows} cannot be embedded; use the model's own tokenizer")
 
 
 def max_positions(model) -> int | None:
@@ -143,15 +140,21 @@ def max_positions(model) -> int | None:
 
 
 def check_model_input(model, context_length: int, question_length: int, max_new_tokens: int,
-                      example_id: str = "") -> None:
-    """Raise when an example does not fit the model's positions (:func:`max_positions`).
+                      example_id: str = "", max_token_id: int | None = None) -> None:
+    """Raise when an example does not fit the model: its positions (:func:`max_positions`) or its vocabulary.
 
     The context (with its chat template), the question and the generated answer all take positions
-    (decoding continues after ``T``, whatever the press kept).
+    (decoding continues after ``T``, whatever the press kept); every token id must index a row of the model's
+    input embedding (``vocab_size``).
 
     Raises:
-        ValueError: naming the example, the token counts and ``max_position_embeddings``.
+        ValueError: naming the example, the token counts and ``max_position_embeddings``, or the token id and
+            ``vocab_size``.
     """
+    rows = model.get_input_embeddings().num_embeddings
+    if max_token_id is not None and max_token_id >= rows:
+        raise ValueError(f"example {example_id}: token id {max_token_id} is not below the model's vocab_size={rows} "
+                         "(its embedding rows): the tokenizer does not fit the model; use the model's own tokenizer")
     limit = max_positions(model)
     total = int(context_length) + int(question_length) + int(max_new_tokens)
     if limit is not None and total > limit:

@@ -97,11 +97,13 @@ def _tokenise(pipe, tokenizer, ex) -> dict:
 
 
 def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens) -> None:
-    """Every example against the model's positions and every press's limits, before any directory is made."""
+    """Every example against the model's positions and vocabulary and every press's limits, before any directory
+    is made."""
     for ex in examples:
         ids = _tokenise(pipe, tokenizer, ex)
         T, n_question = int(ids["context_ids"].shape[1]), int(ids["questions_ids"][0].shape[1])
-        guards.check_model_input(model, T, n_question, max_new_tokens or ex.max_new_tokens or 32, ex.id)
+        top = max(int(t.max()) for t in (ids["context_ids"], ids["questions_ids"][0]) if t.numel())
+        guards.check_model_input(model, T, n_question, max_new_tokens or ex.max_new_tokens or 32, ex.id, top)
         for run in runs:
             guards.check_press_input(run.press, model, T, multi_token_forward=True)  # the question forward follows
 

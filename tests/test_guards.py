@@ -115,9 +115,13 @@ def test_filters_that_drop_every_example(monkeypatch, tmp_path):
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary(monkeypatch, tmp_path):
-    model = make_tiny_family("llama-3.2-3b", vocab=64)  # the char tokenizer has 99 tokens
-    _refused(monkeypatch, tmp_path, "the tokenizer has 99 tokens but the model's embedding has 64 rows "
-             "(vocab_size=64)", "n_samples=1", "dataset.context_length=128", model=model)
+    model = make_tiny_family("llama-3.2-3b", vocab=64)  # the char tokenizer has 99 tokens, letters above 64
+    _refused(monkeypatch, tmp_path, "is not below the model's vocab_size=64 (its embedding rows): the tokenizer "
+             "does not fit the model", "n_samples=1", "dataset.context_length=128", model=model)
+    guards.check_model(model, char_tokenizer())  # a tokenizer may hold unused tokens beyond the embedding
+    guards.check_model_input(model, 10, 2, 2, "x", max_token_id=63)
+    with pytest.raises(ValueError, match="example x: token id 64 is not below the model's vocab_size=64"):
+        guards.check_model_input(model, 10, 2, 2, "x", max_token_id=64)
 
 
 def test_an_unsupported_model_class_without_a_press(monkeypatch, tmp_path):
