@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hydra.core.global_hydra import GlobalHydra
 
 from _tiny_models import save_tiny_checkpoint
 from _tiny_tokenizer import char_tokenizer_flavour
@@ -105,14 +106,24 @@ def qwen2_dir(tmp_path_factory):
     return path
 
 
-def test_a_local_qwen2_checkpoint_runs_through_the_harness(qwen2_dir, tmp_path):
+def test_a_local_qwen2_checkpoint_runs_through_the_harness(qwen2_dir, tmp_path, monkeypatch):
+    """``python -m evaluation.run model=qwen2.5-1.5b model.path=<dir>`` (Hydra's entry point, in this process to
+    spare an interpreter start; the joblib test below runs the same model in subprocesses)."""
     out = tmp_path / "runs"
-    rc, _, stderr, _ = _run(["evaluation.run", "model=qwen2.5-1.5b", f"model.path={qwen2_dir}", "press=snapkv",
-                             "n_samples=2", *SMALL, f"output_dir={out}"], tmp_path)
-    assert rc == 0, stderr
+    monkeypatch.setattr(sys, "argv", ["evaluation.run", "model=qwen2.5-1.5b", f"model.path={qwen2_dir}",
+                                      "press=snapkv", "n_samples=2", *SMALL, f"output_dir={out}",
+                                      f"hydra.run.dir={out}/.hydra/run"])
+    GlobalHydra.instance().clear()
+    try:
+        entry.main()
+    finally:
+        GlobalHydra.instance().clear()
+        harness._MODEL_CACHE.clear()
     run_dir = out / "needle" / "qwen2.5-1.5b" / "snapkv" / "cr0.5"
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["n"] == 2 and metrics["effective_compression"] >= 0.5 - 1 / 200
+    model, _ = harness.get_model(composed("model=qwen2.5-1.5b", f"model.path={qwen2_dir}").model, "cpu", "sdpa")
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.model.layers[0].self_attn.q_proj.bias is not None
     assert f"path: {qwen2_dir}" in (run_dir / "config.yaml").read_text()
 
 
