@@ -6,6 +6,8 @@ model or data (:data:`INPUT_ERRORS`, also when Hydra wrapped it while instantiat
 line, the Hydra job directory the failed job made (``<output_dir>/.hydra/<time>/``) is removed with the
 directories it leaves empty, and the process exits with status 1. With ``HYDRA_FULL_ERROR=1`` the error is
 raised with its full traceback instead, as Hydra does; other errors (bugs) keep Hydra's traceback and directory.
+An unknown config name on the command line (``press=nope``), which Hydra reports in some thirty lines before any
+job starts, gets the same one line (:func:`check_group_choices`, called before Hydra).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["INPUT_ERRORS", "one_line_errors", "input_error"]
+__all__ = ["INPUT_ERRORS", "one_line_errors", "input_error", "check_group_choices"]
 
 
 def _input_errors() -> tuple[type, ...]:
@@ -76,3 +78,22 @@ def one_line_errors():
         message = " ".join(str(cause).split()) or type(cause).__name__
         print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def check_group_choices(argv: list[str], groups: tuple[str, ...] = ("press", "dataset", "model")) -> None:
+    """Exit with one ``error:`` line when a command-line override names a config that ``configs/<group>/`` lacks.
+
+    Plain choices and comma-separated sweeps (``press=snapkv,knorm``) are checked; anything else (Hydra's sweep
+    functions, interpolations, ``+group=...``) is left to Hydra.
+    """
+    from evaluation.harness import config_choices  # noqa: PLC0415
+
+    for arg in argv:
+        group, sep, value = arg.partition("=")
+        if not sep or group not in groups or any(c in value for c in "()[]{}$*"):
+            continue
+        valid = config_choices(group)
+        for name in (v.strip() for v in value.split(",")):
+            if name not in valid:
+                print(f"error: unknown {group} '{name}'; valid: {', '.join(valid)}", file=sys.stderr, flush=True)
+                raise SystemExit(1)

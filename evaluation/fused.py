@@ -16,13 +16,15 @@ run that needs it, so that run's ``seconds`` carries it and the later runs' do n
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from evaluation import harness, inputs
-from evaluation.cli import one_line_errors
+from evaluation.cli import check_group_choices, one_line_errors
 
 __all__ = ["run_fused", "compose_runs", "main"]
 
@@ -86,4 +88,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_group_choices(sys.argv[1:])
     main()

@@ -67,7 +67,7 @@ def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
         probe.join(timeout + 0.5)  # a DNS lookup ignores the socket timeout: bound it here
         _REACHABLE[url] = bool(answer and answer[0])
         if not _REACHABLE[url]:
-            logger.warning("the Hugging Face hub (%s) is unreachable (no answer in %g s): running offline, from "
+            logger.warning("the Hugging Face hub (%s) is unreachable (no answer within %g s): running offline, from "
                            "the local cache only", url, timeout)
             go_offline()
     return _REACHABLE[url]

@@ -140,7 +140,7 @@ def check_available(name_or_path: str, path: str | None = None) -> str:
     if isinstance(try_to_load_from_cache(source, "config.json"), str):
         return "cache"
     raise OSError(f"model '{name_or_path}' ({source}) is not in the local Hugging Face cache and the hub is "
-                  f"unreachable (no answer in {HUB_CHECK_TIMEOUT_S:g} s): download it where the hub is reachable "
+                  f"unreachable (no answer within {HUB_CHECK_TIMEOUT_S:g} s): download it where the hub is reachable "
                   f"(`hf download {source} --local-dir DIR`) and pass model.path=DIR")
 
 

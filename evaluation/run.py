@@ -11,12 +11,14 @@ Each run writes ``<output_dir>/<dataset>[-qa]/<model>/<press>/cr<ratio>[/shard_i
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from evaluation import inputs
-from evaluation.cli import one_line_errors
+from evaluation.cli import check_group_choices, one_line_errors
 from evaluation.harness import CONFIG_DIR, command_line
 
 __all__ = ["run", "main"]
@@ -51,4 +53,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    check_group_choices(sys.argv[1:])
     main()

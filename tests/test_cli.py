@@ -53,7 +53,9 @@ def _left(path: Path) -> list[str]:
     (["evaluation.run", "n_samples=0"], "n_samples=0 must be an integer >= 1"),
     (["evaluation.run", "dataset=longbench", "dataset.tasks=[nope]"], "unknown LongBench tasks ['nope']"),
     (["evaluation.run", "model=qwen2.5-1.5b", "model.path=/no/such/dir"], "model.path=/no/such/dir is not a directory"),
-], ids=["ratio", "fused-ratio", "n_samples", "longbench-task", "model-path"])
+    (["evaluation.run", "-m", "press=snapkv,nope"], "unknown press 'nope'; valid: adakv,"),
+    (["evaluation.fused", "presses=[snapkv,nope]"], "unknown press 'nope'; valid: adakv,"),
+], ids=["ratio", "fused-ratio", "n_samples", "longbench-task", "model-path", "press-name", "fused-press-name"])
 def test_bad_input_is_one_error_line_in_seconds_and_leaves_nothing(args, message, tmp_path):
     out = tmp_path / "runs"
     rc, stdout, stderr, seconds = _run([*args, f"output_dir={out}"], tmp_path)
