@@ -83,7 +83,7 @@ def one_line_errors():
 def check_group_choices(argv: list[str], groups: tuple[str, ...] = ("press", "dataset", "model")) -> None:
     """Exit with one ``error:`` line when a command-line override names a config that ``configs/<group>/`` lacks.
 
-    Plain choices and comma-separated sweeps (``press=snapkv,knorm``) are checked; anything else (Hydra's sweep
+    Plain choices and comma-separated sweeps (``press=a,b``) are checked; anything else (Hydra's sweep
     functions, interpolations, ``+group=...``) is left to Hydra.
     """
     from evaluation.harness import config_choices  # noqa: PLC0415
