@@ -21,6 +21,9 @@ HALF = T_LONG - int(T_LONG * 0.5)  # kvpress's ScorerPress keeps int(T (1 - rati
 EXACT = {"snapkv": HALF, "tova": HALF, "knorm": HALF, "streaming_llm": HALF, "expected_attention": HALF,
          "observed_attention": HALF, "adakv": HALF,  # AdaKV: the same count on average over the heads
          "page_entrokv": 112}  # 80 protected tokens (sink and window pages) + 2 pages of 16: floor(T / 2)
+#: The hub families of configs/model/; the embedded SmolLM2 (a Llama) runs end to end in other tests, and its
+#: 64-wide heads here in test_window_queries_are_the_models_own_queries.
+CONFIG_FAMILIES = [f for f in FAMILIES if f != "smollm2-135m"]
 _MODELS: dict = {}
 
 
@@ -42,7 +45,7 @@ def _attentions(name: str) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize("name", PRESSES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CONFIG_FAMILIES)
 def test_every_press_on_every_family(family, name):
     results = {}
     for attn in _attentions(name):
