@@ -31,7 +31,6 @@ import csv
 import io
 import itertools
 import json
-import math
 import os
 import sys
 from pathlib import Path
