@@ -11,6 +11,8 @@ from torch import nn
 from transformers import QuantizedCache
 
 from presses.budget import BUDGETS, search_num_samples, sample_counts
+from presses.page_sampling import UNITS, expand_pages, page_proposal, page_target
+from presses.paging import num_pages
 from presses.proposals import PROPOSALS, compute_proposal
 from presses.snis_attention import (
     SUPPORTED_ATTENTION,
@@ -45,6 +47,15 @@ class ProbabilisticEvictionPress(BasePress):
     The generator is re-seeded with ``seed`` at every prefill, so a request's draws do not depend on
     the requests before it. At least one draw is made per group (``m >= 1``).
 
+    ``unit="page"`` samples pages instead of tokens (:mod:`presses.page_sampling`): the page proposal
+    is the token proposal summed over each page of ``page_size`` positions (the last page may be
+    partial), ``m`` is searched on the expected number of distinct pages with the target
+    ``j*_pages = (1 - r) T / page_size`` (the token unit's unfloored ``(1 - r) t`` divided by the page
+    size, so that ``page_size=1`` makes exactly the token unit's search, draws and bias; with full
+    pages the expected kept token count is then ``(1 - r) T``), every token of a drawn page is kept and
+    gets its page's bias ``(log c_p - log m - log pi_p) / tau``. Storage, padding and the decode-time
+    correction are those of the token unit.
+
     Parameters:
         compression_ratio: target fraction ``r*`` of prompt entries to evict, in ``[0, 1)``.
         proposal: ``"min"``, ``"min_h"``, ``"h2o"``, ``"h2o_h"`` (appendix H) or a kvpress scorer
@@ -58,6 +69,8 @@ class ProbabilisticEvictionPress(BasePress):
         block_size: query rows per block for the all-row proposals.
         window_size, kernel_size: SnapKV adapter parameters.
         score_normalization: ``"softmax"`` (SPEC) or ``"sum"`` (appendix D eqs. 17, 20) for adapters.
+        unit: sampling unit, ``"token"`` (paper 003) or ``"page"`` (pages of ``page_size`` positions).
+        page_size: positions per page for ``unit="page"``, ``>= 1`` (unused for tokens).
     """
 
     compression_ratio: float = 0.0
@@ -72,6 +85,8 @@ class ProbabilisticEvictionPress(BasePress):
     window_size: int = 64
     kernel_size: int = 5
     score_normalization: str = "softmax"
+    unit: str = "token"
+    page_size: int = 16
     _pending: dict = field(default_factory=dict, init=False, repr=False)
     _stats: dict = field(default_factory=dict, init=False, repr=False)
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
@@ -94,6 +109,10 @@ class ProbabilisticEvictionPress(BasePress):
             raise ValueError(f"block_size={self.block_size} must be >= 1")
         if self.score_normalization not in ("softmax", "sum"):
             raise ValueError(f"score_normalization={self.score_normalization!r} must be 'softmax' or 'sum'")
+        if self.unit not in UNITS:
+            raise ValueError(f"unit={self.unit!r} must be one of {UNITS}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size} must be >= 1")
 
     # ------------------------------------------------------------------ per-request state
     def _reset(self) -> None:
@@ -114,7 +133,8 @@ class ProbabilisticEvictionPress(BasePress):
 
         Args:
             keys, values: ``(B, G, t, d)`` the layer's prefill cache.
-            pi: ``(B, G, t)`` group proposals.
+            pi: ``(B, G, n)`` group proposals over the sampling units (``n = t`` tokens, or
+                ``ceil(t / page_size)`` pages for ``unit="page"``).
             num_samples: int64 ``m`` broadcastable to ``(B, G)``.
 
         Returns:
@@ -123,6 +143,9 @@ class ProbabilisticEvictionPress(BasePress):
         B, G, t, d = keys.shape
         m = num_samples.clamp_min(1).expand(B, G)
         counts = sample_counts(pi, m, self._get_generator(pi.device))
+        kept_units = (counts > 0).sum(-1)
+        if self.unit == "page":  # every token of a drawn page is kept, with its page's count and mass
+            counts, pi = expand_pages(counts, self.page_size, t), expand_pages(pi, self.page_size, t)
         kept = counts > 0
         n_kept = kept.sum(-1)
         P = int(n_kept.max())
@@ -137,6 +160,7 @@ class ProbabilisticEvictionPress(BasePress):
             "padded": P,
             "kept": float(n_kept.double().mean()),
             "m": float(m.double().mean()),
+            "kept_units": float(kept_units.double().mean()),
         }
         return new_keys, new_values
 
@@ -154,8 +178,10 @@ class ProbabilisticEvictionPress(BasePress):
         pi = compute_proposal(self.proposal, module, hidden_states, keys, values, attentions, kwargs,
                               self.proposal_temperature, self.uniform_mix, self.block_size, self.window_size,
                               self.kernel_size, self.score_normalization)
+        if self.unit == "page":
+            pi = page_proposal(pi, self.page_size)  # (B, G, P): pages are the sampling unit
         if self.budget == "head":
-            m = search_num_samples(pi, self.compression_ratio)  # (B, G)
+            m = search_num_samples(pi, self.compression_ratio, target=self._target())  # (B, G)
             return self._evict(module, keys, values, pi, m)
         self._pending[module.layer_idx] = (module, cache, pi)
         return keys, values
@@ -167,12 +193,17 @@ class ProbabilisticEvictionPress(BasePress):
             return
         pending, self._pending = self._pending, {}
         layers = sorted(pending)
-        pis = torch.stack([pending[i][2] for i in layers], dim=1)  # (B, L, G, t)
-        m = search_num_samples(pis, self.compression_ratio, pool_dims=(1, 2)).view(-1, 1)  # (B, 1)
+        pis = torch.stack([pending[i][2] for i in layers], dim=1)  # (B, L, G, n): n tokens or pages
+        m = search_num_samples(pis, self.compression_ratio, pool_dims=(1, 2), target=self._target()).view(-1, 1)
         for i in layers:
             module, cache, pi = pending[i]
             layer = cache.layers[module.layer_idx]
             layer.keys, layer.values = self._evict(module, layer.keys, layer.values, pi, m)
+
+    def _target(self) -> float | None:
+        """Budget target ``j*`` of the search: ``None`` (the token unit's ``(1 - r) t``) or
+        :func:`presses.page_sampling.page_target` pages."""
+        return page_target(self._seq_len, self.compression_ratio, self.page_size) if self.unit == "page" else None
 
     # ------------------------------------------------------------------ hooks
     def _start_hook(self, module, args, kwargs):
@@ -213,7 +244,9 @@ class ProbabilisticEvictionPress(BasePress):
     # ------------------------------------------------------------------ diagnostics
     def summary(self) -> dict[str, float | int | str]:
         """Statistics of the last prefill: logical (kept) and physical (padded) compression per layer
-        (comma-separated strings, layer order) and averaged over layers, and the mean draws ``m``."""
+        (comma-separated strings, layer order) and averaged over layers, the mean draws ``m`` and the
+        sampling ``unit``; for ``unit="page"`` also ``page_size``, ``num_pages`` (``ceil(T / page_size)``)
+        and the kept (drawn) pages per KV group, averaged over groups (per layer) and over layers."""
         if not self._stats or self._seq_len == 0:
             return {"logical_compression": 0.0, "physical_compression": 0.0, "num_layers_evicted": 0}
         t = self._seq_len
@@ -230,5 +263,17 @@ class ProbabilisticEvictionPress(BasePress):
             "physical_compression": sum(physical) / len(layers),
             "logical_compression_per_layer": ",".join(f"{x:.4f}" for x in logical),
             "physical_compression_per_layer": ",".join(f"{x:.4f}" for x in physical),
+            "unit": self.unit,
+            **(self._page_summary(layers) if self.unit == "page" else {}),
+        }
+
+    def _page_summary(self, layers: list[int]) -> dict[str, float | int | str]:
+        """The page unit's entries of :meth:`summary`."""
+        pages = [self._stats[i]["kept_units"] for i in layers]
+        return {
+            "page_size": self.page_size,
+            "num_pages": num_pages(self._seq_len, self.page_size),
+            "kept_pages_mean": sum(pages) / len(pages),
+            "kept_pages_per_layer": ",".join(f"{x:.2f}" for x in pages),
         }
 
