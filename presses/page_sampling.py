@@ -43,13 +43,17 @@ as the sampled values); summing the ``min`` proposal ``pi_i ~ a_i ||v_i||`` over
 Budget (appendix F: Algorithm 2, eq. 24; F.1, eq. 33 for the global budget). The expected number of distinct
 pages after ``m`` draws is ``E[J(m)] = sum_p (1 - (1 - pi_p) ** m)``; the search of
 :func:`presses.budget.search_num_samples` runs unchanged on the page proposal, with the target
-``j*_pages = (1 - r) T / B`` pages (:func:`page_target`) and the tolerance ``0.5`` pages. With full
-pages the expected kept token count is ``B E[J(m)]``, so it meets ``(1 - r) T`` tokens, the token
-unit's target, within ``B / 2`` tokens; a partial last page of ``n < B`` tokens lowers it by
-``(B - n) P(last page drawn) < B``. The target is the unfloored ``(1 - r) T / B`` rather than
-``floor(T (1 - r))`` rounded to whole pages because the token unit targets the unfloored
-``(1 - r) t``: with ``B = 1`` the two units then make the same search, the same ``m``, the same
-draws and the same bias (an expected-count budget needs no integer target).
+``j*_pages = (1 - r) T / B`` pages (:func:`page_target`) and the tolerance ``0.5 / B`` pages
+(:func:`page_tolerance`). With full pages the expected kept token count is ``B E[J(m)]``, so the
+criterion ``|E[J(m)] - j*_pages| <= 0.5 / B`` is the token unit's ``|E[kept] - (1 - r) T| <= 0.5``
+tokens; a partial last page of ``n < B`` tokens lowers the expected kept count by
+``(B - n) P(last page drawn) < B``. One more draw adds at most one page to ``E[J]`` (eq. 31), so the
+tolerance may be unreachable for a few large pages; Algorithm 2 then returns the smallest ``m`` it
+could not rule out, whose ``E[J]`` exceeds the target by less than one page. The target is the
+unfloored ``(1 - r) T / B`` rather than ``floor(T (1 - r))`` rounded to whole pages, and the
+tolerance is in tokens rather than the paper's 0.5 entries, because the token unit targets the
+unfloored ``(1 - r) t`` within 0.5 tokens: with ``B = 1`` the two units then make the same search,
+the same ``m``, the same draws and the same bias (an expected-count budget needs no integer target).
 
 Shapes: ``T`` prompt positions, ``B`` page size, ``P = ceil(T / B)`` pages.
 """
@@ -60,7 +64,7 @@ import torch
 
 from presses.paging import num_pages, page_scores
 
-__all__ = ["UNITS", "page_proposal", "page_target", "expand_pages"]
+__all__ = ["UNITS", "page_proposal", "page_target", "page_tolerance", "expand_pages"]
 
 UNITS = ("token", "page")
 
@@ -110,6 +114,27 @@ def page_target(seq_len: int, compression_ratio: float, page_size: int) -> float
     if page_size < 1:
         raise ValueError(f"page_size={page_size} must be >= 1")
     return (1.0 - compression_ratio) * seq_len / page_size
+
+
+def page_tolerance(page_size: int, tol_tokens: float = 0.5) -> float:
+    """Tolerance of the page budget search in pages, ``tol_tokens / B``: the token unit's tolerance
+    (0.5 tokens, appendix F Algorithm 2) on the expected kept token count ``B E[J]`` of full pages.
+
+    Args:
+        page_size: ``B >= 1``.
+        tol_tokens: tolerance in tokens, ``>= 0``.
+
+    Returns:
+        ``tol_tokens / B``; exactly ``tol_tokens`` for ``B = 1``.
+
+    Raises:
+        ValueError: if ``page_size < 1`` or ``tol_tokens < 0``.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size} must be >= 1")
+    if tol_tokens < 0:
+        raise ValueError(f"tol_tokens={tol_tokens} must be >= 0")
+    return tol_tokens / page_size
 
 
 def expand_pages(x: torch.Tensor, page_size: int, seq_len: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import QuantizedCache
 
 from presses.budget import BUDGETS, search_num_samples, sample_counts
-from presses.page_sampling import UNITS, expand_pages, page_proposal, page_target
+from presses.page_sampling import UNITS, expand_pages, page_proposal, page_target, page_tolerance
 from presses.paging import num_pages
 from presses.proposals import PROPOSALS, compute_proposal
 from presses.snis_attention import (
@@ -50,9 +50,10 @@ class ProbabilisticEvictionPress(BasePress):
     ``unit="page"`` samples pages instead of tokens (:mod:`presses.page_sampling`): the page proposal
     is the token proposal summed over each page of ``page_size`` positions (the last page may be
     partial), ``m`` is searched on the expected number of distinct pages with the target
-    ``j*_pages = (1 - r) T / page_size`` (the token unit's unfloored ``(1 - r) t`` divided by the page
-    size, so that ``page_size=1`` makes exactly the token unit's search, draws and bias; with full
-    pages the expected kept token count is then ``(1 - r) T``), every token of a drawn page is kept and
+    ``j*_pages = (1 - r) T / page_size`` and the tolerance ``0.5 / page_size`` pages (the token unit's
+    unfloored ``(1 - r) t`` and 0.5-token tolerance divided by the page size, so that ``page_size=1``
+    makes exactly the token unit's search, draws and bias; with full pages the expected kept token
+    count is then ``(1 - r) T``, as for tokens), every token of a drawn page is kept and
     gets its page's bias ``(log c_p - log m - log pi_p) / tau``. Storage, padding and the decode-time
     correction are those of the token unit.
 
@@ -181,7 +182,7 @@ class ProbabilisticEvictionPress(BasePress):
         if self.unit == "page":
             pi = page_proposal(pi, self.page_size)  # (B, G, P): pages are the sampling unit
         if self.budget == "head":
-            m = search_num_samples(pi, self.compression_ratio, target=self._target())  # (B, G)
+            m = search_num_samples(pi, self.compression_ratio, **self._search_options())  # (B, G)
             return self._evict(module, keys, values, pi, m)
         self._pending[module.layer_idx] = (module, cache, pi)
         return keys, values
@@ -194,16 +195,20 @@ class ProbabilisticEvictionPress(BasePress):
         pending, self._pending = self._pending, {}
         layers = sorted(pending)
         pis = torch.stack([pending[i][2] for i in layers], dim=1)  # (B, L, G, n): n tokens or pages
-        m = search_num_samples(pis, self.compression_ratio, pool_dims=(1, 2), target=self._target()).view(-1, 1)
+        m = search_num_samples(pis, self.compression_ratio, pool_dims=(1, 2), **self._search_options()).view(-1, 1)
         for i in layers:
             module, cache, pi = pending[i]
             layer = cache.layers[module.layer_idx]
             layer.keys, layer.values = self._evict(module, layer.keys, layer.values, pi, m)
 
-    def _target(self) -> float | None:
-        """Budget target ``j*`` of the search: ``None`` (the token unit's ``(1 - r) t``) or
-        :func:`presses.page_sampling.page_target` pages."""
-        return page_target(self._seq_len, self.compression_ratio, self.page_size) if self.unit == "page" else None
+    def _search_options(self) -> dict:
+        """Options of :func:`presses.budget.search_num_samples` for the unit: none for tokens (target
+        ``(1 - r) t``, tolerance 0.5); for pages the target :func:`presses.page_sampling.page_target` and
+        the tolerance :func:`presses.page_sampling.page_tolerance`, both in pages."""
+        if self.unit == "token":
+            return {}
+        return {"target": page_target(self._seq_len, self.compression_ratio, self.page_size),
+                "tol": page_tolerance(self.page_size)}
 
     # ------------------------------------------------------------------ hooks
     def _start_hook(self, module, args, kwargs):
