@@ -301,3 +301,20 @@ def test_config_instantiates_page_unit():
                                 "press": OmegaConf.load(harness.CONFIG_DIR / "press" / f"{name}.yaml")})
         press = instantiate(cfg.press)
         assert (press.unit, press.page_size, press.correction) == ("page", 16, correction)
+
+
+@pytest.mark.parametrize("budget", ["head", "global"])
+def test_batch_and_extreme_ratios(tiny_llama, budget):
+    """A batch of 2 rows, padded to the layer's largest kept count; at 0.99 at least one page (>= 1 draw) is
+    kept per group; at 0 the cache is unchanged."""
+    model = tiny_llama(num_layers=2, attn_implementation="sdpa")
+    ids = _prompt(28, T, batch=2)
+    press = ProbabilisticEvictionPress(compression_ratio=0.99, proposal="h2o", budget=budget, unit="page", page_size=4)
+    cache = _prefill(model, press, ids)
+    for layer in model.model.layers:
+        bias = layer.self_attn._snis_state.bias  # (2, G, P)
+        kept = torch.isfinite(bias).sum(-1)
+        assert bias.shape[0] == 2 and bool((kept >= 2).all())  # one page: 4 tokens, or the 2-token last page
+        assert cache.layers[layer.self_attn.layer_idx].keys.shape[2] == bias.shape[-1] == int(kept.max())
+    press = ProbabilisticEvictionPress(compression_ratio=0.0, unit="page", page_size=4)
+    assert all(layer.keys.shape[2] == T for layer in _prefill(model, press, ids).layers)
