@@ -202,17 +202,29 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5) if any("page" in r[0] for r in rows) else (6, 4))
     names = sorted({r[0] for r in rows}, key=lambda n: (n != "topk_h2o", n != "uncorrected", n))
+    colors = {"topk_h2o": "black", "uncorrected": "tab:orange", "corrected_tau1": "tab:green",
+              "corrected_tau2": "tab:red", "corrected_tau5": "tab:purple"}
+    units = sorted({n.split("_")[0] for n in names if n.startswith("page")} |
+                   {n.rsplit("_", 1)[1] for n in names if n.startswith("topk_h2o_page")}, key=lambda u: int(u[4:]))
+    styles = dict(zip(["token", *units], ["-", ":", "-.", (0, (1, 3))]))  # one line style per sampling unit
     for name in names:
         pts = sorted((r[1], r[3]) for r in rows if r[0] == name and r[2] == "all")
-        style = "--" if name.startswith("topk") else (":" if name.startswith("page") else "-")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, label=name)
+        if name.startswith("page"):
+            unit, base = name.split("_", 1)
+        elif name.startswith("topk_h2o_page"):
+            base, unit = name.rsplit("_", 1)
+        else:
+            unit, base = "token", name
+        style = "--" if name == "topk_h2o" else styles[unit]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=style, marker="o", ms=3,
+                color=colors.get(base), label=name)
     ax.set_xlabel("compression ratio r")
     ax.set_ylabel("MAE of attention outputs (mean over layers, heads)")
     ax.set_yscale("log")
     ax.set_title("Bias vs variance of eviction estimators (paper 003 Fig. 2)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2 if len(names) > 8 else 1)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
