@@ -20,7 +20,7 @@ BUDGETS = ("head", "global")
 
 
 def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tuple[int, ...] = (),
-                       tol: float = 0.5, max_samples: int = MAX_SAMPLES) -> torch.Tensor:
+                       tol: float = 0.5, max_samples: int = MAX_SAMPLES, target: float | None = None) -> torch.Tensor:
     """Number of samples ``m`` whose expected kept count meets ``j* = (1 - r*) t`` (paper 003 Alg. 2).
 
     Runs Algorithm 2 independently for every row (``budget="head"``). With ``pool_dims`` the
@@ -37,6 +37,8 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
         pool_dims: dimensions of ``pi`` (not the last) whose ``E[J]`` are averaged.
         tol: tolerance ``epsilon`` on ``|E[J(m)] - j*|``, ``>= 0`` (0.5 in the paper).
         max_samples: upper end ``alpha`` of the search, ``>= 1``.
+        target: ``j*`` itself, overriding ``(1 - r*) t`` (e.g. a page count for the page unit,
+            :func:`presses.probabilistic.page_sampling.page_target`); ``compression_ratio`` is then only validated.
 
     Returns:
         int64 ``m`` of shape ``pi.shape[:-1]`` without the ``pool_dims`` (kept as size-1 dims).
@@ -57,7 +59,7 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
         raise ValueError(f"pool_dims={pool_dims} may not contain the entry axis (the last one)")
 
     pi = pi.double()
-    j_star = (1.0 - compression_ratio) * pi.shape[-1]
+    j_star = (1.0 - compression_ratio) * pi.shape[-1] if target is None else float(target)
     out_shape = [1 if d in dims else s for d, s in enumerate(pi.shape[:-1])]
     low = torch.zeros(out_shape, dtype=torch.int64, device=pi.device)
     high = torch.full_like(low, max_samples)
