@@ -12,7 +12,9 @@ values. So one uncompressed prefill, with the inputs every hook saw recorded (th
 afterwards, in the forward's order, on a fresh cache that receives the same keys and values layer by layer.
 Each press then decodes from its own cache exactly as ``KVPressTextGenerationPipeline`` does (question
 forward, greedy decode). ``tests/test_fused.py`` checks that predictions and caches equal those of
-``python -m evaluation.run`` press by press.
+``python -m evaluation.run`` press by press. (The probabilistic-eviction presses are equal to float32 round-off,
+with the same kept entries: under ``evaluation.run`` their prefill's attention computes the proposal
+(:mod:`presses.prefill_attention`), while a replay has only the uncompressed prefill and recomputes it.)
 
 Only presses that act through forward hooks on the language model and its attention modules, and leave
 the attention output unchanged, can share a prefill: kvpress's scorer presses (not ObservedAttention,

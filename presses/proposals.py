@@ -18,6 +18,7 @@ import torch
 
 from presses import kernels
 from presses.observer import window_queries
+from presses.prefill_attention import take_prefill_stats
 from presses.renyi import pool_groups
 
 __all__ = [
@@ -169,9 +170,11 @@ def head_proposals(name: str, module, hidden_states: torch.Tensor, keys: torch.T
     - ``h2o``:   ``pi^h(i) ~ sum_j p^h_j(i)`` (normalised H2O score, eq. 17)
     - ``h2o_h``: ``pi^h(i) ~ sum_j h_j p^h_j(i)``
 
-    The column sums go through the dispatch point :func:`presses.kernels.column_sums` (Triton on CUDA,
-    :func:`column_sums` elsewhere). With the harmonic prior ``h_j`` of :func:`harmonic_prior` and ``||v_i||`` the L2 norm of the
-    value of entry ``i`` in the head's KV group.
+    When the layer's prefill attention already computed the statistic (:mod:`presses.prefill_attention`,
+    inside the press's context) it is used as is; otherwise the column sums are recomputed through the dispatch
+    point :func:`presses.kernels.column_sums` (Triton on CUDA, :func:`column_sums` elsewhere). With the
+    harmonic prior ``h_j`` of :func:`harmonic_prior` and ``||v_i||`` the L2 norm of the value of entry ``i``
+    in the head's KV group.
 
     Args:
         name: one of :data:`ATTENTION_PROPOSALS`.
@@ -192,11 +195,12 @@ def head_proposals(name: str, module, hidden_states: torch.Tensor, keys: torch.T
         raise ValueError(f"proposal={name!r} must be one of {ATTENTION_PROPOSALS}")
     _check_block(block_size)
     t = keys.shape[2]
-    if name == "min":
+    scores = take_prefill_stats(module, keys, name)  # computed by the prefill's own attention, if it could
+    if scores is None and name == "min":
         cos, sin = position_embeddings
         q = window_queries(module, hidden_states, 1, (cos, sin))
         scores = kernels.column_sums(q, keys, scaling=getattr(module, "scaling", None))  # dispatch
-    else:
+    elif scores is None:
         prior = harmonic_prior(t, keys.device) if name.endswith("_h") else None
         scores = attention_column_sums(module, hidden_states, keys, position_embeddings, prior, block_size)
     if name.startswith("min"):

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import QuantizedCache
 
 from presses.budget import BUDGETS, search_num_samples, sample_counts
+from presses.prefill_attention import prefill_statistics
 from presses.proposals import PROPOSALS, compute_proposal
 from presses.snis_attention import (
     SUPPORTED_ATTENTION,
@@ -55,7 +56,7 @@ class ProbabilisticEvictionPress(BasePress):
         proposal_temperature: ``T``, ``pi ~ pi ** (1/T)`` / ``softmax(score / T)`` (appendix D.1).
         uniform_mix: weight ``a`` of the uniform in ``pi' = (1 - a) pi + a / t`` (appendix D.1).
         seed: seed of the sampling generator.
-        block_size: query rows per block for the all-row proposals.
+        block_size: query rows per block for the all-row proposals (prefill attention and recompute alike).
         window_size, kernel_size: SnapKV adapter parameters.
         score_normalization: ``"softmax"`` (SPEC) or ``"sum"`` (appendix D eqs. 17, 20) for adapters.
     """
@@ -188,7 +189,8 @@ class ProbabilisticEvictionPress(BasePress):
     @contextmanager
     def __call__(self, model):
         """Register the kvpress layer hooks plus a pre/post hook on the language model (reset at each
-        prefill / deferred global eviction), and install the correcting attention wrapper.
+        prefill / deferred global eviction), install the correcting attention wrapper, and have the prefill's
+        attention compute the all-row proposal statistics (:func:`presses.prefill_attention.prefill_statistics`).
 
         Raises:
             ValueError: if the model's attention implementation is not sdpa or eager.
@@ -203,8 +205,10 @@ class ProbabilisticEvictionPress(BasePress):
             language_model.register_forward_pre_hook(self._start_hook, with_kwargs=True),
             language_model.register_forward_hook(self._finish_hook, with_kwargs=True),
         ]
+        # the all-row proposals' statistics come out of the prefill's own attention (presses.prefill_attention)
+        stats = self.proposal if self.compression_ratio > 0 else None
         try:
-            with super().__call__(model):
+            with super().__call__(model), prefill_statistics(model, stats, self.block_size):
                 yield
         finally:
             for handle in handles:

@@ -347,12 +347,17 @@ def test_page_entrokv_same_pages_through_dispatch(tiny_llama, monkeypatch):
 
 
 def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
-    """The SNIS press computes its ``h2o_h`` proposal (harmonic prior, query blocks of 32 rows) through the
-    dispatch point: with Triton forced it equals the reference path, and the press keeps the same entries."""
+    """The SNIS press recomputing its ``h2o_h`` proposal (harmonic prior, query blocks of 32 rows; prefill
+    statistics off, as for a masked or eager prefill) goes through the dispatch point: with Triton forced it
+    equals the reference path, and the press keeps the same entries."""
+    import contextlib
+
     import presses.kernels.attention_columns as attention_columns
     import presses.proposals as proposals
     import presses.snis_press as snis_press
     from transformers import DynamicCache
+
+    monkeypatch.setattr(snis_press, "prefill_statistics", lambda *args: contextlib.nullcontext())
 
     model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation="sdpa", seed=4)
     ids = torch.randint(3, 128, (1, 48), generator=_gen(3))

@@ -19,6 +19,8 @@ Dispatch function -> torch reference -> Triton implementation:
   :func:`presses.kernels.expected_unique.expected_unique_many_triton`
 - :func:`biased_decode_attention` -> :func:`presses.kernels.references.biased_decode_reference` ->
   :func:`presses.kernels.biased_decode.biased_decode_triton`
+- :func:`attention_with_column_sums` -> :func:`presses.prefill_stats.attention_with_column_sums` ->
+  :func:`presses.kernels.fused_prefill.attention_with_column_sums_triton`
 
 The Triton modules are imported only when a Triton path is taken, so the references need no Triton.
 """
@@ -38,6 +40,7 @@ __all__ = [
     "pooled_page_scores",
     "expected_unique_many",
     "biased_decode_attention",
+    "attention_with_column_sums",
 ]
 
 KERNEL_MODES = ("auto", "reference", "triton")
@@ -163,3 +166,22 @@ def biased_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     from presses.kernels.references import biased_decode_reference
 
     return biased_decode_reference(query, key, value, bias, scaling)
+
+
+def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               row_weights: torch.Tensor | None = None, scaling: float | None = None,
+                               block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch for a prefill's causal attention plus the row-weighted column sums of its attention matrix
+    (SNIS proposals ``h2o``, ``h2o_h``, ``min_h`` computed in the prefill; paper 003 eqs. 16, 36):
+    ``(B, H_Q, T, d), (B, G, T, d), (B, G, T, d_v) -> ((B, H_Q, T, d_v) in the query dtype, (B, H_Q, T)``
+    float32); see :func:`presses.prefill_stats.attention_with_column_sums` for the contract, errors and source
+    (``block_size``: query rows per block of the torch path). The Triton path is a flash-attention forward that
+    also writes each row's log-sum-exp, then the column pass of :func:`column_sums`' kernel."""
+    if (use_triton(key) and query.dtype == key.dtype == value.dtype and key.dtype in _TRITON_DTYPES
+            and query.shape[-1] == value.shape[-1]):
+        from presses.kernels.fused_prefill import attention_with_column_sums_triton
+
+        return attention_with_column_sums_triton(query, key, value, row_weights, scaling)
+    from presses.prefill_stats import attention_with_column_sums as reference
+
+    return reference(query, key, value, row_weights, scaling, block_size)
