@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MAX_SAMPLES", "BUDGETS", "expected_unique", "search_num_samples", "sample_counts"]
+__all__ = ["MAX_SAMPLES", "BUDGETS", "expected_unique", "expected_unique_from_log", "search_num_samples",
+           "sample_counts"]
 
 MAX_SAMPLES = 10**12
 BUDGETS = ("head", "global")
@@ -34,6 +35,25 @@ def expected_unique(pi: torch.Tensor, num_samples) -> torch.Tensor:
     return (-torch.expm1(m.unsqueeze(-1) * torch.log1p(-pi))).sum(-1)
 
 
+def expected_unique_from_log(log_q: torch.Tensor, num_samples: torch.Tensor,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`expected_unique` from a precomputed ``log_q = log1p(-pi)`` (paper 003 eq. 24), bit for bit.
+
+    ``E[J(m)] = -sum_i expm1(m log(1 - pi_i))``: the same products, ``expm1`` and sum as :func:`expected_unique`
+    (the sign taken after the sum, which is exact), so a search over many ``m`` takes the logarithm once.
+
+    Args:
+        log_q: ``(..., t)`` float64 ``log1p(-pi)``.
+        num_samples: integer tensor ``m`` broadcastable to ``log_q.shape[:-1]``.
+        out: optional float64 buffer of ``log_q``'s shape, overwritten.
+
+    Returns:
+        ``(...)`` float64.
+    """
+    m = num_samples.to(dtype=torch.float64).unsqueeze(-1)
+    return torch.mul(log_q, m, out=out).expm1_().sum(-1).neg_()
+
+
 def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tuple[int, ...] = (),
                        tol: float = 0.5, max_samples: int = MAX_SAMPLES) -> torch.Tensor:
     """Number of samples ``m`` whose expected kept count meets ``j* = (1 - r*) t`` (paper 003 Alg. 2).
@@ -43,7 +63,8 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
     (``budget="global"``, appendix F.1 eq. 33). The search starts from ``[0, max_samples]``, takes
     the midpoint ``floor((low + high) / 2)`` and stops at the first midpoint within ``tol`` of
     ``j*``; ``E[J(mid)]`` of every row goes through the kernel dispatch
-    :func:`presses.kernels.expected_unique_many` (one candidate per row). When ``j*`` is unreachable (entries with ``pi_i = 0`` cap ``E[J]``) it returns the
+    :func:`presses.kernels.expected_unique_many` (one candidate per row; without Triton, eq. 24 with
+    ``log(1 - pi_i)`` computed once per search). When ``j*`` is unreachable (entries with ``pi_i = 0`` cap ``E[J]``) it returns the
     smallest ``m`` it could not rule out, at most ``max_samples``. ``E[J]`` is monotone in ``m``.
 
     Args:
@@ -70,9 +91,12 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
     dims = tuple(d % nd for d in pool_dims)
     if nd - 1 in dims:
         raise ValueError(f"pool_dims={pool_dims} may not contain the entry axis (the last one)")
-    from presses.kernels import expected_unique_many  # dispatch: Triton on CUDA, this module's formula elsewhere
+    from presses.kernels import expected_unique_many, use_triton  # dispatch: Triton on CUDA, else eq. 24 below
 
     pi = pi.double()
+    # without Triton, log(1 - pi_i) is taken once for all midpoints (expected_unique_from_log: the same values)
+    log_q = None if use_triton(pi) else torch.log1p(-pi)
+    buf = None if log_q is None else torch.empty_like(log_q)
     j_star = (1.0 - compression_ratio) * pi.shape[-1]
     out_shape = [1 if d in dims else s for d, s in enumerate(pi.shape[:-1])]
     low = torch.zeros(out_shape, dtype=torch.int64, device=pi.device)
@@ -81,7 +105,10 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
     active = torch.ones_like(low, dtype=torch.bool)
     while bool(active.any()):
         mid = torch.div(low + high, 2, rounding_mode="floor")
-        e = expected_unique_many(pi, mid.unsqueeze(-1)).squeeze(-1)  # E[J(mid)] per row, eq. 24
+        if log_q is None:
+            e = expected_unique_many(pi, mid.unsqueeze(-1)).squeeze(-1)  # E[J(mid)] per row, eq. 24
+        else:
+            e = expected_unique_from_log(log_q, mid, buf)
         if dims:
             e = e.mean(dim=dims, keepdim=True)
         hit = active & ((e - j_star).abs() <= tol)

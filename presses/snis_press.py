@@ -129,9 +129,10 @@ class ProbabilisticEvictionPress(BasePress):
         P = int(n_kept.max())
         order = torch.sort(kept.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :P]
         valid = torch.arange(P, device=keys.device).view(1, 1, P) < n_kept.unsqueeze(-1)
-        idx = order.unsqueeze(-1).expand(B, G, P, d)
-        new_keys = keys.gather(2, idx).masked_fill(~valid.unsqueeze(-1), 0).contiguous()
-        new_values = values.gather(2, idx).masked_fill(~valid.unsqueeze(-1), 0).contiguous()
+        rows = (order + torch.arange(B * G, device=keys.device).view(B, G, 1) * t).reshape(-1)  # whole rows
+        pad = ~valid.unsqueeze(-1)
+        new_keys = keys.reshape(B * G * t, d).index_select(0, rows).view(B, G, P, d).masked_fill_(pad, 0)
+        new_values = values.reshape(B * G * t, -1).index_select(0, rows).view(B, G, P, -1).masked_fill_(pad, 0)
         bias = snis_bias(counts, m, pi, self.tau, self.correction).gather(-1, order)
         module._snis_state = SNISLayerState(bias.masked_fill(~valid, float("-inf")))
         self._stats[module.layer_idx] = {
