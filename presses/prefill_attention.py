@@ -52,11 +52,12 @@ class StatsRequest:
 
     Attributes:
         kind: a value of :data:`STATISTICS`.
-        block_size: query rows per block of the torch path (:func:`presses.prefill_stats.attention_with_column_sums`).
+        block_size: query rows per block of the torch path's column pass
+            (:func:`presses.prefill_stats.column_sums_from_lse`).
     """
 
     kind: str
-    block_size: int = 64
+    block_size: int = 128
 
 
 @dataclass
@@ -146,7 +147,7 @@ def install_prefill_attention() -> None:
 
 
 @contextmanager
-def prefill_statistics(model, proposal: str | None, block_size: int = 64):
+def prefill_statistics(model, proposal: str | None, block_size: int = 128):
     """Ask every attention module of ``model`` to compute ``proposal``'s statistics during the prefill.
 
     A no-op for ``proposal=None`` or a proposal without prefill statistics (the scorer adapters). On exit the
@@ -155,7 +156,7 @@ def prefill_statistics(model, proposal: str | None, block_size: int = 64):
     Args:
         model: a transformers causal LM (attention ``sdpa`` or ``eager``).
         proposal: a key of :data:`STATISTICS`, or another proposal name / ``None`` (nothing to do).
-        block_size: query rows per block of the torch path, ``>= 1``.
+        block_size: query rows per block of the torch path's column pass, ``>= 1``.
 
     Raises:
         ValueError: if ``block_size < 1``.

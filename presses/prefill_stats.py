@@ -3,25 +3,35 @@
 The all-row proposals of probabilistic eviction (``h2o``, ``h2o_h``, ``min_h``; paper 003 appendix H) need
 ``s^h[i] = sum_j w_j p^h_j(i)``, the row-weighted column sums of every prompt row's causal attention ``p^h_j``
 (``w = 1`` for H2O's score, eq. 16; ``w = h`` the harmonic prior, eq. 36). The prefill computes every ``p^h_j``
-anyway; :func:`attention_with_column_sums` returns the layer's attention output and these sums from one pass
-over the keys, so the press does not recompute ``Q K^T`` after the prefill (:mod:`presses.prefill_attention`
-wires it into the model; :func:`presses.kernels.attention_with_column_sums` is the dispatch point, Triton on
-CUDA, this torch implementation elsewhere).
+anyway; :func:`attention_with_column_sums` returns the layer's attention output together with these sums, so the
+press does not recompute the queries and ``Q K^T`` after the prefill (:mod:`presses.prefill_attention` wires it
+into the model; :func:`presses.kernels.attention_with_column_sums` is the dispatch point, Triton on CUDA, this
+torch implementation elsewhere).
 
-Algorithm (exact softmax, no online rescaling). The query rows are cut into blocks of ``block_size`` rows. The
-rows ``st .. e-1`` of a block see the keys ``0 .. e-1``, so ``S = scaling * Q_blk K[:e]^T`` (causal mask on its
-last ``e - st`` columns) holds every logit of those rows: one row softmax gives the block's attention rows ``P``
-exactly, then ``out_blk = P V[:e]`` and ``s[:e] += w_blk^T P``. Per block: two matrix products, one in-place
-softmax and one matrix-vector product; the ``r`` query heads of a KV group are stacked as extra rows against the
-group's keys (no ``repeat_kv``). Work: the causal ``Q K^T`` and ``P V`` of a prefill, plus the column sums.
-Everything is computed in float32 (inputs upcast), the output cast back to the query's dtype.
+Algorithm (two passes over the keys; a column sum needs each row's final softmax normaliser):
 
-Threads. The blocks are shared among ``num_workers`` Python threads (torch's intra-op thread count by default),
-each running its ops single-threaded (torch's intra-op thread count is set to 1 for the duration of the call and
-restored afterwards; torch releases the GIL inside its ops). Per-op parallel regions would synchronise all
-threads several times per block, which costs far more than the work on a shared or busy machine; one join per
-call does not. Each worker sums its own column partials; they are added in worker order, so for a given
-``num_workers`` the result is deterministic.
+1. :func:`causal_attention_lse`: the attention output and each row's log-sum-exp ``lse_j`` from torch's fused
+   CPU flash-attention kernel, the very kernel transformers' ``sdpa`` runs for a causal prefill, so the output
+   is bit for bit the one the model computes without the press (the rest of the prefill is unchanged);
+2. :func:`column_sums_from_lse`: ``p_j(i) = exp(q_j . k_i * scaling - lse_j)`` exactly, so the column sums need
+   no softmax: the rows are cut into blocks of ``block_size``; a block's rows ``st .. e-1`` see the keys
+   ``0 .. e-1``; ``S = scaling Q_blk K[:e]^T + (log w - lse)_blk`` (causal mask on its last ``e - st``
+   columns), ``S <- exp(S)`` in place and ``s[:e] += sum_rows S``. Per block one matrix product and two passes
+   over ``S``; the ``r`` query heads of a KV group are stacked as extra rows against the group's keys. Every
+   entry of ``S`` is at most ``log w_j`` (``lse_j`` bounds the row's logits), so ``exp`` cannot overflow.
+
+Pass 2 does the causal ``Q K^T`` of the prefill a second time (not ``P V``); it is computed in float32 (inputs
+upcast). It runs on ``num_workers`` Python threads (torch's intra-op thread count by default), each running its
+ops single-threaded: torch's intra-op thread count is set to 1 for the duration of the pass and restored
+afterwards (torch releases the GIL inside its ops). Per-op parallel regions would synchronise all threads
+several times per block, which costs far more than the work on a shared or busy machine; one join per call does
+not. Each worker sums its own column partials; they are added in worker order, so the result is deterministic
+for a given ``num_workers``.
+
+An earlier variant computed ``P`` by a blocked softmax and the output as ``P V`` in the same pass (about 1.15x
+the fused kernel's time instead of ~1.7x here), but its output differs from ``sdpa``'s in the last bits and
+30 layers amplify that to relative proposal differences of ``1e-5 .. 1e-4``, enough to change some multinomial
+draws of the press for a fixed seed; with the fused kernel's own output they stay at ``~1e-6``.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["attention_with_column_sums", "check_prefill_attention_args"]
+__all__ = ["attention_with_column_sums", "causal_attention_lse", "column_sums_from_lse", "check_prefill_attention_args"]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
@@ -85,10 +95,53 @@ def _assign_blocks(T: int, block_size: int, num_workers: int) -> list[list[int]]
     return [a for a in assigned if a]
 
 
-def _attend_blocks(q, k, v, w, out, acc, starts, block_size, scaling, inference):
-    """One worker: for each block start, ``out[.., st:e] = P V[:e]`` and ``acc[.., :e] += w^T P`` (see the module
-    docstring). ``q (B, G, r, T, d)`` any dtype; ``k (B, G, T, d)`` / ``v (B, G, T, d_v)`` float32; ``out`` a
-    ``(B, G, r, T, d_v)`` view in the output dtype; ``acc (B, G, r, T)`` float32, this worker's own."""
+def causal_attention_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scaling: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a prefill and each row's natural log-sum-exp (pass 1 of the module docstring).
+
+    On CPU: torch's fused flash-attention kernel, the one ``torch.nn.functional.scaled_dot_product_attention``
+    (and so transformers' ``sdpa``) runs for ``is_causal=True`` without a mask: the output is identical to the
+    model's own. Elsewhere (or if that kernel is unavailable): ``scaled_dot_product_attention`` for the output and
+    a blocked ``logsumexp`` for ``lse``.
+
+    Args:
+        query: ``(B, H_Q, T, d)``; key: ``(B, G, T, d)``; value: ``(B, G, T, d_v)``; ``G`` dividing ``H_Q``.
+        scaling: logit scale, default ``d ** -0.5``.
+
+    Returns:
+        ``out (B, H_Q, T, d_v)`` in the query dtype and ``lse (B, H_Q, T)`` float32,
+        ``lse_j = log sum_{i<=j} exp(q_j . k_i * scaling)``.
+    """
+    d = query.shape[-1]
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if query.device.type == "cpu" and flash is not None and query.shape[-1] == value.shape[-1]:
+        try:
+            out, lse = flash(query, key, value, 0.0, True, scale=scaling)
+            return out, lse.float()
+        except RuntimeError:  # e.g. an older torch without GQA in this kernel: the generic path below
+            pass
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                           enable_gqa=True)
+    B, HQ, T, _ = query.shape
+    G = key.shape[1]
+    r = HQ // G
+    lse = torch.empty(B, G, r, T, dtype=torch.float32, device=query.device)
+    kt = key.float().transpose(-1, -2)
+    q = query.unflatten(1, (G, r))
+    for start in range(0, T, 128):
+        end = min(start + 128, T)
+        logits = torch.matmul(q[:, :, :, start:end].float() * scaling, kt.unsqueeze(2)[..., :end])
+        future = torch.ones(end - start, end - start, dtype=torch.bool, device=query.device).triu_(1)
+        logits[..., start:end].masked_fill_(future, float("-inf"))
+        lse[..., start:end] = torch.logsumexp(logits, dim=-1)
+    return out, lse.view(B, HQ, T)
+
+
+def _column_blocks(q, k, bias, acc, starts, block_size, scaling, inference):
+    """One worker of pass 2: for each block start, ``acc[.., :e] += sum_rows exp(scaling Q K^T + bias)``.
+    ``q (B, G, r, T, d)`` any dtype; ``k (B, G, T, d)`` float32; ``bias (B, G, r, T)`` float32
+    ``log w - lse``; ``acc (B, G, r, T)`` float32, this worker's own."""
     B, G, r, T, d = q.shape
     kt = k.transpose(-1, -2)
     with torch.inference_mode(inference), torch.no_grad():
@@ -100,73 +153,60 @@ def _attend_blocks(q, k, v, w, out, acc, starts, block_size, scaling, inference)
             logits = buf[: B * G * r * n * end].view(B, G, r * n, end)
             rows = (q[:, :, :, start:end].float() * scaling).reshape(B, G, r * n, d)
             torch.matmul(rows, kt[..., :end], out=logits)
-            logits.view(B, G, r, n, end)[..., start:end].masked_fill_(future[:n, :n], float("-inf"))
-            probs = torch.softmax(logits, dim=-1, out=logits)  # in place: the block's exact attention rows
-            out[:, :, :, start:end] = torch.matmul(probs, v[:, :, :end]).view(B, G, r, n, -1)
-            probs = probs.view(B, G, r, n, end)
-            if w is None:
-                acc[..., :end] += probs.sum(-2)
-            else:
-                acc[..., :end] += torch.matmul(w[start:end].view(1, n), probs).squeeze(-2)
+            logits = logits.view(B, G, r, n, end)
+            logits.add_(bias[:, :, :, start:end, None])
+            logits[..., start:end].masked_fill_(future[:n, :n], float("-inf"))
+            acc[..., :end] += logits.exp_().sum(-2)  # w_j p_j(i), summed over the block's rows j
 
 
-def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               row_weights: torch.Tensor | None = None, scaling: float | None = None,
-                               block_size: int = 64, num_workers: int | None = None,
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of a prefill and the row-weighted column sums of its attention matrix, in one pass.
-
-    ``out^h_j = sum_{i<=j} p^h_j(i) v_i`` and ``s^h[i] = sum_{j>=i} w_j p^h_j(i)`` with
-    ``p^h_j = softmax_i(q^h_j . k_i * scaling)`` over ``i <= j`` (paper 003 eq. 16, eq. 36 with ``w`` the
-    harmonic prior); query head ``h`` uses KV group ``h // r``. ``out`` equals transformers' ``sdpa`` attention
-    of the layer (causal, no mask) and ``s`` equals :func:`presses.proposals.column_sums` over all rows, both to
-    float32 round-off. Torch implementation of the dispatch :func:`presses.kernels.attention_with_column_sums`
-    (algorithm and threads: module docstring).
+def column_sums_from_lse(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor,
+                         row_weights: torch.Tensor | None = None, scaling: float | None = None,
+                         block_size: int = 128, num_workers: int | None = None) -> torch.Tensor:
+    """Row-weighted column sums of causal attention whose row log-sum-exps are known (pass 2 of the module
+    docstring): ``s^h[i] = sum_{j>=i} w_j exp(q^h_j . k_i * scaling - lse^h_j)`` (paper 003 eqs. 16, 36).
 
     Args:
-        query: ``(B, H_Q, T, d)`` RoPE'd queries of positions ``0 .. T-1`` (any float dtype and strides).
-        key: ``(B, G, T, d)`` RoPE'd keys, ``G`` dividing ``H_Q``.
-        value: ``(B, G, T, d_v)`` values.
-        row_weights: ``(T,)`` row weights ``w_j`` or ``None`` for 1.
+        query: ``(B, H_Q, T, d)`` (any float dtype and strides); key: ``(B, G, T, d)``, ``G`` dividing ``H_Q``.
+        lse: ``(B, H_Q, T)`` natural log-sum-exps of the rows (:func:`causal_attention_lse`).
+        row_weights: ``(T,)`` non-negative ``w_j`` or ``None`` for 1.
         scaling: logit scale, default ``d ** -0.5``.
-        block_size: query rows per block, ``>= 1``; peak extra memory ``~ 4 B H_Q block_size T`` bytes per worker.
+        block_size: query rows per block, ``>= 1``; extra memory ``~ 4 B H_Q block_size T`` bytes per worker.
         num_workers: worker threads, ``>= 1``; default ``torch.get_num_threads()``.
 
     Returns:
-        ``(out, s)``: ``out (B, H_Q, T, d_v)`` in ``query.dtype`` (a transposed view of a contiguous
-        ``(B, T, H_Q, d_v)`` tensor, transformers' attention-output layout) and ``s (B, H_Q, T)`` float32.
+        ``(B, H_Q, T)`` float32.
 
     Raises:
-        ValueError: on inconsistent shapes (:func:`check_prefill_attention_args`), ``block_size < 1`` or
-            ``num_workers < 1``.
+        ValueError: if ``block_size < 1`` or ``num_workers < 1``.
     """
-    B, HQ, G, T, d = check_prefill_attention_args(query, key, value, row_weights)
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be >= 1")
     workers = torch.get_num_threads() if num_workers is None else int(num_workers)
     if workers < 1:
         raise ValueError(f"num_workers={num_workers} must be >= 1")
-    r, dv = HQ // G, value.shape[-1]
+    B, HQ, T, d = query.shape
+    G = key.shape[1]
+    r = HQ // G
     scaling = d ** -0.5 if scaling is None else float(scaling)
-    out = torch.empty(B, T, HQ, dv, dtype=query.dtype, device=query.device)
     sums = torch.zeros(B, G, r, T, dtype=torch.float32, device=query.device)
     if T == 0 or B == 0:
-        return out.transpose(1, 2), sums.view(B, HQ, T)
-    q = query.unflatten(1, (G, r))  # a view whatever the strides
-    k, v = key.float(), value.float()
-    w = None if row_weights is None else row_weights.to(device=query.device, dtype=torch.float32)
-    out_view = out.view(B, T, G, r, dv).permute(0, 2, 3, 1, 4)  # (B, G, r, T, d_v)
+        return sums.view(B, HQ, T)
+    bias = -lse.float()
+    if row_weights is not None:
+        bias = bias + torch.log(row_weights.to(device=query.device, dtype=torch.float32))
+    bias = bias.reshape(B, G, r, T)
+    q, k = query.unflatten(1, (G, r)), key.float()  # q: a view whatever the strides
     plan = _assign_blocks(T, block_size, min(workers, -(-T // block_size)))
     inference = torch.is_inference_mode_enabled()
     if len(plan) == 1:
-        _attend_blocks(q, k, v, w, out_view, sums, plan[0], block_size, scaling, inference)
-        return out.transpose(1, 2), sums.view(B, HQ, T)
+        _column_blocks(q, k, bias, sums, plan[0], block_size, scaling, inference)
+        return sums.view(B, HQ, T)
     threads = torch.get_num_threads()
     partials = [sums] + [torch.zeros_like(sums) for _ in plan[1:]]
     torch.set_num_threads(1)
     try:
         pool = _get_pool(len(plan))
-        jobs = [pool.submit(_attend_blocks, q, k, v, w, out_view, acc, starts, block_size, scaling, inference)
+        jobs = [pool.submit(_column_blocks, q, k, bias, acc, starts, block_size, scaling, inference)
                 for acc, starts in zip(partials, plan)]
         for job in jobs:
             job.result()
@@ -174,4 +214,42 @@ def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: to
         torch.set_num_threads(threads)
     for acc in partials[1:]:
         sums += acc
-    return out.transpose(1, 2), sums.view(B, HQ, T)
+    return sums.view(B, HQ, T)
+
+
+def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               row_weights: torch.Tensor | None = None, scaling: float | None = None,
+                               block_size: int = 128, num_workers: int | None = None,
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a prefill and the row-weighted column sums of its attention matrix.
+
+    ``out^h_j = sum_{i<=j} p^h_j(i) v_i`` and ``s^h[i] = sum_{j>=i} w_j p^h_j(i)`` with
+    ``p^h_j = softmax_i(q^h_j . k_i * scaling)`` over ``i <= j`` (paper 003 eq. 16, eq. 36 with ``w`` the
+    harmonic prior); query head ``h`` uses KV group ``h // r``. On CPU ``out`` is transformers' ``sdpa`` output
+    of the layer (causal, no mask) bit for bit; ``s`` equals :func:`presses.proposals.column_sums` over all rows
+    to float32 round-off. Torch implementation of the dispatch :func:`presses.kernels.attention_with_column_sums`
+    (:func:`causal_attention_lse` then :func:`column_sums_from_lse`; see the module docstring).
+
+    Args:
+        query: ``(B, H_Q, T, d)`` RoPE'd queries of positions ``0 .. T-1`` (any float dtype and strides).
+        key: ``(B, G, T, d)`` RoPE'd keys, ``G`` dividing ``H_Q``.
+        value: ``(B, G, T, d_v)`` values.
+        row_weights: ``(T,)`` non-negative row weights ``w_j`` or ``None`` for 1.
+        scaling: logit scale, default ``d ** -0.5``.
+        block_size: query rows per block of the column pass, ``>= 1``.
+        num_workers: worker threads of the column pass, ``>= 1``; default ``torch.get_num_threads()``.
+
+    Returns:
+        ``(out, s)``: ``out (B, H_Q, T, d_v)`` in ``query.dtype`` and ``s (B, H_Q, T)`` float32.
+
+    Raises:
+        ValueError: on inconsistent shapes (:func:`check_prefill_attention_args`), ``block_size < 1`` or
+            ``num_workers < 1``.
+    """
+    check_prefill_attention_args(query, key, value, row_weights)
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    if num_workers is not None and num_workers < 1:
+        raise ValueError(f"num_workers={num_workers} must be >= 1")
+    out, lse = causal_attention_lse(query, key, value, scaling)
+    return out, column_sums_from_lse(query, key, lse, row_weights, scaling, block_size, num_workers)

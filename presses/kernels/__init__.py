@@ -170,13 +170,15 @@ def biased_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
 def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                row_weights: torch.Tensor | None = None, scaling: float | None = None,
-                               block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                               block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch for a prefill's causal attention plus the row-weighted column sums of its attention matrix
     (SNIS proposals ``h2o``, ``h2o_h``, ``min_h`` computed in the prefill; paper 003 eqs. 16, 36):
     ``(B, H_Q, T, d), (B, G, T, d), (B, G, T, d_v) -> ((B, H_Q, T, d_v) in the query dtype, (B, H_Q, T)``
     float32); see :func:`presses.prefill_stats.attention_with_column_sums` for the contract, errors and source
-    (``block_size``: query rows per block of the torch path). The Triton path is a flash-attention forward that
-    also writes each row's log-sum-exp, then the column pass of :func:`column_sums`' kernel."""
+    (``block_size``: query rows per block of the torch path's column pass). Both paths are a flash-attention
+    forward that also returns each row's log-sum-exp, then a column pass ``exp(logit - lse)``; the torch path's
+    forward is torch's own fused CPU kernel (``sdpa``'s output bit for bit), the Triton path's the forward kernel
+    of :mod:`presses.kernels.fused_prefill` followed by the column kernel of :func:`column_sums`."""
     if (use_triton(key) and query.dtype == key.dtype == value.dtype and key.dtype in _TRITON_DTYPES
             and query.shape[-1] == value.shape[-1]):
         from presses.kernels.fused_prefill import attention_with_column_sums_triton
