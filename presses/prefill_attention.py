@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["STATISTICS", "StatsRequest", "PrefillStats", "install_prefill_attention", "prefill_statistics",
-           "take_prefill_stats", "attention_modules"]
+__all__ = ["STATISTICS", "PrefillStats", "StatsRequest", "attention_modules", "install_prefill_attention",
+           "prefill_statistics", "take_prefill_stats"]
 
 #: Statistic each attention proposal reads: column sums with unit or harmonic row weights, or the last row.
 STATISTICS = {"h2o": "columns", "h2o_h": "harmonic_columns", "min_h": "harmonic_columns", "min": "last_row"}

@@ -62,9 +62,7 @@ def profile(model, T: int, proposal: str, ratio: float, use_pyinstrument: bool) 
     import torch
     from transformers import DynamicCache
 
-    import presses.budget as budget
-    import presses.kernels as kernels
-    import presses.snis_press as snis_press
+    from presses import kernels, snis_press
     from presses.snis_attention import clear_snis_state
 
     ids = torch.randint(100, 40000, (1, T), generator=torch.Generator().manual_seed(0))

@@ -231,7 +231,7 @@ def _run_press(model, ids, fused: bool, monkeypatch, **press_kwargs):
 def test_press_fused_equals_todays_path(tiny_llama, monkeypatch, proposal, budget):
     model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=3, hidden=96, attn_implementation="sdpa", seed=2)
     ids = torch.randint(3, 128, (1, 150), generator=torch.Generator().manual_seed(4))
-    kw = dict(compression_ratio=0.6, proposal=proposal, budget=budget, seed=7, block_size=32)
+    kw = {"compression_ratio": 0.6, "proposal": proposal, "budget": budget, "seed": 7, "block_size": 32}
     h_new, pi_new, b_new, c_new, recomputed_new, taken_new = _run_press(model, ids, True, monkeypatch, **kw)
     h_old, pi_old, b_old, c_old, recomputed_old, taken_old = _run_press(model, ids, False, monkeypatch, **kw)
     # the fused path was taken in every layer and nothing was recomputed; today's path recomputed every layer
@@ -260,7 +260,7 @@ def test_press_through_forced_triton_keeps_the_same_entries(tiny_llama, monkeypa
         monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", mode)
         real = fused_prefill.attention_with_column_sums_triton
         monkeypatch.setattr(fused_prefill, "attention_with_column_sums_triton",
-                            lambda *a, **kw: calls.append(mode) or real(*a, **kw))
+                            lambda *a, _mode=mode, _real=real, **kw: calls.append(_mode) or _real(*a, **kw))
         press = ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o_h", budget="head", seed=0)
         with torch.no_grad(), press(model):
             hidden = model.model(input_ids=ids, past_key_values=DynamicCache()).last_hidden_state
@@ -278,7 +278,7 @@ def test_eager_recomputes_column_sums_but_min_reads_the_last_row(tiny_llama, mon
     today), while ``min``'s last row comes from the layer's own query with any attention implementation."""
     model = tiny_llama(num_heads=4, num_kv_heads=2, num_layers=2, attn_implementation="eager", seed=1)
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(2))
-    kw = dict(compression_ratio=0.5, seed=1)
+    kw = {"compression_ratio": 0.5, "seed": 1}
     _, pi_new, b_new, _, recomputed, taken = _run_press(model, ids, True, monkeypatch, proposal="h2o_h", **kw)
     _, pi_old, b_old, _, _, _ = _run_press(model, ids, False, monkeypatch, proposal="h2o_h", **kw)
     assert taken == [] and len(recomputed) == 2
@@ -381,9 +381,9 @@ def test_fused_prefill_clears_stale_adakv_masking(tiny_llama):
 def test_embedded_model_keeps_the_same_entries(embedded_model, monkeypatch):
     """End to end on SmolLM2-135M (9 query heads, 3 KV groups, 30 layers): ``h2o_h`` with the global budget
     keeps the same entries with the fused path as with today's recompute (prefill outputs bit for bit)."""
-    model, tok = embedded_model
+    model, _ = embedded_model
     ids = torch.randint(100, 40000, (1, 400), generator=torch.Generator().manual_seed(0))
-    kw = dict(compression_ratio=0.5, proposal="h2o_h", seed=42)
+    kw = {"compression_ratio": 0.5, "proposal": "h2o_h", "seed": 42}
     h_new, _, b_new, _, _, taken = _run_press(model, ids, True, monkeypatch, **kw)
     h_old, _, b_old, _, _, _ = _run_press(model, ids, False, monkeypatch, **kw)
     assert len(taken) == 30
