@@ -617,7 +617,9 @@ def comparison_tables(out: Path, rows: list[dict], cfg: DictConfig) -> list[str]
         pairs.sort(key=lambda p: (p[0]["model"], order.index(p[0]["press"]) if p[0]["press"] in order
                                   else len(order), p[0]["press"], float(p[0]["compression_ratio"]),
                                   int(float(p[0]["T"]))))
-        lines += [f"## Before and after: rows measured again vs `{name}`", "",
+        stamps = sorted(str(old.get("timestamp", "")) for _, old in pairs)
+        when = f" (measured {stamps[0]} to {stamps[-1]})" if stamps else ""
+        lines += [f"## Before and after: rows measured again vs `{name}`{when}", "",
                   "Each side's ratios are taken within its own run (its own uncompressed prefill and SnapKV "
                   "reference at the same T).", "",
                   "| model | press | ratio | T | vs full before | vs full after | press ms before | press ms after | "
