@@ -15,10 +15,12 @@ Algorithm (two passes over the keys; a column sum needs each row's final softmax
    is bit for bit the one the model computes without the press (the rest of the prefill is unchanged);
 2. :func:`column_sums_from_lse`: ``p_j(i) = exp(q_j . k_i * scaling - lse_j)`` exactly, so the column sums need
    no softmax: the rows are cut into blocks of ``block_size``; a block's rows ``st .. e-1`` see the keys
-   ``0 .. e-1``; ``S = scaling Q_blk K[:e]^T + (log w - lse)_blk`` (causal mask on its last ``e - st``
-   columns), ``S <- exp(S)`` in place and ``s[:e] += sum_rows S``. Per block one matrix product and two passes
-   over ``S``; the ``r`` query heads of a KV group are stacked as extra rows against the group's keys. Every
-   entry of ``S`` is at most ``log w_j`` (``lse_j`` bounds the row's logits), so ``exp`` cannot overflow.
+   ``0 .. e-1``; ``S = scaling Q_blk K[:e]^T + (log w - lse)_blk``, ``S <- exp(S)`` in place, the causal
+   mask applied to its last ``e - st`` columns (their upper triangle set to 0) and ``s[:e] += sum_rows S``. Per
+   block one matrix product and three passes over ``S``; the ``r`` query heads of a KV group are stacked as
+   extra rows against the group's keys. Every visible entry of ``S`` is at most ``log w_j`` (``lse_j`` bounds
+   the row's logits), so ``exp`` cannot overflow there; a masked entry may overflow to ``inf`` before it is set
+   to 0 (never multiplied, so no NaN).
 
 Pass 2 does the causal ``Q K^T`` of the prefill a second time (not ``P V``); it is computed in float32 (inputs
 upcast). It runs on ``num_workers`` Python threads (torch's intra-op thread count by default), each running its
@@ -146,7 +148,6 @@ def _column_blocks(q, k, bias, acc, starts, block_size, scaling, inference):
     kt = k.transpose(-1, -2)
     with torch.inference_mode(inference), torch.no_grad():
         buf = torch.empty(B * G * r * block_size * T, dtype=torch.float32, device=k.device)
-        future = torch.ones(block_size, block_size, dtype=torch.bool, device=k.device).triu_(1)
         for start in starts:
             end = min(start + block_size, T)
             n = end - start
@@ -154,9 +155,9 @@ def _column_blocks(q, k, bias, acc, starts, block_size, scaling, inference):
             rows = (q[:, :, :, start:end].float() * scaling).reshape(B, G, r * n, d)
             torch.matmul(rows, kt[..., :end], out=logits)
             logits = logits.view(B, G, r, n, end)
-            logits.add_(bias[:, :, :, start:end, None])
-            logits[..., start:end].masked_fill_(future[:n, :n], float("-inf"))
-            acc[..., :end] += logits.exp_().sum(-2)  # w_j p_j(i), summed over the block's rows j
+            logits.add_(bias[:, :, :, start:end, None]).exp_()  # w_j p_j(i)
+            logits[..., start:end].tril_()  # causal: row start + u sees keys <= start + u (zeros after exp)
+            acc[..., :end] += logits.sum(-2)  # summed over the block's rows j
 
 
 def column_sums_from_lse(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor,
