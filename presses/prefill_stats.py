@@ -15,10 +15,10 @@ Algorithm (two passes over the keys; a column sum needs each row's final softmax
    is bit for bit the one the model computes without the press (the rest of the prefill is unchanged);
 2. :func:`column_sums_from_lse`: ``p_j(i) = exp(q_j . k_i * scaling - lse_j)`` exactly, so the column sums need
    no softmax: the rows are cut into blocks of ``block_size``; a block's rows ``st .. e-1`` see the keys
-   ``0 .. e-1``; ``S = scaling Q_blk K[:e]^T + (log w - lse)_blk``, ``S <- exp(S)`` in place, the causal
-   mask applied to its last ``e - st`` columns (their upper triangle set to 0) and ``s[:e] += sum_rows S``. Per
-   block one matrix product and three passes over ``S``; the ``r`` query heads of a KV group are stacked as
-   extra rows against the group's keys. Every visible entry of ``S`` is at most ``log w_j`` (``lse_j`` bounds
+   ``0 .. e-1``, taken in chunks of :data:`TILE_ELEMENTS` logits; per chunk ``S = scaling Q_blk K_chunk^T +
+   (log w - lse)_blk``, ``S <- exp(S)`` in place, the causal mask applied (entries of keys after their row set
+   to 0) and ``s[chunk] += sum_rows S``: one matrix product and three cache-resident passes over ``S``; the
+   ``r`` query heads of a KV group are stacked as extra rows against the group's keys. Every visible entry of ``S`` is at most ``log w_j`` (``lse_j`` bounds
    the row's logits), so ``exp`` cannot overflow there; a masked entry may overflow to ``inf`` before it is set
    to 0 (never multiplied, so no NaN).
 
@@ -140,24 +140,34 @@ def causal_attention_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out, lse.view(B, HQ, T)
 
 
+#: Elements of one logits tile of the column pass (16 MiB of float32): a block's keys are taken in chunks of
+#: about this many ``B H_Q block_size``-row columns, so the elementwise passes stay in the last-level cache.
+TILE_ELEMENTS = 1 << 22
+
+
 def _column_blocks(q, k, bias, acc, starts, block_size, scaling, inference):
-    """One worker of pass 2: for each block start, ``acc[.., :e] += sum_rows exp(scaling Q K^T + bias)``.
-    ``q (B, G, r, T, d)`` any dtype; ``k (B, G, T, d)`` float32; ``bias (B, G, r, T)`` float32
-    ``log w - lse``; ``acc (B, G, r, T)`` float32, this worker's own."""
+    """One worker of pass 2: for each block start, ``acc[.., :e] += sum_rows exp(scaling Q K^T + bias)``, the keys
+    in chunks of :data:`TILE_ELEMENTS`. ``q (B, G, r, T, d)`` any dtype; ``k (B, G, T, d)`` float32;
+    ``bias (B, G, r, T)`` float32 ``log w - lse``; ``acc (B, G, r, T)`` float32, this worker's own."""
     B, G, r, T, d = q.shape
     kt = k.transpose(-1, -2)
+    chunk = max(64, TILE_ELEMENTS // (B * G * r * block_size))
     with torch.inference_mode(inference), torch.no_grad():
-        buf = torch.empty(B * G * r * block_size * T, dtype=torch.float32, device=k.device)
+        buf = torch.empty(B * G * r * block_size * min(chunk, T), dtype=torch.float32, device=k.device)
         for start in starts:
             end = min(start + block_size, T)
             n = end - start
-            logits = buf[: B * G * r * n * end].view(B, G, r * n, end)
             rows = (q[:, :, :, start:end].float() * scaling).reshape(B, G, r * n, d)
-            torch.matmul(rows, kt[..., :end], out=logits)
-            logits = logits.view(B, G, r, n, end)
-            logits.add_(bias[:, :, :, start:end, None]).exp_()  # w_j p_j(i)
-            logits[..., start:end].tril_()  # causal: row start + u sees keys <= start + u (zeros after exp)
-            acc[..., :end] += logits.sum(-2)  # summed over the block's rows j
+            row_bias = bias[:, :, :, start:end, None]
+            for k0 in range(0, end, chunk):
+                k1 = min(k0 + chunk, end)
+                logits = buf[: B * G * r * n * (k1 - k0)].view(B, G, r * n, k1 - k0)
+                torch.matmul(rows, kt[..., k0:k1], out=logits)
+                logits = logits.view(B, G, r, n, k1 - k0)
+                logits.add_(row_bias).exp_()  # w_j p_j(i)
+                if k1 > start:  # causal: row start + u sees keys <= start + u (zeros after exp)
+                    logits.tril_(start - k0)
+                acc[..., k0:k1] += logits.sum(-2)  # summed over the block's rows j
 
 
 def column_sums_from_lse(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor,

@@ -94,11 +94,19 @@ def test_torch_path_equals_sdpa_and_column_sums(B, G, r, T, block, workers, weig
     torch.testing.assert_close(sums.sum(-1), total, atol=1e-4, rtol=1e-5)  # every row sums to 1
 
 
-def test_torch_path_does_not_depend_on_blocks_or_workers_beyond_round_off():
+@pytest.mark.parametrize("tile", [None, 1], ids=["one_key_chunk", "64_key_chunks"])
+def test_torch_path_does_not_depend_on_blocks_chunks_or_workers_beyond_round_off(tile, monkeypatch):
+    """Row blocks, key chunks (the smallest tile makes 64-key chunks, crossing the causal diagonal inside and
+    at the edges of blocks) and workers only reorder float32 sums."""
+    import presses.prefill_stats as prefill_stats
+
     q, k, v = _qkv(1, 2, 3, 150, seed=9)
     w = harmonic_prior(150)
     ref_out, ref_sums = attention_with_column_sums(q, k, v, w, None, 150, 1)  # one block, one worker
-    for block, workers in ((1, 1), (13, 2), (64, 5)):
+    torch.testing.assert_close(ref_sums, column_sums(q, k, w, torch.arange(150)), atol=1e-6, rtol=1e-4)
+    if tile is not None:
+        monkeypatch.setattr(prefill_stats, "TILE_ELEMENTS", tile)
+    for block, workers in ((1, 1), (13, 2), (64, 5), (100, 1)):
         out, sums = attention_with_column_sums(q, k, v, w, None, block, workers)
         assert torch.equal(out, ref_out)
         torch.testing.assert_close(sums, ref_sums, atol=1e-7, rtol=1e-5)
