@@ -16,9 +16,10 @@ Algorithm (two passes over the keys; a column sum needs each row's final softmax
 2. :func:`column_sums_from_lse`: ``p_j(i) = exp(q_j . k_i * scaling - lse_j)`` exactly, so the column sums need
    no softmax: the rows are cut into blocks of ``block_size``; a block's rows ``st .. e-1`` see the keys
    ``0 .. e-1``, taken in chunks of :data:`TILE_ELEMENTS` logits; per chunk ``S = scaling Q_blk K_chunk^T +
-   (log w - lse)_blk``, ``S <- exp(S)`` in place, the causal mask applied (entries of keys after their row set
-   to 0) and ``s[chunk] += sum_rows S``: one matrix product and three cache-resident passes over ``S``; the
-   ``r`` query heads of a KV group are stacked as extra rows against the group's keys. Every visible entry of ``S`` is at most ``log w_j`` (``lse_j`` bounds
+   (log w - lse)_blk`` (one matrix product: the bias is a last coordinate, ``[scaling q_j, b_j] . [k_i, 1]``),
+   ``S <- exp(S)`` in place, the causal mask applied (entries of keys after their row set to 0) and
+   ``s[chunk] += sum_rows S``: the product and two cache-resident passes over ``S``; the ``r`` query heads of a
+   KV group are stacked as extra rows against the group's keys. Every visible entry of ``S`` is at most ``log w_j`` (``lse_j`` bounds
    the row's logits), so ``exp`` cannot overflow there; a masked entry may overflow to ``inf`` before it is set
    to 0 (never multiplied, so no NaN).
 
@@ -150,21 +151,21 @@ def _column_blocks(q, k, bias, acc, starts, block_size, scaling, inference):
     in chunks of :data:`TILE_ELEMENTS`. ``q (B, G, r, T, d)`` any dtype; ``k (B, G, T, d)`` float32;
     ``bias (B, G, r, T)`` float32 ``log w - lse``; ``acc (B, G, r, T)`` float32, this worker's own."""
     B, G, r, T, d = q.shape
-    kt = k.transpose(-1, -2)
+    # the bias rides in the matrix product as a last coordinate: [scaling q_j, b_j] . [k_i, 1]
+    kt = torch.cat([k, k.new_ones(B, G, T, 1)], dim=-1).transpose(-1, -2)  # (B, G, d + 1, T)
     chunk = max(64, TILE_ELEMENTS // (B * G * r * block_size))
     with torch.inference_mode(inference), torch.no_grad():
         buf = torch.empty(B * G * r * block_size * min(chunk, T), dtype=torch.float32, device=k.device)
         for start in starts:
             end = min(start + block_size, T)
             n = end - start
-            rows = (q[:, :, :, start:end].float() * scaling).reshape(B, G, r * n, d)
-            row_bias = bias[:, :, :, start:end, None]
+            rows = torch.cat([q[:, :, :, start:end].float() * scaling, bias[:, :, :, start:end, None]], dim=-1)
+            rows = rows.reshape(B, G, r * n, d + 1)
             for k0 in range(0, end, chunk):
                 k1 = min(k0 + chunk, end)
                 logits = buf[: B * G * r * n * (k1 - k0)].view(B, G, r * n, k1 - k0)
-                torch.matmul(rows, kt[..., k0:k1], out=logits)
+                torch.matmul(rows, kt[..., k0:k1], out=logits).exp_()  # w_j p_j(i)
                 logits = logits.view(B, G, r, n, k1 - k0)
-                logits.add_(row_bias).exp_()  # w_j p_j(i)
                 if k1 > start:  # causal: row start + u sees keys <= start + u (zeros after exp)
                     logits.tril_(start - k0)
                 acc[..., k0:k1] += logits.sum(-2)  # summed over the block's rows j
