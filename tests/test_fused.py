@@ -1,7 +1,8 @@
 """The shared-prefill sweep (evaluation/fused.py) gives exactly what separate harness runs give.
 
 Tiny random-weight Llama (GQA, sdpa) with a character tokenizer: the hook replay must rebuild each press's
-compressed cache bit for bit, and ``run_fused`` must write the same predictions and compression as
+compressed cache bit for bit (the SNIS presses: the same entries, to float32 round-off, since a direct prefill
+computes their proposal inside its attention and the replay recomputes it), and ``run_fused`` must write the same predictions and compression as
 ``evaluation.run.run`` press by press, resume per run, and reject presses that change the prefill.
 """
 
@@ -76,15 +77,27 @@ def test_replay_rebuilds_the_compressed_cache_exactly(tiny, press_name):
             model.model(input_ids=ids, past_key_values=DynamicCache())
         replayed = replay.replay_prefill(model, press, capture)
     assert len(replayed) == len(direct) == 3
+    # the SNIS presses compute their proposal inside the direct prefill's attention (presses.probabilistic.
+    # prefill_attention) and recompute it in the replay: the same entries, equal to float32 round-off
+    exact = direct_bias[0] is None
+
+    def same(a, b):
+        if exact:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
     for i in range(3):
         assert replayed.layers[i].keys.shape[2] < 400  # it did compress
-        assert torch.equal(replayed.layers[i].keys, direct.layers[i].keys)
-        assert torch.equal(replayed.layers[i].values, direct.layers[i].values)
+        assert replayed.layers[i].keys.shape == direct.layers[i].keys.shape
+        same(replayed.layers[i].keys, direct.layers[i].keys)
+        same(replayed.layers[i].values, direct.layers[i].values)
         state = getattr(model.model.layers[i].self_attn, "_attention_bias", None)
         if direct_bias[i] is None:
             assert state is None
-        else:  # the SNIS correction left on the module for decoding is the same too
-            assert torch.equal(state.bias, direct_bias[i])
+        else:  # the SNIS correction left on the module for decoding is the same too, kept slot for kept slot
+            assert torch.equal(torch.isfinite(state.bias), torch.isfinite(direct_bias[i]))
+            same(state.bias, direct_bias[i])
 
 
 def test_shared_proposals_compute_once_and_change_nothing(tiny, monkeypatch):

@@ -15,6 +15,7 @@ from presses.base import Capabilities, ResearchPress, language_model
 from presses.probabilistic.budget import BUDGETS, sample_counts, search_num_samples
 from presses.probabilistic.correction import snis_bias
 from presses.core.paging import num_pages
+from presses.probabilistic.prefill_attention import install_prefill_attention, request_statistics
 from presses.probabilistic.page_sampling import UNITS, expand_pages, page_proposal, page_target, page_tolerance
 from presses.probabilistic.proposals import PROPOSALS, compute_proposal
 from presses.probabilistic.survivors import row_fingerprints, surviving_positions
@@ -185,9 +186,10 @@ class ProbabilisticEvictionPress(ResearchPress):
         P = int(n_kept.max())
         order = torch.sort(kept.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :P]
         valid = torch.arange(P, device=keys.device).view(1, 1, P) < n_kept.unsqueeze(-1)
-        idx = order.unsqueeze(-1).expand(B, G, P, d)
-        new_keys = keys.gather(2, idx).masked_fill(~valid.unsqueeze(-1), 0).contiguous()
-        new_values = values.gather(2, idx).masked_fill(~valid.unsqueeze(-1), 0).contiguous()
+        rows = (order + torch.arange(B * G, device=keys.device).view(B, G, 1) * t).reshape(-1)  # whole rows
+        pad = ~valid.unsqueeze(-1)
+        new_keys = keys.reshape(B * G * t, d).index_select(0, rows).view(B, G, P, d).masked_fill_(pad, 0)
+        new_values = values.reshape(B * G * t, -1).index_select(0, rows).view(B, G, P, -1).masked_fill_(pad, 0)
         bias = snis_bias(counts, m, pi, self.tau, self.correction).gather(-1, order)
         module._attention_bias = AttentionBias(bias.masked_fill(~valid, float("-inf")))
         self._stats[module.layer_idx] = {
@@ -285,14 +287,26 @@ class ProbabilisticEvictionPress(ResearchPress):
             raise ValueError(f"attn_implementation={impl!r} is not supported by ProbabilisticEvictionPress: "
                              f"use one of {SUPPORTED_ATTENTION} (the correction is an additive float mask)")
         install_bias_attention()
+        install_prefill_attention()
         super().post_init_from_model(model)
 
     def model_hooks(self, model):
-        """The contract's prefill-start hook plus a forward hook on the language model that runs
-        :meth:`finalize` (the global budget's eviction) once the prefill has passed every layer."""
-        return [*super().model_hooks(model), (language_model(model), "forward", self._finish_hook)]
+        """The contract's prefill-start hook, a pre-hook on the language model that asks the prefill's own
+        attention for the proposal's statistics (:mod:`presses.probabilistic.prefill_attention`: the all-row
+        column sums come out of the same pass over the keys instead of a second one), and a forward hook that
+        withdraws that request and runs :meth:`finalize` (the global budget's eviction) once the prefill has passed
+        every layer."""
+        lm = language_model(model)
+        return [*super().model_hooks(model), (lm, "forward_pre", self._request_statistics),
+                (lm, "forward", self._finish_hook)]
+
+    def _request_statistics(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if (cache is None or cache.get_seq_length() == 0) and self.compression_ratio > 0:
+            request_statistics([layer.self_attn for layer in module.layers], self.proposal, self.block_size)
 
     def _finish_hook(self, module, args, kwargs, output):
+        request_statistics([layer.self_attn for layer in module.layers], None)
         self.finalize()
         return output
 
