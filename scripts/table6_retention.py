@@ -3,7 +3,9 @@
 Usage::
 
     python scripts/table6_retention.py                       # writes results/uor/smollm2-135m/table6_*.{csv,md,png}
-    python scripts/table6_retention.py --lengths 959 --n-per-depth 1 --out /tmp/t6   # a quick look
+    python scripts/table6_retention.py --lengths 959 --n-per-depth 1 --out /tmp/t6 --parts /tmp/t6/parts  # a look
+    python scripts/table6_retention.py --protocols question_after &   # the two protocols in parallel; resumable
+    python scripts/table6_retention.py --protocols question_inside
 
 For every needle prompt (needle depths 0-100 %, prompt lengths about 959, 1474 and 1990 tokens, both protocols:
 the question after compression and inside the compressed context) one uncompressed prefill is recorded and four
@@ -26,8 +28,9 @@ prompt, layer and group), ``table6.md`` (the tables, the paper's numbers beside 
 from __future__ import annotations
 
 import argparse
-import os
 import csv
+import json
+import os
 import math
 import sys
 import time
@@ -55,6 +58,8 @@ from presses import PageEntroKVPress  # noqa: E402
 #: (variant name, press config, pooling override)
 VARIANTS = [("ours_entropy", "page_entrokv", None), ("ours_mean", "page_entrokv", "mean"),
             ("paper000_entropy", "page_entrokv_paper000", None), ("paper000_mean", "page_entrokv_paper000", "mean")]
+#: protocol name -> question inside the compressed context
+PROTOCOLS = {"question_after": False, "question_inside": True}
 #: Paper 000 Table 6 (Qwen2.5-1.5B-Instruct, r = 6, 20 % budget): pooled-selection retention by T.
 PAPER_POOLED = {959: (0.0, 100.0), 1469: (0.0, 100.0), 1989: (0.0, 100.0), 2499: (0.0, 100.0)}
 
@@ -116,6 +121,17 @@ def fig9b_rows(press: _Observed, value_tokens: torch.Tensor, G: int) -> list[dic
     return rows
 
 
+def needle_examples(pipe, tokenizer, args, target: int, query_aware: bool) -> list:
+    """The needle prompts of about ``target`` model tokens (chat template and, inside the context, the question
+    included): the haystack is sized by the overhead measured on a probe prompt."""
+    probe = NeedleDataset(context_length=target, depths=[50], n_per_depth=1).examples(
+        tokenizer, 1, args.seed, query_aware)[0]
+    overhead = pipe.preprocess(probe.context, [probe.question], probe.answer_prefix,
+                               int(1e10))["context_ids"].shape[1] - probe.metadata["context_length"]
+    ds = NeedleDataset(context_length=target - overhead, depths=args.depths, n_per_depth=args.n_per_depth)
+    return list(ds.examples(tokenizer, None, args.seed, query_aware))
+
+
 def run(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,17 +139,18 @@ def run(args) -> None:
     model, tokenizer = load_model(args.model)
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device("cpu"))
     G = model.config.num_key_value_heads
-    retention, fig9b = [], []
+    parts = Path(args.parts)
+    parts.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    for protocol, query_aware in (("question_after", False), ("question_inside", True)):
+    for protocol, query_aware in PROTOCOLS.items():
+        if protocol not in args.protocols:
+            continue
         for target in args.lengths:
-            # the prompt adds the chat template (and the question inside the context): size the haystack to it
-            probe = NeedleDataset(context_length=target, depths=[50], n_per_depth=1).examples(
-                tokenizer, 1, args.seed, query_aware)[0]
-            overhead = pipe.preprocess(probe.context, [probe.question], probe.answer_prefix,
-                                       int(1e10))["context_ids"].shape[1] - probe.metadata["context_length"]
-            ds = NeedleDataset(context_length=target - overhead, depths=args.depths, n_per_depth=args.n_per_depth)
-            for ex in ds.examples(tokenizer, None, args.seed, query_aware):
+            for ex in needle_examples(pipe, tokenizer, args, target, query_aware):
+                part = parts / f"{protocol}_{target}_{ex.id}_r{args.ratio:g}_s{args.seed}.json"
+                if part.exists():  # resume: this prompt was measured by an earlier (or parallel) process
+                    continue
+                retention, fig9b = [], []
                 ids = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))["context_ids"]
                 value_tokens = value_positions(tokenizer, ids, ex.answers[0])
                 with torch.inference_mode(), PrefillCapture(model) as capture:
@@ -155,10 +172,37 @@ def run(args) -> None:
                 print(f"{protocol} T={ids.shape[1]} depth={ex.metadata['depth']:g}: " + ", ".join(
                     f"{r['variant']}={r['pooled_selection']:.2f}/{r['strict']}" for r in retention[-len(VARIANTS):]),
                     f"({time.perf_counter() - start:.0f} s)", flush=True)
+                write_atomic(part, json.dumps({"retention": retention, "fig9b": fig9b}))
+    retention, fig9b, missing = collect(parts, args, pipe, tokenizer)
+    if missing:
+        print(f"{missing} prompt(s) not measured yet (another --protocols process?): no report written", flush=True)
+        return
     write_csv(out / "table6_retention.csv", retention)
     write_csv(out / "table6_fig9b.csv", fig9b)
     plot_fig9b(fig9b, out / "table6_fig9b.png")
     write_atomic(out / "table6.md", report(retention, fig9b, args))
+
+
+def collect(parts: Path, args, pipe, tokenizer) -> tuple[list[dict], list[dict], int]:
+    """The retention and Fig. 9b rows of every prompt of ``args`` (both protocols) from the part files in
+    ``parts``, in the order of the sweep, and the number of prompts without a part file."""
+    retention, fig9b, missing = [], [], 0
+    for protocol, query_aware in PROTOCOLS.items():
+        for target in args.lengths:
+            for ex_id in prompt_ids(pipe, tokenizer, args, target, query_aware):
+                part = parts / f"{protocol}_{target}_{ex_id}_r{args.ratio:g}_s{args.seed}.json"
+                if not part.exists():
+                    missing += 1
+                    continue
+                data = json.loads(part.read_text())
+                retention += data["retention"]
+                fig9b += data["fig9b"]
+    return retention, fig9b, missing
+
+
+def prompt_ids(pipe, tokenizer, args, target: int, query_aware: bool) -> list[str]:
+    """The example ids of the needle prompts at target length ``target`` (as :func:`run` builds them)."""
+    return [ex.id for ex in needle_examples(pipe, tokenizer, args, target, query_aware)]
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -178,7 +222,16 @@ def _mean(xs):
 
 def report(retention: list[dict], fig9b: list[dict], args) -> str:
     """``table6.md``: (a) pooled selection by length, (b) strict by depth, per protocol; Fig. 9b summary."""
-    command = "python scripts/table6_retention.py " + " ".join(sys.argv[1:])
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # the recorded command is the whole sweep: drop a per-process --protocols
+        if a == "--protocols" or a.startswith("--protocols="):
+            skip = a == "--protocols"
+            continue
+        if skip and not a.startswith("--"):
+            continue
+        skip = False
+        argv.append(a)
+    command = "python scripts/table6_retention.py " + " ".join(argv)
     lines = ["# Paper 000 Table 6 and Fig. 9b on the embedded model", "",
              f"Command: `{command.strip()}` (written by the script; never edited by hand).", "",
              f"Model {args.model}; needle prompts at target lengths {args.lengths} (measured T in the rows), depths "
@@ -267,6 +320,11 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(REPO / "results" / "uor" / "smollm2-135m"))
+    p.add_argument("--protocols", nargs="+", choices=list(PROTOCOLS), default=list(PROTOCOLS),
+                   help="measure only these (run one process per protocol in parallel; the last to finish writes "
+                        "the report from every prompt's part file)")
+    p.add_argument("--parts", default=str(REPO / "runs" / "table6"),
+                   help="one json per measured prompt (resume: a prompt with a part file is skipped)")
     run(p.parse_args(argv))
 
 
