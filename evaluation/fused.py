@@ -16,13 +16,15 @@ run that needs it, so that run's ``seconds`` carries it and the later runs' do n
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from evaluation import harness
-from evaluation.loop import evaluate
+from evaluation import harness, inputs
+from evaluation.cli import check_group_choices, one_line_errors
 
 __all__ = ["run_fused", "compose_runs", "main"]
 
@@ -44,8 +46,13 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
 
     Raises:
         ValueError: as :func:`evaluation.loop.evaluate`, and for a press that cannot share a prefill.
+        FileNotFoundError, OSError, ImportError, DataUnavailableError: a model or data that cannot be found.
     """
-    return evaluate(cfgs, command, shared_prefill=True, batch_decode=batch_decode, pad_decode=pad_decode)
+    prepared = inputs.prepare(cfgs)  # bad input fails before torch and kvpress are imported
+    from evaluation.loop import evaluate  # noqa: PLC0415
+
+    return evaluate(cfgs, command, shared_prefill=True, batch_decode=batch_decode, pad_decode=pad_decode,
+                    prepared=prepared)
 
 
 def compose_runs(cfg: DictConfig, overrides: list[str]) -> list[tuple[DictConfig, dict[str, str]]]:
@@ -72,11 +79,14 @@ def compose_runs(cfg: DictConfig, overrides: list[str]) -> list[tuple[DictConfig
 
 @hydra.main(config_path=str(harness.CONFIG_DIR), config_name="fused", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    """Hydra entry point of the shared-prefill sweep (``configs/fused.yaml``)."""
-    overrides = list(HydraConfig.get().overrides.task)
-    run_fused(compose_runs(cfg, overrides), harness.command_line("python -m evaluation.fused"), cfg.batch_decode,
-              cfg.get("pad_decode", True))
+    """Hydra entry point of the shared-prefill sweep (``configs/fused.yaml``). Bad input: one ``error:`` line and
+    exit status 1 (:mod:`evaluation.cli`)."""
+    with one_line_errors():
+        overrides = list(HydraConfig.get().overrides.task)
+        run_fused(compose_runs(cfg, overrides), harness.command_line("python -m evaluation.fused"),
+                  cfg.batch_decode, cfg.get("pad_decode", True))
 
 
 if __name__ == "__main__":
+    check_group_choices(sys.argv[1:])
     main()

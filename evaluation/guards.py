@@ -1,17 +1,28 @@
-"""Input guards of the harness: turn the kvpress baselines' asserts and obscure failures into clear errors.
+"""Input guards of the harness: every input that the model, the dataset or a press cannot take gets one clear
+``ValueError`` naming the value and the limit, before anything is written (the README's Limits lists them all,
+each with its test).
 
-kvpress's baselines check their inputs with ``assert`` (silently skipped under ``python -O``) or not at
-all; the per-press limits live in the registry (:func:`evaluation.registry.press_input_problem`). Every press
-needs a Llama-style decoder (``model.model.layers[i].self_attn`` with a ``q_proj``). :func:`check_press_input`
-raises a ``ValueError`` naming the value and the limit before the prefill instead. This project's presses
-validate their own input; they only get the model-layout check here. ``tests/test_robustness.py``.
+- the run's settings (:func:`check_settings`): ``n_samples >= 1``, ``max_new_tokens >= 1``, a CUDA device
+  that exists;
+- the dataset (:func:`check_dataset`): ``n_samples`` within what it can give (``Dataset.sample_limit``);
+  its own parameters (unknown LongBench or RULER task, a RULER length below a task's smallest prompt, a needle
+  context too short for the needle, ...) are checked by the dataset itself when it is built;
+- the run's examples (:func:`check_examples`): at least one (a shard past the last example, or filters that
+  drop every example, give none);
+- the model (:func:`check_model`): the decoder layout every press hooks into (:func:`check_model_layout`);
+- each example on the model (:func:`check_model_input`): prompt plus answer within the model's positions, and
+  token ids within its vocabulary;
+- each example under a press (:func:`check_press_input`): the press's limits, from the registry
+  (:func:`evaluation.registry.press_input_problem`; kvpress's baselines check their inputs with ``assert``,
+  skipped under ``python -O``, or not at all). This project's presses validate their own input.
+
+``tests/test_guards.py`` and ``tests/test_robustness.py``.
 """
 
 from __future__ import annotations
 
-from evaluation.registry import press_input_problem
-
-__all__ = ["check_model_layout", "check_press_input"]
+__all__ = ["check_settings", "check_dataset", "check_examples", "check_model", "check_model_layout",
+           "check_model_input", "check_press_input", "max_positions"]
 
 
 def _decoder_layers(model):
@@ -19,6 +30,65 @@ def _decoder_layers(model):
     inner = getattr(model, "model", None)
     inner = getattr(inner, "language_model", inner)
     return getattr(inner, "layers", None)
+
+
+def _text_config(model):
+    return getattr(model.config, "text_config", None) or model.config
+
+
+def check_settings(cfg) -> None:
+    """Raise for run settings no dataset or model can take (called before anything is loaded).
+
+    Raises:
+        ValueError: ``n_samples`` or ``max_new_tokens`` below 1, or a ``cuda`` device that torch does not see.
+    """
+    for key in ("n_samples", "max_new_tokens"):
+        value = cfg.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{key}={value!r} must be an integer >= 1 (or null for the dataset's default)")
+    device = str(cfg.get("device", "cpu"))
+    if device.startswith("cuda"):
+        import torch  # noqa: PLC0415
+
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ValueError(f"device={device} but torch sees {torch.cuda.device_count()} CUDA device(s): use "
+                             "device=cpu or an existing GPU")
+
+
+def check_dataset(dataset, n_samples: int | None) -> None:
+    """Raise when ``n_samples`` asks for more examples than the dataset can give (``dataset.sample_limit()``:
+    LongBench's rows per task file, RULER's qa questions; the generated datasets have no limit).
+
+    Raises:
+        ValueError: naming ``n_samples``, the limit and what sets it.
+    """
+    limit = getattr(dataset, "sample_limit", None)
+    limit = limit() if callable(limit) and n_samples is not None else None
+    if limit is not None and n_samples > limit[0]:
+        raise ValueError(f"n_samples={n_samples} is more than the dataset can give: {limit[1]} number "
+                         f"{limit[0]}; use n_samples<={limit[0]} (or n_samples=null for the dataset's default)")
+
+
+def check_examples(examples: list, cfg, n_total: int) -> None:
+    """Raise when a run has no example to run.
+
+    Args:
+        examples: the run's examples (after its shard).
+        cfg: the run's config (``shard``, ``dataset``).
+        n_total: the dataset's examples before sharding.
+
+    Raises:
+        ValueError: naming the shard and the number of examples, or the dataset's filters.
+    """
+    if examples:
+        return
+    shard = cfg.get("shard")
+    if shard and n_total:
+        raise ValueError(f"shard={shard} is empty: the dataset gives {n_total} example(s), so shard i/n needs "
+                         f"i < {n_total}")
+    raise ValueError("the dataset gives no example for these settings (its filters, e.g. skip_longer_than, drop "
+                     "every prompt)")
 
 
 def check_model_layout(model) -> None:
@@ -41,9 +111,57 @@ def check_model_layout(model) -> None:
         raise ValueError(f"model class {name} is not supported by the presses: its decoder layers need a "
                          "Llama-style self_attn with q_proj (or qkv_proj) and layer_idx, got "
                          f"{type(attn).__name__ if attn is not None else 'no self_attn'}")
-    cfg = getattr(model.config, "text_config", None) or model.config
-    if not hasattr(cfg, "num_attention_heads"):
+    if not hasattr(_text_config(model), "num_attention_heads"):
         raise ValueError(f"model class {name} is not supported by the presses: config.num_attention_heads is missing")
+
+
+def check_model(model, tokenizer) -> None:
+    """Raise for a model the harness cannot run (:func:`check_model_layout`). Whether the tokenizer fits the
+    model is checked on the ids it produces (:func:`check_model_input`): a tokenizer may hold a few added tokens
+    beyond the embedding that no text produces (the embedded SmolLM2's has 5).
+
+    Raises:
+        ValueError: an unsupported layout.
+    """
+    check_model_layout(model)
+
+
+def max_positions(model) -> int | None:
+    """The most positions ``model`` takes: ``max_position_embeddings``, or ``factor x
+    original_max_position_embeddings`` when a YaRN / dynamic / LongRoPE scaling extends it further; None when
+    the config does not say."""
+    cfg = _text_config(model)
+    limit = getattr(cfg, "max_position_embeddings", None)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if limit and kind in ("yarn", "dynamic", "longrope") and rope.get("factor"):
+        limit = max(limit, int(rope["factor"] * rope.get("original_max_position_embeddings", limit)))
+    return int(limit) if limit else None
+
+
+def check_model_input(model, context_length: int, question_length: int, max_new_tokens: int,
+                      example_id: str = "", max_token_id: int | None = None) -> None:
+    """Raise when an example does not fit the model: its positions (:func:`max_positions`) or its vocabulary.
+
+    The context (with its chat template), the question and the generated answer all take positions
+    (decoding continues after ``T``, whatever the press kept); every token id must index a row of the model's
+    input embedding (``vocab_size``).
+
+    Raises:
+        ValueError: naming the example, the token counts and ``max_position_embeddings``, or the token id and
+            ``vocab_size``.
+    """
+    rows = model.get_input_embeddings().num_embeddings
+    if max_token_id is not None and max_token_id >= rows:
+        raise ValueError(f"example {example_id}: token id {max_token_id} is not below the model's vocab_size={rows} "
+                         "(its embedding rows): the tokenizer does not fit the model; use the model's own tokenizer")
+    limit = max_positions(model)
+    total = int(context_length) + int(question_length) + int(max_new_tokens)
+    if limit is not None and total > limit:
+        raise ValueError(f"example {example_id}: context {context_length} + question {question_length} + "
+                         f"max_new_tokens {max_new_tokens} = {total} positions, more than the model's "
+                         f"max_position_embeddings={limit}: use a shorter context (e.g. dataset.context_length, "
+                         "dataset.max_context_length)")
 
 
 def check_press_input(press, model, context_length: int, multi_token_forward: bool = False) -> None:
@@ -65,6 +183,8 @@ def check_press_input(press, model, context_length: int, multi_token_forward: bo
     """
     if press is None:
         return
+    from evaluation.registry import press_input_problem  # noqa: PLC0415 - kvpress only when a press is checked
+
     check_model_layout(model)
     problem = press_input_problem(press, model, context_length, multi_token_forward)
     if problem:

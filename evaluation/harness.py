@@ -6,6 +6,12 @@ compressed context, ``query_aware=true``; the two protocols never share a direct
 ``predictions.jsonl`` (one row per example, appended and fsynced as each finishes), ``config.yaml`` (the resolved
 config) and ``metrics.json`` (written last, atomically). A run whose ``metrics.json`` exists is skipped; an
 interrupted run resumes after its last complete row, only with the settings saved in its ``config.yaml``.
+
+One process at a time writes a run directory: :func:`claim_runs` holds a file lock (``.run.lock``, the
+``filelock`` library) on it from the settings check to ``metrics.json``. Another process with other settings is
+refused, naming the changed keys; one with the same settings waits for the lock, then skips the rows already done
+(or the whole run, once finished). :func:`run_in_progress` tells a reader (``evaluation.report``) that a run is
+being written.
 The per-example loop is :mod:`evaluation.loop`; the entry points are :mod:`evaluation.run` and
 :mod:`evaluation.fused`.
 """
@@ -22,8 +28,6 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-
-from evaluation.registry import MOVED_TARGETS
 
 logger = logging.getLogger("evaluation.harness")
 
@@ -80,11 +84,17 @@ def parse_shard(shard) -> tuple[int, int] | None:
     return i, n
 
 
+def run_label(names: dict[str, str]) -> str:
+    """The press part of a run's directory: ``names["run_name"]`` when a caller labels a variant of a press
+    config (e.g. a tuning candidate with overrides), else the press config's name."""
+    return names.get("run_name") or names["press"]
+
+
 def run_dir(cfg: DictConfig, names: dict[str, str]) -> Path:
     """The directory of one run (see the module docstring)."""
     ratio = 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio)
     dataset = names["dataset"] + ("-qa" if cfg.get("query_aware") else "")  # the two protocols never mix
-    out = Path(cfg.output_dir) / dataset / names["model"] / names["press"] / f"cr{ratio:g}"
+    out = Path(cfg.output_dir) / dataset / names["model"] / run_label(names) / f"cr{ratio:g}"
     shard = parse_shard(cfg.get("shard"))
     return out / f"shard_{shard[0]}_of_{shard[1]}" if shard else out
 
@@ -169,6 +179,8 @@ def config_changes(saved, cfg) -> list[str]:
             return {k: v for key, val in node.items() for k, v in flat(val, f"{prefix}{key}.").items()}
         return {prefix[:-1]: node}
 
+    from evaluation.registry import MOVED_TARGETS  # noqa: PLC0415 - kvpress is imported only when needed
+
     old = flat(OmegaConf.to_container(OmegaConf.create(saved), resolve=True))
     new = flat(OmegaConf.to_container(OmegaConf.create(cfg), resolve=True))
     old = {k: MOVED_TARGETS.get(v, v) if k.endswith("_target_") else v for k, v in old.items()}
@@ -176,47 +188,205 @@ def config_changes(saved, cfg) -> list[str]:
             if k.split(".")[0] not in RESUME_FREE_KEYS and old.get(k, "<unset>") != new.get(k, "<unset>")]
 
 
-def start_run(cfg: DictConfig, names: dict[str, str]) -> tuple[Path, dict | None]:
-    """Validate the names and ratio of one run, create its directory and write its ``config.yaml``.
+def check_names(names: dict[str, str]) -> None:
+    """Raise unless the ``press``, ``dataset`` and ``model`` of ``names`` are configs of their groups.
 
-    A directory that already holds rows or ``metrics.json`` is resumed (or reused) only when its saved
-    ``config.yaml`` has the same settings (:func:`config_changes`), so two settings never mix in one run.
+    Raises:
+        ValueError: naming the unknown name and the valid ones.
+    """
+    for group in ("press", "dataset", "model"):  # "run_name" labels a variant: not a config (run_label)
+        name = names[group]
+        if name not in config_choices(group):
+            raise ValueError(f"unknown {group} '{name}'; valid: {', '.join(config_choices(group))}")
+
+
+#: The lock file of a run directory (:func:`claim_runs`).
+LOCK_NAME = ".run.lock"
+#: Seconds between two looks at a busy run directory's settings while waiting for its lock.
+LOCK_POLL_S = 1.0
+
+
+def _settings_problem(out: Path, cfg: DictConfig, why: str) -> str | None:
+    """Why ``cfg`` may not write ``out`` (its ``config.yaml`` holds other settings), or None."""
+    if not (out / "config.yaml").exists():
+        return None
+    changed = config_changes(OmegaConf.load(out / "config.yaml"), cfg)
+    if not changed:
+        return None
+    return (f"{out} {why} other settings ({'; '.join(changed)}); writing it would mix them: choose another "
+            "output_dir for these settings (the run directory names only dataset, model, press and ratio), or "
+            "pass overwrite=true to redo the run")
+
+
+def _has_rows(out: Path) -> bool:
+    path = out / "predictions.jsonl"
+    return path.exists() and path.stat().st_size > 0
+
+
+def check_existing_run(cfg: DictConfig, names: dict[str, str]) -> dict | None:
+    """Read-only look at a run's directory before anything is loaded or written.
+
+    Returns:
+        The run's ``metrics.json`` when it is finished with the same settings (nothing to do), else None.
+
+    Raises:
+        ValueError: for a bad name, ratio or shard, or a directory that holds rows or metrics made with other
+            settings (the check is repeated under the lock by :func:`claim_runs`).
+    """
+    check_names(names)
+    check_ratio(cfg.compression_ratio)
+    out = run_dir(cfg, names)
+    if cfg.get("overwrite", False):
+        return None
+    finished = (out / "metrics.json").exists()
+    if finished or _has_rows(out):
+        problem = _settings_problem(out, cfg, "holds a run made with")
+        if problem:
+            raise ValueError(problem)
+    if finished and not run_in_progress(out):
+        logger.info("finished run found, skipping: %s", out)
+        return json.loads((out / "metrics.json").read_text())
+    return None
+
+
+def run_in_progress(out: Path) -> bool:
+    """Whether another process holds ``out``'s lock (writes that run now). A directory without a lock file, or
+    one this process cannot lock (read-only), is not in progress."""
+    from filelock import FileLock, Timeout  # noqa: PLC0415
+
+    path = Path(out) / LOCK_NAME
+    if not path.exists():
+        return False
+    try:
+        with FileLock(path, timeout=0, thread_local=False, is_singleton=False):
+            return False
+    except Timeout:
+        return True
+    except OSError:
+        return False
+
+
+def _claim(cfg: DictConfig, names: dict[str, str], made: list[Path]):
+    """Lock one run directory (waiting for another process with the same settings), check and write its
+    settings. Returns ``(out, lock, metrics)``: ``metrics`` of a finished run (the lock is then released and
+    None), else None with the lock held. Directories this call creates are appended to ``made``."""
+    from filelock import FileLock, Timeout  # noqa: PLC0415
+
+    check_names(names)
+    check_ratio(cfg.compression_ratio)
+    out = run_dir(cfg, names)
+    missing = [p for p in (out, *out.parents) if not p.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    made.extend(reversed(missing))  # deepest last
+    overwrite = cfg.get("overwrite", False)
+    lock = FileLock(out / LOCK_NAME, thread_local=False, is_singleton=False)
+    waiting = False
+    while True:
+        try:
+            lock.acquire(timeout=LOCK_POLL_S)
+            if (out / LOCK_NAME).exists():
+                break
+            lock.release()  # the holder removed the directory it had made (it failed before any row): retry
+            out.mkdir(parents=True, exist_ok=True)
+            continue
+        except Timeout:  # another process writes this run: its settings are in config.yaml
+            problem = _settings_problem(out, cfg, "is being written by another process with")
+            if problem:
+                raise ValueError(problem) from None
+            if not waiting:
+                logger.warning("%s is being written by another process with the same settings: waiting for it "
+                               "(its finished rows will be skipped)", out)
+                waiting = True
+    try:
+        finished = (out / "metrics.json").exists()
+        if (finished or _has_rows(out)) and not overwrite:
+            problem = _settings_problem(out, cfg, "holds a run made with")
+            if problem:
+                raise ValueError(problem)
+        if finished and not overwrite:
+            logger.info("finished run found, skipping: %s", out)
+            metrics = json.loads((out / "metrics.json").read_text())
+            lock.release()
+            return out, None, metrics
+        if overwrite:
+            for name in ("predictions.jsonl", "metrics.json"):
+                (out / name).unlink(missing_ok=True)
+        write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))  # before any row
+        return out, lock, None
+    except BaseException:
+        lock.release()
+        raise
+
+
+@contextlib.contextmanager
+def claim_runs(runs: list[tuple[DictConfig, dict[str, str]]]):
+    """Hold the run directories of ``runs`` (``(cfg, names)`` each) for the duration of the block.
+
+    Each directory is locked (``.run.lock``), in path order so two processes never wait on each other; while
+    another process holds it, its ``config.yaml`` is compared with ``cfg``: other settings are refused at once,
+    the same settings wait. Under the lock a directory that holds rows or metrics of other settings is refused,
+    a finished one is skipped, and ``config.yaml`` is written before any row, so two settings never mix in one
+    run (whoever comes second). On an error before any row was written, the directories this call created are
+    removed again.
+
+    Yields:
+        Per run, in ``runs`` order: ``(run directory, metrics)``, ``metrics`` being the finished run's
+        ``metrics.json`` (nothing to do) or None (the run is held and still has work).
+
+    Raises:
+        ValueError: for a bad name, ratio or shard, or a run directory of other settings (pass
+            ``overwrite=true`` or another ``output_dir``).
+    """
+    order = sorted(range(len(runs)), key=lambda k: str(run_dir(*runs[k])))
+    held, made, claimed = [], [], {}
+    try:
+        for k in order:
+            out, lock, metrics = _claim(*runs[k], made)
+            claimed[k] = (out, metrics)
+            if lock is not None:
+                held.append(lock)
+        yield [claimed[k] for k in range(len(runs))]
+    except BaseException:
+        for path in reversed(made):  # nothing left behind by a run that never wrote a row
+            if path.is_dir() and not _has_rows(path) and not (path / "metrics.json").exists():
+                for name in (LOCK_NAME, "config.yaml"):
+                    (path / name).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.rmdir()  # only when empty
+        raise
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def start_run(cfg: DictConfig, names: dict[str, str]) -> tuple[Path, dict | None]:
+    """Validate the names and ratio of one run, create its directory and write its ``config.yaml``, as
+    :func:`claim_runs` does for one run, releasing the lock again (for scripts that run alone).
 
     Returns:
         ``(run directory, metrics)``; ``metrics`` is the finished run's ``metrics.json`` (then nothing
         was written) or None when the run still has work.
 
     Raises:
-        ValueError: for a ratio outside ``[0, 1)``, a bad shard, an unknown config name, or a run
-            directory whose saved settings differ (pass ``overwrite=true`` or another ``output_dir``).
+        ValueError: as :func:`claim_runs`.
     """
-    for group, name in names.items():
-        if name not in config_choices(group):
-            raise ValueError(f"unknown {group} '{name}'; valid: {', '.join(config_choices(group))}")
-    check_ratio(cfg.compression_ratio)
-    out = run_dir(cfg, names)
-    overwrite, finished = cfg.get("overwrite", False), (out / "metrics.json").exists()
-    started = finished or (out / "predictions.jsonl").exists()
-    if started and not overwrite and (out / "config.yaml").exists():
-        changed = config_changes(OmegaConf.load(out / "config.yaml"), cfg)
-        if changed:
-            raise ValueError(f"{out} holds a run made with other settings ({'; '.join(changed)}); resuming "
-                             "would mix them: pass overwrite=true to redo it, or choose another output_dir")
-    if finished and not overwrite:
-        logger.info("finished run found, skipping: %s", out)
-        return out, json.loads((out / "metrics.json").read_text())
-    out.mkdir(parents=True, exist_ok=True)
-    if overwrite and (out / "predictions.jsonl").exists():
-        (out / "predictions.jsonl").unlink()
-    write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    return out, None
+    with claim_runs([(cfg, names)]) as claimed:
+        return claimed[0]
 
 
 def run_examples(cfg: DictConfig, dataset, tokenizer) -> list:
-    """The run's examples: the dataset's ``n_samples`` examples for ``seed``, then this run's shard."""
+    """The run's examples: the dataset's ``n_samples`` examples for ``seed``, then this run's shard.
+
+    Raises:
+        ValueError: when no example is left (:func:`evaluation.guards.check_examples`).
+    """
+    from evaluation.guards import check_examples  # noqa: PLC0415
+
     examples = dataset.examples(tokenizer, cfg.n_samples, cfg.seed, cfg.query_aware)
     shard = parse_shard(cfg.get("shard"))
-    return examples[shard[0]::shard[1]] if shard else examples
+    mine = examples[shard[0]::shard[1]] if shard else examples
+    check_examples(mine, cfg, len(examples))
+    return mine
 
 
 def prediction_row(ex, names: dict[str, str], dataset, prediction: str, cache, model, context_length: int,
@@ -236,7 +406,7 @@ def finish_run(out: Path, examples: list, names: dict[str, str], cfg: DictConfig
     ids = {e.id for e in examples}
     rows = [r for r in read_predictions(out / "predictions.jsonl") if r["id"] in ids]
     metrics = summarize(rows)
-    metrics.update({"press": names["press"], "dataset": names["dataset"], "model": names["model"],
+    metrics.update({"press": run_label(names), "dataset": names["dataset"], "model": names["model"],
                     "compression_ratio": 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio),
                     "shard": cfg.get("shard"), "command": command})
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=2))
@@ -247,7 +417,9 @@ def finish_run(out: Path, examples: list, names: dict[str, str], cfg: DictConfig
 @contextlib.contextmanager
 def chat_template(tokenizer, enabled: bool):
     """Temporarily drop the tokenizer's chat template for examples whose official prompt has none
-    (LongBench's trec, triviaqa, samsum, lsht, lcc, repobench-p: ``metadata["chat_template"] = False``)."""
+    (LongBench's trec, triviaqa, samsum, lsht, lcc, repobench-p: ``metadata["chat_template"] = False``).
+    Without a template kvpress's pipeline prepends the BOS token; :class:`evaluation.pipeline.TextGenerationPipeline`
+    prepends nothing for a tokenizer that has none."""
     saved = tokenizer.chat_template
     if not enabled:
         tokenizer.chat_template = None

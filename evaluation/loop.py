@@ -1,12 +1,19 @@
 """The one per-example loop of the harness, shared by ``python -m evaluation.run`` and ``python -m evaluation.fused``.
 
 :func:`evaluate` takes one or more runs of one model and dataset (each a ``(cfg, names)`` pair as Hydra composes
-it), starts or resumes each run directory (:func:`evaluation.harness.start_run`, which validates the ratio), and
-for every example some run still lacks:
+it) and, before any run directory is created:
 
-1. tokenises it once (kvpress's ``preprocess``; the chat template is dropped where the dataset says so) and
-   checks every pending press against the model and ``T`` (:func:`evaluation.guards.check_press_input`);
-2. produces each pending run's prediction:
+1. resolves the inputs (:func:`evaluation.inputs.prepare`: names, ratios, settings, the model's and the data's
+   sources; finished runs are skipped), instantiates each press and reads its capabilities from the registry;
+2. loads the model (:func:`evaluation.guards.check_model`), builds the examples, and checks every example against
+   the model's positions and every press's limits (:mod:`evaluation.guards`);
+
+then holds the run directories (:func:`evaluation.harness.claim_runs`: one process per directory, settings
+checked and written before any row) and for every example some run still lacks:
+
+3. tokenises it (kvpress's ``preprocess`` through :class:`evaluation.pipeline.TextGenerationPipeline`; the chat
+   template is dropped where the dataset says so);
+4. produces each pending run's prediction:
 
    - ``shared_prefill=False`` (``evaluation.run``): each run through kvpress's pipeline, as a user would;
    - ``shared_prefill=True`` (``evaluation.fused``): one uncompressed prefill, each press's hooks replayed on it
@@ -14,7 +21,7 @@ for every example some run still lacks:
      (:func:`evaluation.replay.generate_answers`), presses with decode-time state exporting it after their
      replay (the press contract, :mod:`presses.base`);
 
-3. appends one row per run (:func:`evaluation.harness.prediction_row`), then writes ``metrics.json``.
+5. appends one row per run (:func:`evaluation.harness.prediction_row`), then writes ``metrics.json``.
 
 What a press can do is read from the registry (:mod:`evaluation.registry`), never from its class or name.
 """
@@ -27,13 +34,12 @@ from dataclasses import dataclass
 
 import torch
 from hydra.utils import instantiate
-from kvpress import KVPressTextGenerationPipeline
 from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from evaluation import harness
-from evaluation.guards import check_press_input
+from evaluation import guards, harness, inputs
+from evaluation.pipeline import TextGenerationPipeline
 from evaluation.registry import capabilities, export_decode_state
 from evaluation.replay import (
     PrefillCapture,
@@ -45,6 +51,7 @@ from evaluation.replay import (
 )
 from presses.attention_bias import clear_attention_bias, install_biases
 from presses.base import Capabilities
+from presses.observers import shared_observers
 from presses.probabilistic.proposals import shared_proposals
 
 logger = logging.getLogger("evaluation.loop")
@@ -52,7 +59,7 @@ logger = logging.getLogger("evaluation.loop")
 __all__ = ["SHARED_KEYS", "Run", "evaluate"]
 
 #: Settings every run of one :func:`evaluate` call must share (one model, one dataset, one example list).
-SHARED_KEYS = ("model", "dataset", "seed", "n_samples", "shard", "query_aware", "device", "max_new_tokens")
+SHARED_KEYS = inputs.SHARED_KEYS
 
 
 @dataclass
@@ -67,19 +74,11 @@ class Run:
     caps: Capabilities
 
 
-def _start(cfgs: list, shared_prefill: bool) -> tuple[list[Run], dict[int, dict]]:
-    first = cfgs[0][0]
-    for cfg, names in cfgs[1:]:
-        for key in SHARED_KEYS:
-            if cfg.get(key) != first.get(key):
-                raise ValueError(f"runs of one sweep must share {key}: {names['press']} has {cfg.get(key)!r}, "
-                                 f"{cfgs[0][1]['press']} has {first.get(key)!r}")
-    runs, finished = [], {}
-    for k, (cfg, names) in enumerate(cfgs):
-        out, done = harness.start_run(cfg, names)  # validates the names and the ratio, once
-        if done is not None:
-            finished[k] = done
-            continue
+def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
+    """The pending runs with their presses instantiated and their capabilities checked (nothing written)."""
+    runs = []
+    for k in pending:
+        cfg, names = cfgs[k]
         press = instantiate(cfg.press) if cfg.press.get("_target_") else None
         caps = capabilities(press)
         if shared_prefill:
@@ -87,8 +86,27 @@ def _start(cfgs: list, shared_prefill: bool) -> tuple[list[Run], dict[int, dict]
         if caps.needs_question and not cfg.query_aware:
             raise ValueError(f"press {names['press']} needs the question inside the compressed context: set "
                              "query_aware=true")
-        runs.append(Run(k, cfg, names, out, press, caps))
-    return runs, finished
+        runs.append(Run(k, cfg, names, None, press, caps))
+    return runs
+
+
+def _tokenise(pipe, tokenizer, ex) -> dict:
+    """kvpress's preprocessing of one example (context ids ``(1, T)``, question ids), with the chat template
+    dropped where the dataset says so."""
+    with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)):
+        return pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
+
+
+def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens) -> None:
+    """Every example against the model's positions and vocabulary and every press's limits, before any directory
+    is made."""
+    for ex in examples:
+        ids = _tokenise(pipe, tokenizer, ex)
+        T, n_question = int(ids["context_ids"].shape[1]), int(ids["questions_ids"][0].shape[1])
+        top = max(int(t.max()) for t in (ids["context_ids"], ids["questions_ids"][0]) if t.numel())
+        guards.check_model_input(model, T, n_question, max_new_tokens or ex.max_new_tokens or 32, ex.id, top)
+        for run in runs:
+            guards.check_press_input(run.press, model, T, multi_token_forward=True)  # the question forward follows
 
 
 def _pipeline_row(run: Run, ex, pipe, dataset, model, tokenizer, T: int, max_new: int) -> dict:
@@ -111,7 +129,9 @@ def _shared_rows(pending: list[Run], ex, pipe, dataset, model, context_ids, ques
     prefill_seconds = time.perf_counter() - start
     replayed = []  # (run, cache, replay seconds, decode state per layer)
     rows = []
-    with shared_proposals():  # presses differing only in ratio / correction / seed compute a proposal once
+    # presses differing only in ratio / correction / seed (SNIS) or ratio / protection (Page-EntroKV) compute their
+    # proposals and observer attention once per layer
+    with shared_proposals(), shared_observers():
         for run in pending:
             start = time.perf_counter()
             with torch.inference_mode():
@@ -157,7 +177,7 @@ def _decode_group(group: list, pipe, question_ids, T: int, max_new: int, ex, dat
 
 
 def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared_prefill: bool = False,
-             batch_decode: bool = True, pad_decode: bool = True) -> list[dict]:
+             batch_decode: bool = True, pad_decode: bool = True, prepared: inputs.Prepared | None = None) -> list[dict]:
     """Run (or resume) several runs of ONE model and dataset, example by example (see the module docstring).
 
     Args:
@@ -170,26 +190,51 @@ def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared
             lengths (and decode-time state layers) as one batch.
         pad_decode: with ``batch_decode``, decode all runs of one compression ratio as one batch, their caches
             padded to common per-layer lengths with the padding masked.
+        prepared: the inputs :func:`evaluation.inputs.prepare` resolved for ``cfgs`` (default: resolved here).
 
     Returns:
         The metrics of every run, in ``cfgs`` order.
 
     Raises:
-        ValueError: for runs that disagree on a shared setting, a ratio outside ``[0, 1)``, an unknown config
-            name, a run directory made with other settings, a press that cannot share a prefill (with
-            ``shared_prefill``), a press that needs the question inside the context without ``query_aware``, or
-            an input a press cannot take (:func:`evaluation.guards.check_press_input`).
+        ValueError: as :func:`evaluation.inputs.prepare`; a press that cannot share a prefill (with
+            ``shared_prefill``) or that needs the question inside the context without ``query_aware``; a model,
+            example or press input the guards reject (:mod:`evaluation.guards`); a run directory that another
+            process writes with other settings (:func:`evaluation.harness.claim_runs`). All of them before any
+            run directory is created.
+        FileNotFoundError, OSError, ImportError, DataUnavailableError: a model or data that cannot be found.
     """
-    runs, metrics = _start(cfgs, shared_prefill)
-    if not runs:
+    prepared = prepared or inputs.prepare(cfgs)
+    metrics = dict(prepared.finished)
+    pending = prepared.pending(len(cfgs))
+    if not pending:
         return [metrics[k] for k in range(len(cfgs))]
-    first = cfgs[0][0]
-    dataset = instantiate(first.dataset)
+    runs = _runs(cfgs, pending, shared_prefill)
+    first = cfgs[pending[0]][0]
+    dataset = prepared.dataset
     eager = any(run.caps.needs_eager for run in runs)
     model, tokenizer = harness.get_model(first.model, first.device,
                                          "eager" if eager else first.model.get("attn_implementation", "sdpa"))
-    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
+    guards.check_model(model, tokenizer)
+    pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
     examples = harness.run_examples(first, dataset, tokenizer)
+    _check_inputs(examples, runs, pipe, model, tokenizer, first.max_new_tokens)
+    with harness.claim_runs([cfgs[run.index] for run in runs]) as claimed:  # held until metrics.json
+        for run, (out, done) in zip(runs, claimed):
+            run.out = out
+            if done is not None:  # finished by another process meanwhile
+                metrics[run.index] = done
+        runs = [run for run in runs if run.index not in metrics]
+        if runs:
+            _run_examples(runs, examples, pipe, dataset, model, tokenizer, first, shared_prefill, batch_decode,
+                          pad_decode)
+        for run in runs:
+            metrics[run.index] = harness.finish_run(run.out, examples, run.names, run.cfg, command)
+    return [metrics[k] for k in range(len(cfgs))]
+
+
+def _run_examples(runs: list[Run], examples: list, pipe, dataset, model, tokenizer, first, shared_prefill: bool,
+                  batch_decode: bool, pad_decode: bool) -> None:
+    """Append one row per held run and example it still lacks."""
     done_ids = {run.index: {r["id"] for r in harness.read_predictions(run.out / "predictions.jsonl")} for run in runs}
     todo = round_robin_by_task([e for e in examples if any(e.id not in done_ids[r.index] for r in runs)])
     logger.info("%d runs x %d examples; %d examples still needed by some run", len(runs), len(examples), len(todo))
@@ -197,13 +242,10 @@ def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared
     desc = "shared prefill" if shared_prefill else f"{runs[0].names['press']} cr={runs[0].cfg.compression_ratio:g}"
     for ex in tqdm(todo, desc=desc, dynamic_ncols=True):
         max_new = first.max_new_tokens or ex.max_new_tokens or 32
-        with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)):
-            inputs = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
-        context_ids, question_ids = inputs["context_ids"].to(model.device), inputs["questions_ids"][0]
+        ids = _tokenise(pipe, tokenizer, ex)
+        context_ids, question_ids = ids["context_ids"].to(model.device), ids["questions_ids"][0]
         T = int(context_ids.shape[1])
         pending = [run for run in runs if ex.id not in done_ids[run.index]]
-        for run in pending:
-            check_press_input(run.press, model, T, multi_token_forward=True)  # the question forward follows
         if shared_prefill:
             rows = _shared_rows(pending, ex, pipe, dataset, model, context_ids, question_ids, T, max_new,
                                 batch_decode, pad_decode)
@@ -211,7 +253,3 @@ def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared
             rows = [(run, _pipeline_row(run, ex, pipe, dataset, model, tokenizer, T, max_new)) for run in pending]
         for run, row in rows:
             harness.append_row(run.out / "predictions.jsonl", row)
-    for run in runs:
-        metrics[run.index] = harness.finish_run(run.out, examples, run.names, run.cfg, command)
-    return [metrics[k] for k in range(len(cfgs))]
-

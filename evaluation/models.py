@@ -15,8 +15,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 #: Short names accepted by ``model=`` and :func:`load_model`, and what each maps to.
@@ -38,7 +36,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVPRESS_RESEARCH_CACHE", Path.home() / ".cache" / "kvpress-research"))
 
 
-def _resolve_dtype(dtype) -> torch.dtype | None:
+def _resolve_dtype(dtype):
+    import torch  # noqa: PLC0415 - torch only when a model is loaded
+
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -56,6 +56,7 @@ def embedded_model_dir(name: str = "smollm2-135m") -> Path:
     Raises:
         ImportError: when the package that ships the GGUF is not installed (names the pip command).
     """
+    import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = EMBEDDED[name]
@@ -107,6 +108,42 @@ def resolve_model(name_or_path: str, path: str | None = None) -> str:
                      "a hub id 'org/name', or a local directory")
 
 
+def check_available(name_or_path: str, path: str | None = None) -> str:
+    """Where the model would be loaded from, checked in seconds and without loading it.
+
+    A local directory must hold a ``config.json``; the embedded model is always there (without its package
+    the load fails at once with the pip command); a hub id needs the hub (:func:`evaluation.hub.hub_reachable`, which switches this process to
+    offline mode when it is unreachable) or a copy in the local Hugging Face cache.
+
+    Returns:
+        ``"local"``, ``"embedded"``, ``"hub"`` or ``"cache"``.
+
+    Raises:
+        FileNotFoundError: a directory that does not exist or holds no ``config.json``.
+        ValueError: an unknown name (as :func:`resolve_model`).
+        OSError: a hub model that is neither reachable nor cached (names the id and how to use ``model.path``).
+    """
+    if name_or_path in EMBEDDED and not path:  # offline by construction; a missing package fails the load at once
+        return "embedded"
+    source = resolve_model(name_or_path, path)
+    if Path(source).is_dir():
+        if not (Path(source) / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {source} holds no config.json (a save_pretrained checkpoint "
+                                    "is needed)")
+        return "local"
+    from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
+
+    from evaluation.hub import HUB_CHECK_TIMEOUT_S, hub_reachable  # noqa: PLC0415
+
+    if hub_reachable():
+        return "hub"
+    if isinstance(try_to_load_from_cache(source, "config.json"), str):
+        return "cache"
+    raise OSError(f"model '{name_or_path}' ({source}) is not in the local Hugging Face cache and the hub is "
+                  f"unreachable (no answer within {HUB_CHECK_TIMEOUT_S:g} s): download it where the hub is reachable "
+                  f"(`hf download {source} --local-dir DIR`) and pass model.path=DIR")
+
+
 def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype=None,
                attn_implementation: str = "sdpa", path: str | None = None):
     """Load ``(model, tokenizer)`` in eval mode.
@@ -122,6 +159,7 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype=No
         OSError: when a hub model cannot be downloaded; the message names the model id, says the
             hub is unreachable, and says how to point ``model.path`` at a local directory.
     """
+    import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(name_or_path, path)

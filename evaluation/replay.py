@@ -8,7 +8,9 @@ layer's ``hidden_states``, ``position_embeddings``, ``cache_position`` and atten
 hooks be called again afterwards, in the forward's order, on a fresh cache that receives the same keys and
 values layer by layer (:func:`replay_prefill`). Which presses qualify is a capability
 (``shares_prefill``, :mod:`evaluation.registry`); ``tests/test_fused.py`` checks bit-equal caches and equal
-predictions against separate runs. The question may sit inside the compressed context (``query_aware``) or
+predictions against separate runs. (The probabilistic-eviction presses are equal to float32 round-off, with the
+same kept entries: in a direct prefill their attention computes the proposal statistics
+(:mod:`presses.probabilistic.prefill_attention`), while a replay has only the recorded prefill and recomputes them.) The question may sit inside the compressed context (``query_aware``) or
 come after it: the replay does not care.
 
 Decoding: :func:`generate_answers` decodes caches of equal per-layer lengths as one batch (kvpress's greedy

@@ -14,13 +14,16 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
   effective compression;
 * ``tables/<dataset>__<model>__per_task.csv``, and ``__by_length.csv`` / ``__by_depth.csv`` when the rows carry
   2 to 12 distinct target lengths (``metadata.context_length``) or needle depths (``depth``);
+* ``tables/<dataset>__<model>__by_length_range.csv`` for LongBench-E rows (``metadata.longbench_e``): the official
+  LongBench-E breakdown by each row's ``length`` into 0-4k, 4-8k and 8k+ (:func:`length_range_table`);
 * ``tables/<dataset>__<model>__win.csv``: win score (paper 003 section 7) per press and ratio, over the
   presses run at that ratio (the uncompressed ``no_press`` baseline is left out), on the examples every one of
   them scored;
 * ``plots/<dataset>__<model>__{score,win,tasks}.png``: score vs ratio, win score vs ratio, per-task panels;
 * ``README.md`` linking all of it, with the commands that produced the runs (``metrics.json``'s ``command``).
 
-Every file is written atomically (temporary file + ``os.replace``); files of a previous report that this one
+A run that another process is writing (it holds the run directory's lock, :func:`evaluation.harness.claim_runs`)
+is listed as in progress, never as finished. Every file is written atomically (temporary file + ``os.replace``); files of a previous report that this one
 did not write are removed from ``tables/`` and ``plots/``. The output is regenerated, never hand-edited.
 """
 
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evaluation.metrics import score_interval, win_scores
-from evaluation.harness import config_changes, write_atomic
+from evaluation.harness import config_changes, run_in_progress, write_atomic
 
 logger = logging.getLogger("evaluation.report")
 
@@ -121,9 +124,11 @@ def scan(results_dir: Path) -> list[Run]:
                     seen.add(row.get("id"))
                     run.rows.append(row)
             metrics = _read_json(piece / "metrics.json")
-            if metrics is None:
-                run.problems.append(f"{piece.relative_to(directory.parent) if piece != directory else 'run'}"
-                                    " has no metrics.json (unfinished)")
+            where = piece.relative_to(directory.parent) if piece != directory else "run"
+            if run_in_progress(piece):  # its rows and metrics.json may change while we read them
+                run.problems.append(f"{where} is in progress (another process is writing it)")
+            elif metrics is None:
+                run.problems.append(f"{where} has no metrics.json (unfinished)")
             elif metrics.get("command") and metrics["command"] not in run.commands:
                 run.commands.append(metrics["command"])
         shards = [s for s, _ in pieces if s is not None]
@@ -180,6 +185,42 @@ def _row_depth(row: dict):
 
 MAX_BREAKDOWN_COLUMNS = 12
 """A per-length or per-depth table is written when it has 2 to this many distinct values."""
+
+LENGTH_RANGES = (("0-4k", 4000), ("4-8k", 8000), ("8k+", math.inf))
+"""LongBench-E's length ranges: a row of ``length`` L falls in the first range whose bound exceeds L (LongBench
+``eval.py``, ``scorer_e``: ``length < 4000``, ``< 8000``, else ``8k+``; ``length`` is the row's word count)."""
+
+
+def length_range(length) -> str:
+    """The LongBench-E range (``0-4k``, ``4-8k``, ``8k+``) of a row's ``length``."""
+    return next(name for name, bound in LENGTH_RANGES if float(length) < bound)
+
+
+def length_range_table(runs: list[Run]) -> list[dict]:
+    """LongBench-E scores by length range (LongBench ``eval.py``, ``scorer_e``), per run.
+
+    Only rows with ``metadata.longbench_e`` and a ``metadata.length`` count. Per task and range: the mean score
+    of its rows (the official per-task table); ``task="all"``: per range, the task average of those means
+    (every task weighs the same, as LongBench-E's summary), over the tasks that have rows in the range.
+    """
+    out = []
+    for run in runs:
+        cells: dict[tuple[str, str], list[float]] = defaultdict(list)
+        for r in run.rows:
+            meta = r.get("metadata") or {}
+            if meta.get("longbench_e") and meta.get("length") is not None:
+                cells[(r.get("task") or run.dataset, length_range(meta["length"]))].append(float(r["score"]))
+        if not cells:
+            continue
+        base = {"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio}
+        for name, _ in LENGTH_RANGES:
+            means = [sum(v) / len(v) for (task, rng), v in sorted(cells.items()) if rng == name]
+            n = sum(len(v) for (task, rng), v in cells.items() if rng == name)
+            if means:
+                out.append({**base, "task": "all", "range": name, "n": n, "score": sum(means) / len(means)})
+        for (task, name), vals in sorted(cells.items()):
+            out.append({**base, "task": task, "range": name, "n": len(vals), "score": sum(vals) / len(vals)})
+    return out
 
 
 def summary_table(runs: list[Run], confidence: float) -> list[dict]:
@@ -430,6 +471,9 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
             links["win"] = w.text(f"tables/{stem}__win.csv", _csv(wins))
         for label, table in breakdowns.items():
             links[f"by_{label}"] = w.text(f"tables/{stem}__by_{label}.csv", _csv(table))
+        ranges = length_range_table(group)
+        if ranges:
+            links["by_length_range"] = w.text(f"tables/{stem}__by_length_range.csv", _csv(ranges))
         plots = _figures(w, stem, f"{dataset} / {model}", summary, wins, tasks, presses) if plots_on else {}
 
         ratios = sorted({r["ratio"] for r in summary})
@@ -478,6 +522,18 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
             title = "context length (tokens)" if label == "length" else "needle depth (%)"
             md += [f"### Per {title}", "", _markdown(["press @ ratio"] + [f"{c:g}" for c in hdr], rows), "",
                    f"Table: [{links[f'by_{label}']}]({links[f'by_{label}']})", ""]
+        if ranges:
+            everything = [r for r in ranges if r["task"] == "all"]
+            hdr, rows = _pivot(everything, lambda r: _label(r["press"], r["ratio"]), lambda r: r["range"],
+                               lambda r: f"{r['score']:.3f}", row_order=labels,
+                               col_order=[name for name, _ in LENGTH_RANGES
+                                          if any(r["range"] == name for r in everything)])
+            md += ["### LongBench-E by length range", "",
+                   "The official LongBench-E breakdown (LongBench `eval.py`): each row falls in 0-4k, 4-8k or 8k+ "
+                   "by its `length` (words); per range, the mean score of each task, averaged over tasks. "
+                   "Per-task values are in the table file.", "",
+                   _markdown(["press @ ratio"] + hdr, rows), "",
+                   f"Table: [{links['by_length_range']}]({links['by_length_range']})", ""]
         bad = [r for r in group if not r.complete]
         if bad:
             md += ["### Incomplete runs", ""] + [f"- `{r.path.relative_to(results_dir)}`: {'; '.join(r.problems)}"

@@ -11,18 +11,24 @@ Each run writes ``<output_dir>/<dataset>[-qa]/<model>/<press>/cr<ratio>[/shard_i
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from evaluation import inputs
+from evaluation.cli import check_group_choices, one_line_errors
 from evaluation.harness import CONFIG_DIR, command_line
-from evaluation.loop import evaluate
 
 __all__ = ["run", "main"]
 
 
 def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
     """Run one (model, dataset, press, ratio[, shard]) and return its metrics.
+
+    The inputs are resolved first (:func:`evaluation.inputs.prepare`, without importing torch or kvpress), so
+    bad input fails in seconds and before anything is written.
 
     Args:
         cfg: the composed config (``configs/config.yaml``).
@@ -32,14 +38,20 @@ def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
         ValueError: as :func:`evaluation.loop.evaluate`.
     """
     names = names or {g: HydraConfig.get().runtime.choices[g] for g in ("press", "dataset", "model")}
-    return evaluate([(cfg, names)], command_line())[0]
+    prepared = inputs.prepare([(cfg, names)])
+    from evaluation.loop import evaluate  # noqa: PLC0415 - torch and kvpress only once the inputs are resolved
+
+    return evaluate([(cfg, names)], command_line(), prepared=prepared)[0]
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    """Hydra entry point; returns the score so sweepers can optimise it."""
-    return run(cfg)["score"]
+    """Hydra entry point; returns the score so sweepers can optimise it. Bad input: one ``error:`` line and exit
+    status 1 (:mod:`evaluation.cli`)."""
+    with one_line_errors():
+        return run(cfg)["score"]
 
 
 if __name__ == "__main__":
+    check_group_choices(sys.argv[1:])
     main()

@@ -12,9 +12,12 @@ The bias of a layer lives on its attention module (``module._attention_bias``, a
 so that it survives the ``with press(model)`` block: kvpress's pipeline decodes outside it. A wrapper
 around the ``sdpa`` and ``eager`` functions of transformers' ``ALL_ATTENTION_FUNCTIONS`` (installed once by
 :func:`install_bias_attention`, like kvpress's ``attention_patch``) turns the state into a float attention
-mask whenever it is present, and drops a stale state at the next prefill. On CUDA a one-token decode step
-goes through the dispatch point :func:`presses.kernels.biased_decode_attention` (split-K Triton flash
-decoding with the bias of :func:`decode_bias`) instead. :func:`take_biases` and :func:`install_biases` move
+mask whenever it is present, and drops a stale state at the next prefill. A layer with a bias is computed in
+float32 on every path, so the log-weights are never rounded to a half-precision model's dtype: the sdpa and
+eager wrappers upcast that layer's query, keys and values (a transient float32 copy of the layer's cache) and
+cast the output back; the Triton decode kernel reads the float32 bias and accumulates in float32. On CUDA a
+one-token decode step goes through the dispatch point :func:`presses.kernels.biased_decode_attention`
+(split-K Triton flash decoding with the bias of :func:`decode_bias`) instead. :func:`take_biases` and :func:`install_biases` move
 the states of a model off and back on (the press contract's decode-state export and import).
 """
 
@@ -172,9 +175,17 @@ def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     return out.reshape(B, H, q, d).transpose(1, 2).contiguous(), None
 
 
+def _in_dtype(out: tuple, dtype: torch.dtype | None) -> tuple:
+    """An attention function's ``(output, weights)`` cast back to the model's ``dtype`` (None: unchanged)."""
+    if dtype is None:
+        return out
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in out)
+
+
 def _wrap(func, name: str):
     def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
         state = getattr(module, "_attention_bias", None)
+        model_dtype = None  # set when a biased layer is computed in float32
         if state is not None:
             if query.shape[2] == key.shape[2]:  # a new prefill: the correction belongs to an old cache
                 module._attention_bias = None
@@ -182,19 +193,26 @@ def _wrap(func, name: str):
                 fast = _kernel_decode(module, query, key, value, attention_mask, state, kwargs)
                 if fast is not None:
                     return fast
+                if query.dtype != torch.float32:
+                    # the correction in full precision: a float mask must have the query's dtype (sdpa) or is
+                    # added to logits of that dtype (eager), which would round the fp32 log-weights (bf16:
+                    # 0.123456 -> 0.12354); the biased layer runs in float32 instead and its output is cast back
+                    model_dtype = query.dtype
+                    query, key, value = query.float(), key.float(), value.float()
                 attention_mask = bias_mask(state, query, key, attention_mask)
                 dropout = args[0] if args else kwargs.get("dropout", 0.0)  # kvpress's patch passes it positionally
                 if (name == "sdpa" and len(args) <= 1 and not dropout and not kwargs.get("sliding_window")
                         and not kwargs.get("softcap") and not kwargs.get("output_attentions")
                         and getattr(module, "masked_key_indices", None) is None  # kvpress's AdaKV masking
                         and query.shape[1] % key.shape[1] == 0):
-                    return grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling"))
+                    return _in_dtype(grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling")),
+                                     model_dtype)
         inner = func
         if inner is None:  # eager: the model file's own eager function
             inner = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
             if inner is None:
                 from transformers.models.llama.modeling_llama import eager_attention_forward as inner
-        return inner(module, query, key, value, attention_mask, *args, **kwargs)
+        return _in_dtype(inner(module, query, key, value, attention_mask, *args, **kwargs), model_dtype)
 
     wrapper._bias_wrapped = True
     wrapper.__name__ = f"snis_{name}_attention"

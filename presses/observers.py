@@ -9,12 +9,56 @@ paper 000 section 3; paper 001 eq. 2 and appendix C (rows are averaged before an
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Callable
+
 import torch
 
 from presses.core.observer import check_window, window_queries
 from presses.kernels import window_attention
 
-__all__ = ["observer_attention"]
+__all__ = ["observer_attention", "shared_observers", "memoized_observers"]
+
+_shared: dict | None = None  # the memo of an active shared_observers() block
+
+
+@contextmanager
+def shared_observers():
+    """Compute each layer's observer attention once for several presses that replay the same prefill.
+
+    Inside the block, :func:`memoized_observers` returns what it already computed for the same attention module,
+    the same ``hidden_states`` tensor object, keys of the same shape and the same observer count (the harness's
+    replays rebuild each layer's keys from the recorded ones, so their tensor objects differ). The observer attention does
+    not depend on the compression ratio, the protection or the group selection, so e.g. Page-EntroKV at three
+    ratios computes it once per layer. Used by the harness's shared-prefill loop (``evaluation.loop``), whose
+    replays pass the recorded, never modified tensors of one prefill; keep the block to one prefill. The memo is
+    dropped when the block exits; blocks nest (the inner one starts empty).
+    """
+    global _shared
+    previous, _shared = _shared, {}
+    try:
+        yield
+    finally:
+        _shared = previous
+
+
+def memoized_observers(module, hidden_states: torch.Tensor, keys: torch.Tensor, observers: int,
+                       compute: Callable[[], torch.Tensor], *extra) -> torch.Tensor:
+    """``compute()``, memoised inside a :func:`shared_observers` block (see there), else computed each time.
+
+    Args:
+        module, hidden_states, keys: the layer and the tensors the observer attention is computed from.
+        observers: the number of observer queries.
+        compute: returns the ``(B, H_Q, T)`` observer attention.
+        extra: further objects the result depends on (e.g. ``position_embeddings``), identified by ``id``.
+    """
+    if _shared is None:
+        return compute()
+    key = (id(module), id(hidden_states), tuple(keys.shape), int(observers), *map(id, extra))
+    if key not in _shared:
+        # the memo holds the keyed objects, so their ids cannot be reused by other objects while it lives
+        _shared[key] = (compute(), module, hidden_states, extra)
+    return _shared[key][0]
 
 
 def observer_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,

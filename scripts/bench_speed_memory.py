@@ -36,6 +36,8 @@ Rows are written atomically as they finish; a rerun skips rows already in the cs
 ``error``, are retried) and re-measures the SnapKV / full-prefill references it needs, so every ratio is
 taken within one run (``snapkv_press_s`` and ``full_prefill_s`` are stored beside it). ``time_limit_s``
 stops the sweep cleanly. ``README.md`` (tables and the command) and the plots are rebuilt from the csv.
+``compare_with`` names earlier csv files (relative to ``output_dir``), e.g. a copy kept before a change: the README
+then has a before / after table of the rows measured again (remove rows from the csv to have them re-measured).
 """
 
 from __future__ import annotations
@@ -598,6 +600,47 @@ def _fmt(x, spec: str) -> str:
     return "-" if not math.isfinite(v) else format(v, spec)
 
 
+def comparison_tables(out: Path, rows: list[dict], cfg: DictConfig) -> list[str]:
+    """README lines comparing the rows measured again with the same rows of earlier csv files (``compare_with``).
+
+    Each file of ``cfg.compare_with`` (a path, relative to ``out`` unless absolute; typically a copy of the csv
+    kept before a change) gives one table: every ``(model, press, ratio, T)`` present in both, not ``no_press``,
+    whose measurement differs (another timestamp), with the prefill ratio vs full, the press time and the
+    overhead vs SnapKV before and after. Each side's ratios were taken within its own run. A missing file gives
+    a one-line note.
+    """
+    lines: list[str] = []
+    order = [NO_PRESS, REFERENCE, *[str(p) for p in cfg.presses]]
+    for name in cfg.get("compare_with") or []:
+        path = Path(str(name)) if Path(str(name)).is_absolute() else out / str(name)
+        if not path.exists():
+            lines += [f"Comparison file `{name}` (compare_with) not found.", ""]
+            continue
+        before = {row_key(r): r for r in read_rows(path) if not r.get("error")}
+        pairs = [(r, before[row_key(r)]) for r in rows if row_key(r) in before and r["press"] != NO_PRESS
+                 and before[row_key(r)].get("timestamp") != r.get("timestamp")]
+        pairs.sort(key=lambda p: (p[0]["model"], order.index(p[0]["press"]) if p[0]["press"] in order
+                                  else len(order), p[0]["press"], float(p[0]["compression_ratio"]),
+                                  int(float(p[0]["T"]))))
+        stamps = sorted(str(old.get("timestamp", "")) for _, old in pairs)
+        when = f" (measured {stamps[0]} to {stamps[-1]})" if stamps else ""
+        lines += [f"## Before and after: rows measured again vs `{name}`{when}", "",
+                  "Each side's ratios are taken within its own run (its own uncompressed prefill and SnapKV "
+                  "reference at the same T).", "",
+                  "| model | press | ratio | T | vs full before | vs full after | press ms before | press ms after | "
+                  "overhead before | overhead after |", "|" + "---|" * 10]
+        for new, old in pairs:
+            lines.append(
+                f"| {new['model']} | {new['press']} | {float(new['compression_ratio']):g} | {int(float(new['T']))} | "
+                f"{_fmt(old['prefill_ratio_vs_full'], '.2f')} | {_fmt(new['prefill_ratio_vs_full'], '.2f')} | "
+                f"{_fmt(_num(old['press_s']) * 1e3, '.1f')} | {_fmt(_num(new['press_s']) * 1e3, '.1f')} | "
+                f"{_fmt(old['overhead_ratio'], '.2f')} | {_fmt(new['overhead_ratio'], '.2f')} |")
+        if not pairs:
+            lines.append("| - | no row measured again | | | | | | | | |")
+        lines.append("")
+    return lines
+
+
 def write_report(out: Path, rows: list[dict], cfg: DictConfig, command: str, device: str, notes: list[str],
                  seconds: float) -> None:
     """Write ``README.md`` (tables per T, summary tables, the command) and the plots from the csv rows."""
@@ -628,9 +671,12 @@ def write_report(out: Path, rows: list[dict], cfg: DictConfig, command: str, dev
         "prompt, whose full prefill is measured separately). `physical` / `logical` are the KV bytes held after "
         "the prefill (padded tensors / kept entries) over the full cache's bytes. `peak MiB` is the row's peak "
         "memory (CPU: peak RSS of the process, `VmHWM` reset per row; GPU: `torch.cuda.max_memory_allocated`), "
-        "`+MiB` its excess over the level at the row's start.",
+        "`+MiB` its excess over the level at the row's start. The SNIS press takes its proposal's statistics from "
+        "the prefill's own attention (`presses/prefill_attention.py`): that work is in `prefill s` and `vs full`, "
+        "not in `press ms`.",
         "",
     ]
+    lines += comparison_tables(out, ok, cfg)
     if not ok:
         lines.append("No rows yet.")
     for model in models:

@@ -9,6 +9,13 @@ prompt cache (eq. 11, mean absolute error over the head dimension, averaged over
 - ``corrected_tau{1,2,5}``: the same draws with the SNIS correction at temperature ``tau`` (eq. 10);
 - ``topk_h2o``: deterministic top-k of the same H2O scores (H2O eviction).
 
+With ``--page-sizes B [B ...]`` the same estimators with pages of ``B`` positions as the sampling unit
+(:mod:`presses.probabilistic.page_sampling`) run beside them: ``page{B}_uncorrected`` and ``page{B}_corrected_tau*`` draw
+pages from the page proposal (the H2O proposal summed over each page) with ``m`` per group from the page
+budget (target ``(1 - r) t / B`` distinct pages), keep every token of a drawn page and give it its page's
+weight; ``topk_h2o_page{B}`` keeps the ``round(k / B)`` (at least 1) pages of highest H2O mass, the
+deterministic page counterpart. Each row's ``kept_fraction`` is the estimator's own.
+
 Every layer is evaluated in isolation with its true (uncompressed-model) query, keys and values, so
 the error is the estimator's own, not propagated. As in the paper's Fig. 2 setting, the compression
 ratio is constrained per KV group (``budget="head"``): ``m`` per group from Algorithm 2, and
@@ -16,7 +23,7 @@ ratio is constrained per KV group (``budget="head"``): ``m`` per group from Algo
 written after eviction (bias 0).
 
 Usage:
-    python scripts/snis_bias_variance.py [--seeds 16] [--model smollm2-135m] [--out results/snis]
+    python scripts/snis_bias_variance.py [--seeds 16] [--model smollm2-135m] [--out results/snis] [--page-sizes 16]
 Writes ``<out>/bias_variance.csv`` (estimator, compression_ratio, layer, mae, kept_fraction; layer
 ``all`` = mean over layers), ``<out>/bias_variance.png`` and ``<out>/README.md`` (the layer-mean table
 and the command that produced it). A run stopped by ``--time-limit`` says which ratios it covers.
@@ -38,8 +45,9 @@ from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from presses.probabilistic.budget import sample_counts, search_num_samples
-from presses.probabilistic.proposals import group_mixture, head_proposals
 from presses.probabilistic.correction import snis_bias
+from presses.probabilistic.page_sampling import expand_pages, page_proposal, page_target, page_tolerance
+from presses.probabilistic.proposals import group_mixture, head_proposals
 
 PROMPT = (
     "The Roman Empire was one of the largest and most enduring political entities in ancient history, reaching "
@@ -120,8 +128,9 @@ def attend(query, keys, values, k_y, v_y, bias, scaling):
     return torch.einsum("ht,htd->hd", torch.softmax(logits, -1), v)
 
 
-def run(layers, t, seeds, ratios=RATIOS, taus=TAUS, time_limit=480.0):
-    """MAE rows: (estimator, ratio, layer, mae, kept_fraction), averaged over heads and seeds."""
+def run(layers, t, seeds, ratios=RATIOS, taus=TAUS, time_limit=480.0, page_sizes=()):
+    """MAE rows: (estimator, ratio, layer, mae, kept_fraction), averaged over heads and seeds; with
+    ``page_sizes`` also the page-unit estimators of each page size (module docstring)."""
     rows = []
     start = time.time()
     for ratio in ratios:
@@ -145,10 +154,37 @@ def run(layers, t, seeds, ratios=RATIOS, taus=TAUS, time_limit=480.0):
                     bias = snis_bias(counts, m, pi, tau=tau)
                     acc[f"corrected_tau{tau:g}"] += mae(attend(q, keys, values, k_y, v_y, bias, scaling)) / seeds
             rows += [(name, ratio, layer, value, kept) for name, value in acc.items()]
+            for B in page_sizes:
+                rows += page_rows(B, ratio, layer, pi, keys, values, q, k_y, v_y, scaling, t, k, seeds, taus, mae)
         if time.time() - start > time_limit:
             print(f"time limit reached after compression_ratio={ratio}; stopping early")
             break
     return rows
+
+
+def page_rows(B, ratio, layer, pi, keys, values, q, k_y, v_y, scaling, t, k, seeds, taus, mae):
+    """The page-unit rows of one (ratio, layer) for page size ``B`` (module docstring)."""
+    pages = page_proposal(pi, B)  # (G, P)
+    rows = []
+    n_top = max(1, round(k / B))
+    top = expand_pages(torch.zeros_like(pages, dtype=torch.bool).scatter(-1, pages.topk(n_top, -1).indices, True),
+                       B, t)
+    rows.append((f"topk_h2o_page{B}", ratio, layer,
+                 mae(attend(q, keys, values, k_y, v_y, torch.where(top, 0.0, float("-inf")), scaling)),
+                 top.double().mean().item()))
+    m = search_num_samples(pages, ratio, target=page_target(t, ratio, B), tol=page_tolerance(B))  # (G,)
+    token_pi = expand_pages(pages, B, t)
+    acc = {f"page{B}_uncorrected": 0.0, **{f"page{B}_corrected_tau{tau:g}": 0.0 for tau in taus}}
+    kept = 0.0
+    for seed in range(seeds):
+        counts = expand_pages(sample_counts(pages, m, torch.Generator().manual_seed(seed)), B, t)
+        kept += (counts > 0).double().mean().item() / seeds
+        acc[f"page{B}_uncorrected"] += mae(attend(q, keys, values, k_y, v_y,
+                                                  snis_bias(counts, m, token_pi, correction=False), scaling)) / seeds
+        for tau in taus:
+            bias = snis_bias(counts, m, token_pi, tau=tau)
+            acc[f"page{B}_corrected_tau{tau:g}"] += mae(attend(q, keys, values, k_y, v_y, bias, scaling)) / seeds
+    return rows + [(name, ratio, layer, value, kept) for name, value in acc.items()]
 
 
 def summarise(rows):
@@ -166,17 +202,29 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5) if any("page" in r[0] for r in rows) else (6, 4))
     names = sorted({r[0] for r in rows}, key=lambda n: (n != "topk_h2o", n != "uncorrected", n))
+    colors = {"topk_h2o": "black", "uncorrected": "tab:orange", "corrected_tau1": "tab:green",
+              "corrected_tau2": "tab:red", "corrected_tau5": "tab:purple"}
+    units = sorted({n.split("_")[0] for n in names if n.startswith("page")} |
+                   {n.rsplit("_", 1)[1] for n in names if n.startswith("topk_h2o_page")}, key=lambda u: int(u[4:]))
+    styles = dict(zip(["token", *units], ["-", ":", "-.", (0, (1, 3))]))  # one line style per sampling unit
     for name in names:
         pts = sorted((r[1], r[3]) for r in rows if r[0] == name and r[2] == "all")
-        style = "--" if name == "topk_h2o" else "-"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, label=name)
+        if name.startswith("page"):
+            unit, base = name.split("_", 1)
+        elif name.startswith("topk_h2o_page"):
+            base, unit = name.rsplit("_", 1)
+        else:
+            unit, base = "token", name
+        style = "--" if name == "topk_h2o" else styles[unit]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=style, marker="o", ms=3,
+                color=colors.get(base), label=name)
     ax.set_xlabel("compression ratio r")
     ax.set_ylabel("MAE of attention outputs (mean over layers, heads)")
     ax.set_yscale("log")
     ax.set_title("Bias vs variance of eviction estimators (paper 003 Fig. 2)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2 if len(names) > 8 else 1)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -187,6 +235,8 @@ def main():
     parser.add_argument("--seeds", type=int, default=16, help="draws per (layer, ratio)")
     parser.add_argument("--out", default="results/snis")
     parser.add_argument("--time-limit", type=float, default=480.0, help="seconds before stopping early")
+    parser.add_argument("--page-sizes", type=int, nargs="*", default=[],
+                        help="also run the page-unit estimators with these page sizes")
     args = parser.parse_args()
     started = time.time()
     torch.set_num_threads(2)
@@ -195,7 +245,7 @@ def main():
     model, tokenizer = load_model(args.model, attn_implementation="sdpa", dtype="float32")
     layers, t = capture(model, tokenizer)
     print(f"prompt length t={t}, layers={len(layers)}")
-    rows = summarise(run(layers, t, args.seeds, time_limit=args.time_limit))
+    rows = summarise(run(layers, t, args.seeds, time_limit=args.time_limit, page_sizes=args.page_sizes))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "bias_variance.csv", "w", newline="") as f:
@@ -214,26 +264,33 @@ def write_readme(rows, path: Path, args, t: int, n_layers: int, seconds: float) 
     names = sorted({r[0] for r in rows})
     ratios = sorted({r[1] for r in rows})
     mean = {(r[0], r[1]): r[3] for r in rows if r[2] == "all"}
-    kept = {r[1]: r[4] for r in rows if r[2] == "all" and r[0] == "uncorrected"}
+    kept = {(r[0], r[1]): r[4] for r in rows if r[2] == "all"}
     missing = [r for r in RATIOS if r not in ratios]
     lines = [
         "# Bias vs variance of KV eviction estimators (paper 003 section 6, Fig. 2)",
         "",
         "Produced by `" + " ".join(["python", *map(shlex.quote, sys.argv)]) + f"` in {seconds / 60:.0f} min "
         f"({args.model}, {n_layers} layers, prompt of t={t} tokens, {args.seeds} draws per layer and ratio, "
-        "per-group budget). Regenerate with `make snis-study`.",
+        "per-group budget). Regenerate with `make snis-study`" + (" plus `--page-sizes "
+        + " ".join(map(str, args.page_sizes)) + "`" if args.page_sizes else "") + ".",
         "",
         "Mean absolute error of each layer's attention output for the first answer token against the "
         "uncompressed one (eq. 11), averaged over heads, draws and layers. Per-layer values: "
         "`bias_variance.csv`; plot: `bias_variance.png`.",
         "",
+        *(["`pageB_*`: pages of B positions as the sampling unit (`presses/probabilistic/page_sampling.py`), same H2O proposal "
+           "summed over each page, m per group for (1 - r) t / B expected distinct pages; `topk_h2o_pageB`: the "
+           "round(k / B) pages of highest H2O mass.", ""] if args.page_sizes else []),
         "| estimator | " + " | ".join(f"cr {r:g}" for r in ratios) + " |",
         "| --- | " + " | ".join("---:" for _ in ratios) + " |",
     ]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{mean[(name, r)]:.4f}" for r in ratios) + " |")
-    lines.append("| kept fraction (probabilistic) | " + " | ".join(f"{kept.get(r, float('nan')):.3f}"
-                                                                    for r in ratios) + " |")
+    kept_rows = [("kept fraction (probabilistic)", "uncorrected")]
+    kept_rows += [(f"kept fraction (page {B})", f"page{B}_uncorrected") for B in args.page_sizes]
+    kept_rows += [(f"kept fraction (topk_h2o_page{B})", f"topk_h2o_page{B}") for B in args.page_sizes]
+    for label, name in kept_rows:
+        lines.append(f"| {label} | " + " | ".join(f"{kept.get((name, r), float('nan')):.3f}" for r in ratios) + " |")
     if missing:
         lines += ["", f"Stopped by the time limit: ratios {', '.join(f'{r:g}' for r in missing)} not run."]
     path.write_text("\n".join(lines) + "\n")

@@ -4,7 +4,9 @@ For needle examples of the committed table (question asked after compression, as
 run the prefill with each press and record, per layer and KV group, which context positions it keeps:
 
 - probabilistic eviction (``snis_*`` configs): the draw counts ``c_i`` of :func:`presses.probabilistic.budget.sample_counts`
-  (kept = ``c_i > 0``) and the proposal ``pi`` they were drawn from;
+  (kept = ``c_i > 0``) and the proposal ``pi`` they were drawn from; for the page unit (``snis_*_page``) the
+  page counts give every token of a drawn page (:func:`presses.probabilistic.page_sampling.expand_pages`) and a token's
+  proposal mass is its page's mass shared equally by the page's tokens;
 - kvpress scorer presses (``snapkv``, ...): the top ``int(T (1 - r))`` of the press's ``score``, as
   ``ScorerPress.compress`` keeps them.
 
@@ -15,10 +17,12 @@ uniform ``1 / T`` (SNIS only).
 
 Usage::
 
-    python scripts/snis_needle_coverage.py [--presses snis_min snis_h2o_h snapkv] [--ratio 0.5] [--per-depth 2]
+    python scripts/snis_needle_coverage.py [--presses snis_min snis_min_page snapkv] [--ratio 0.5] [--per-depth 2]
+        [--query-aware] [--out results/snis] [--name needle_coverage]
 
-Writes ``<out>/needle_coverage.csv`` (one row per example and press) and ``<out>/needle_coverage.md`` (the
-mean per press and depth, and the command).
+``--query-aware`` puts the question inside the compressed context (the harness's ``query_aware=true``).
+Writes ``<out>/<name>.csv`` (one row per example and press) and ``<out>/<name>.md`` (the mean per press and
+depth, and the command).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from transformers import DynamicCache
 
 import presses.probabilistic.press as snis_module
 from evaluation import harness
+from presses.core.paging import num_pages
+from presses.probabilistic.page_sampling import expand_pages
 
 
 def answer_positions(tokenizer, context_ids: torch.Tensor, answer: str) -> list[int]:
@@ -82,8 +88,15 @@ def kept_masks(model, press, context_ids: torch.Tensor) -> tuple[list[torch.Tens
 
     def counts(pi, m, generator):
         c = original_counts(pi, m, generator)
-        kept.append((c > 0)[0])
-        proposals.append(pi[0])
+        if getattr(press, "unit", "token") == "page":  # (B, G, P) pages -> (G, T) tokens
+            T, B = context_ids.shape[1], press.page_size
+            lengths = torch.full((num_pages(T, B),), float(B), device=pi.device)
+            lengths[-1] = T - (lengths.numel() - 1) * B
+            kept.append(expand_pages(c > 0, B, T)[0])
+            proposals.append(expand_pages(pi / lengths, B, T)[0])
+        else:
+            kept.append((c > 0)[0])
+            proposals.append(pi[0])
         return c
 
     snis_module.sample_counts = counts
@@ -103,12 +116,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--presses", nargs="+", default=["snis_min", "snis_min_h", "snis_h2o", "snis_h2o_h", "snapkv"])
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--per-depth", type=int, default=2, help="examples per needle depth")
+    parser.add_argument("--query-aware", action="store_true", help="the question inside the compressed context")
     parser.add_argument("--out", default="results/snis")
+    parser.add_argument("--name", default="needle_coverage", help="stem of the .csv and .md outputs")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     with initialize_config_dir(str(harness.CONFIG_DIR), version_base="1.3"):
         cfgs = {p: compose("config", [f"model={args.model}", "dataset=needle", f"press={p}",
-                                      f"compression_ratio={args.ratio}", f"dataset.n_per_depth={args.per_depth}"])
+                                      f"compression_ratio={args.ratio}", f"dataset.n_per_depth={args.per_depth}",
+                                      f"query_aware={str(args.query_aware).lower()}"])
                 for p in args.presses}
     first = next(iter(cfgs.values()))
     dataset = instantiate(first.dataset)
@@ -136,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame(rows)
-    harness.write_atomic(out / "needle_coverage.csv", table.to_csv(index=False))
+    harness.write_atomic(out / f"{args.name}.csv", table.to_csv(index=False))
     table["pi_ratio"] = pd.to_numeric(table["pi_ratio"], errors="coerce")
     summary = table.groupby(["press", "depth"])[["kept_all", "kept_every_layer", "pi_ratio"]].mean().unstack("depth")
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/snis_needle_coverage.py", *(argv or sys.argv[1:])])
@@ -144,11 +160,13 @@ def main(argv: list[str] | None = None) -> None:
         "# Needle coverage: do the needle's answer tokens survive eviction?",
         "",
         f"Produced by `{command}` in {time.perf_counter() - start:.0f} s ({args.model}, compression_ratio "
-        f"{args.ratio}, {args.per_depth} needle examples per depth, question asked after compression).",
+        f"{args.ratio}, {args.per_depth} needle examples per depth, question "
+        f"{'inside the compressed context' if args.query_aware else 'asked after compression'}).",
         "",
         "`kept_all`: fraction of (layer, KV group) pairs that keep every answer token; `kept_every_layer`: "
         "fraction of examples where every layer keeps them in some group; `pi_ratio`: mean proposal mass of an "
-        "answer token relative to uniform (SNIS only). Per-example rows: `needle_coverage.csv`.",
+        "answer token relative to uniform (SNIS only; page unit: the page's mass shared by its tokens). "
+        f"Per-example rows: `{args.name}.csv`.",
         "",
     ]
     for metric in ("kept_all", "kept_every_layer", "pi_ratio"):
@@ -159,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         text += ["| " + press + " | " + " | ".join("–" if pd.isna(v) else f"{v:.3f}" for v in vals) + " |"
                  for press, vals in block.iterrows()]
         text.append("")
-    harness.write_atomic(out / "needle_coverage.md", "\n".join(text))
+    harness.write_atomic(out / f"{args.name}.md", "\n".join(text))
     print("\n".join(text))
 
 

@@ -52,3 +52,20 @@ def char_tokenizer():
     tk.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>", model_max_length=4096)
+
+
+#: A ChatML chat template (the layout of Qwen2.5's and SmolLM2's), for tokenizers made in the tests.
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def char_tokenizer_flavour(bos: bool, chat_template: bool):
+    """A fresh copy of :func:`char_tokenizer` with or without its BOS token (``<s>``; Qwen2.5 and Qwen3 have
+    none) and with or without a chat template (:data:`CHATML_TEMPLATE`)."""
+    import copy
+
+    tok = copy.deepcopy(char_tokenizer())
+    if not bos:
+        tok.bos_token = None
+    tok.chat_template = CHATML_TEMPLATE if chat_template else None
+    return tok

@@ -199,3 +199,27 @@ def test_context_that_falls_short_of_T_is_an_error(tmp_path, model):
     ds.fact_kinds = ["city"]
     with pytest.raises(ValueError, match=r"built a context of \d+ tokens for T=8192, below 80% of T"):
         bench.build_context(ds, pipe, tok, 8192, 0, True)
+
+
+def test_comparison_table_lists_rows_measured_again(tmp_path):
+    """``compare_with``: rows present in both csvs with another timestamp get before / after ratios; rows not
+    measured again, no_press and rows only in one file are left out; a missing file is noted."""
+    def row(press, T, ratio, full, press_s, over, stamp):
+        return {**{c: "" for c in bench.COLUMNS}, "model": "m", "press": press, "T": str(T),
+                "compression_ratio": str(ratio), "prefill_ratio_vs_full": str(full), "press_s": str(press_s),
+                "overhead_ratio": str(over), "timestamp": stamp}
+
+    before = [row("snis_h2o_h", 2048, 0.5, 1.97, 2.6336, 14.48, "old"), row("snapkv", 2048, 0.5, 1.07, 0.2153, 1.0,
+              "old"), row("knorm", 2048, 0.5, 1.0, 0.0297, 0.14, "same"), row("no_press", 2048, 0.0, 1.0, 0, 0, "old"),
+              row("tova", 1024, 0.5, 0.89, 0.0324, 0.35, "old")]
+    after = [row("snis_h2o_h", 2048, 0.5, 1.12, 0.31, 1.4, "new"), row("snapkv", 2048, 0.5, 1.01, 0.22, 1.0, "new"),
+             row("knorm", 2048, 0.5, 1.0, 0.0297, 0.14, "same"), row("no_press", 2048, 0.0, 1.0, 0, 0, "new"),
+             row("entroprefill", 2048, 0.5, 0.7, 0.04, 0.2, "new")]
+    bench.write_rows(tmp_path / "before.csv", before)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="bench_speed_memory", overrides=["compare_with=[before.csv,missing.csv]"])
+    lines = bench.comparison_tables(tmp_path, after, cfg)
+    table = [line for line in lines if line.startswith("| m |")]
+    assert table == ["| m | snapkv | 0.5 | 2048 | 1.07 | 1.01 | 215.3 | 220.0 | 1.00 | 1.00 |",
+                     "| m | snis_h2o_h | 0.5 | 2048 | 1.97 | 1.12 | 2633.6 | 310.0 | 14.48 | 1.40 |"]
+    assert "Comparison file `missing.csv` (compare_with) not found." in lines

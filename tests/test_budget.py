@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from presses.core.coupon import expected_unique
+from presses.core.coupon import expected_unique, expected_unique_from_log
 from presses.probabilistic.budget import MAX_SAMPLES, sample_counts, search_num_samples
 
 # docs/methods.md §3 item 3 worked example (the paper's F.1 example with the ratios put right)
@@ -85,6 +85,45 @@ def test_global_budget_kept_count_on_average_over_seeds():
     kept = torch.tensor(kept)
     se = kept.std().item() / math.sqrt(len(kept))
     assert abs(kept.mean().item() - (1 - r) * t) <= 0.5 + 4 * se
+
+
+def _algorithm_2(pi, ratio, dims=(), tol=0.5):
+    """Algorithm 2 written out with :func:`expected_unique` at every midpoint (no shortcut)."""
+    j_star = (1.0 - ratio) * pi.shape[-1]
+    shape = [1 if d in dims else s for d, s in enumerate(pi.shape[:-1])]
+    low = torch.zeros(shape, dtype=torch.int64)
+    high = torch.full_like(low, MAX_SAMPLES)
+    found = torch.full_like(low, -1)
+    active = torch.ones_like(low, dtype=torch.bool)
+    while bool(active.any()):
+        mid = torch.div(low + high, 2, rounding_mode="floor")
+        e = expected_unique(pi, mid)
+        e = e.mean(dim=dims, keepdim=True) if dims else e
+        hit = active & ((e - j_star).abs() <= tol)
+        found = torch.where(hit, mid, found)
+        low = torch.where(active & ~hit & (e < j_star), mid + 1, low)
+        high = torch.where(active & ~hit & (e > j_star), mid - 1, high)
+        active = active & ~hit & (low <= high)
+    return torch.where(found >= 0, found, low)
+
+
+def test_expected_unique_from_log_equals_expected_unique_bit_for_bit():
+    pi = torch.softmax(3 * torch.randn(2, 3, 400, generator=torch.Generator().manual_seed(1), dtype=torch.float64), -1)
+    log_q = torch.log1p(-pi)
+    buf = torch.empty_like(log_q)
+    for m in (0, 1, 5, 999, 123457, 10**9, MAX_SAMPLES):
+        per_row = torch.full((2, 3), m) + torch.arange(3)  # one m per row, broadcast over the batch
+        assert torch.equal(expected_unique_from_log(log_q, per_row, buf), expected_unique(pi, per_row))
+        assert torch.equal(expected_unique_from_log(log_q, torch.tensor(m)), expected_unique(pi, m))
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.75, 0.9])
+def test_search_equals_algorithm_2_with_expected_unique(ratio):
+    """The search takes ``log(1 - pi)`` once instead of at every midpoint: the same ``E[J]`` values bit for bit,
+    so the same ``m`` as Algorithm 2 evaluated with :func:`expected_unique`, head-wise and pooled (global)."""
+    pi = torch.softmax(3 * torch.randn(1, 4, 3, 300, generator=torch.Generator().manual_seed(2)), -1)
+    assert torch.equal(search_num_samples(pi, ratio), _algorithm_2(pi.double(), ratio))
+    assert torch.equal(search_num_samples(pi, ratio, pool_dims=(1, 2)), _algorithm_2(pi.double(), ratio, (1, 2)))
 
 
 def test_unreachable_target_returns_capped_samples():

@@ -390,12 +390,15 @@ def test_page_entrokv_same_pages_through_dispatch(tiny_llama, monkeypatch):
 
 
 def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
-    """The SNIS press computes its ``h2o_h`` proposal (harmonic prior, query blocks of 32 rows) through the
-    dispatch point: with Triton forced it equals the reference path, and the press keeps the same entries."""
+    """The SNIS press recomputing its ``h2o_h`` proposal (harmonic prior, query blocks of 32 rows; prefill
+    statistics off, as for a masked or eager prefill) goes through the dispatch point: with Triton forced it
+    equals the reference path, and the press keeps the same entries."""
     import presses.kernels.attention_columns as attention_columns
     import presses.probabilistic.proposals as proposals
     import presses.probabilistic.press as snis_press
     from transformers import DynamicCache
+
+    monkeypatch.setattr(snis_press, "request_statistics", lambda *args: None)
 
     model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation="sdpa",
                        seed=4).to(DEVICE)

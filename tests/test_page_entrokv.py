@@ -152,12 +152,16 @@ def test_no_compression_short_context_and_conflicts(tiny_llama, caplog):
     ids = rand_ids(100)
     full = prefill(model, ids, PageEntroKVPress(compression_ratio=0.0))
     assert full.get_seq_length() == 100
+    # T <= window_size compresses too (docs/methods.md §1.12): T=64, b=6, two full pages, both protected;
+    # protection shrinks to nothing (window page 3 first, ..., sink page 0 last) and K = floor(6/16) = 0
     press = PageEntroKVPress(compression_ratio=0.9, window_size=64)
-    short = prefill(model, ids[:, :64], press)  # T <= window_size: keep everything
-    assert short.get_seq_length() == 64 and press.summary()["bypass"].startswith("T=64")
-    # T=100, W=64, B=16: protected 84 tokens > b = 50
+    short = prefill(model, ids[:, :64], press)
+    assert short.get_seq_length() == 0 and press.summary()["protection_shrunk"] == 1
+    # T=100, W=64, B=16: protected 84 tokens > b = 50: shrinks to pages {0, 5, 6} = 36 by default
+    press = PageEntroKVPress(compression_ratio=0.5, window_size=64)
+    assert prefill(model, ids, press).get_seq_length() == 36 and press.summary()["protected_tokens"] == 36
     with pytest.raises(ValueError, match="b=50"):
-        prefill(model, ids, PageEntroKVPress(compression_ratio=0.5, window_size=64))
+        prefill(model, ids, PageEntroKVPress(compression_ratio=0.5, window_size=64, on_budget_conflict="raise"))
     press = PageEntroKVPress(compression_ratio=0.5, window_size=64, on_budget_conflict="keep_protected")
     with caplog.at_level("WARNING", logger="presses.core.paging"):
         cache = prefill(model, ids, press)
@@ -180,3 +184,36 @@ def test_ablations_and_batch_rows(tiny_llama, pooling):
     alone = PageEntroKVPress(**kw)
     prefill(model, ids[1:], alone)
     assert torch.equal(both[1], alone.records[1]["kept_pages"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", [0.5, 0.8])
+@pytest.mark.parametrize("n_tokens", [23, 128])
+def test_any_prompt_length_compresses_through_the_pipeline(embedded_model, ratio, n_tokens):
+    """Issue 14: PageEntroKVPress at its defaults compresses a 23- and a 128-token prompt through kvpress's
+    pipeline without an error, keeping within one page of the budget floor(T (1 - ratio)). The chat template
+    alone is longer than 23 tokens, so the prompt is the tokenizer's BOS plus the context, as for LongBench's
+    template-free tasks."""
+    from kvpress import KVPressTextGenerationPipeline
+    from transformers import DynamicCache
+
+    from evaluation.harness import chat_template
+
+    model, tokenizer = embedded_model
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device("cpu"))
+    words = "the cat sat on a mat and looked at the bird in the old tree by the river bank".split()
+    with chat_template(tokenizer, False):
+        text = ""
+        for i in range(400):  # grow the context word by word up to n_tokens prompt tokens
+            longer = (text + " " + words[i % len(words)]).strip()
+            if pipe.preprocess(longer, [""], "", int(1e10))["context_ids"].shape[1] > n_tokens:
+                break
+            text = longer
+        T = pipe.preprocess(text, [""], "", int(1e10))["context_ids"].shape[1]
+        press = PageEntroKVPress(compression_ratio=ratio)
+        cache = DynamicCache()
+        answer = pipe(text, question=" What sat on the mat?", press=press, max_new_tokens=4, cache=cache)["answer"]
+    assert n_tokens - 2 <= T <= n_tokens and press.summary()["context_length"] == T
+    budget = int(T * (1 - ratio) + 1e-6)
+    assert isinstance(answer, str)
+    assert abs(press.summary()["kept_tokens"] - budget) < press.page_size

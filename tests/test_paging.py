@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from presses.core.paging import (
+    protected_page_mask,
     allocation_bytes,
     page_budget,
     page_scores,
@@ -111,7 +112,7 @@ def test_ties_go_to_lower_page_index():
 def test_budget_conflict_message_and_keep_protected(caplog):
     # T=100, W=64, B=16, n_sink=4: protected pages 0 and 2..6 = 16 + 16*4 + 4 = 84 tokens > b = 50
     with pytest.raises(ValueError) as err:
-        page_budget(100, 0.5, 16, 4, 64)
+        page_budget(100, 0.5, 16, 4, 64, on_budget_conflict="raise")
     msg = str(err.value)
     for needle in ("84 tokens", "b=50", "T=100", "page_size=16", "n_sink=4", "window_size=64"):
         assert needle in msg, (needle, msg)
@@ -124,6 +125,40 @@ def test_budget_conflict_message_and_keep_protected(caplog):
         page_budget(100, 0.5, 16, 4, 64, on_budget_conflict="ignore")
 
 
+@pytest.mark.parametrize(("T", "ratio", "expected"), [
+    # T=100, B=16, W=64, n_sink=4, b=50: sink page 0 and window pages 2..6 (84 tokens). Window pages drop
+    # oldest first until it fits: 2 (68), 3 (52), 4 (36 <= 50); K = floor(14 / 16) = 0.
+    (100, 0.5, {"protected": [0, 5, 6], "K": 0, "kept": 36}),
+    # T=128, b=25: pages 4..7 are window pages, 0 the sink page (80 tokens): 4, 5, 6, 7 drop, {0} = 16 fits.
+    (128, 0.8, {"protected": [0], "K": 0, "kept": 16}),
+    # T=23, b=4: page 0 (sink and window) drops, the partial last page (7 tokens > b) stays: one page over b.
+    (23, 0.8, {"protected": [1], "K": 0, "kept": 7}),
+    # T=23, b=11: the same, and 11 - 7 leaves no room for a full page.
+    (23, 0.5, {"protected": [1], "K": 0, "kept": 7}),
+    # T=32, b=3, two full pages: both drop (window first, then the sink page); nothing protected, K = 0.
+    (32, 0.9, {"protected": [], "K": 0, "kept": 0}),
+])
+def test_protection_shrinks_window_first_sink_last(T, ratio, expected):
+    """docs/methods.md §1.12, worked by hand: every length compresses, within one page of the budget."""
+    plan = page_budget(T, ratio, 16, 4, 64)  # default on_budget_conflict="shrink"
+    assert plan.shrunk and not plan.conflict
+    assert plan.protected.nonzero().squeeze(-1).tolist() == expected["protected"]
+    assert plan.num_selected == expected["K"] and plan.kept_tokens == expected["kept"]
+    assert plan.kept_tokens <= plan.budget + 16 - 1
+    pos, pages, _ = select_positions(torch.rand(2, 3, T), ratio, 16, 4, 64, on_budget_conflict="shrink")
+    assert pos.shape == (2, 3, expected["kept"])
+
+
+def test_protect_none_keeps_only_a_partial_last_page():
+    assert protected_page_mask(100, 16, 4, 64, protect="none").nonzero().squeeze(-1).tolist() == [6]
+    assert not protected_page_mask(96, 16, 4, 64, protect="none").any()
+    plan = page_budget(96, 0.5, 16, 4, 64, protect="none")  # b = 48: plain top-3 of 6 pages
+    assert plan.num_selected == 3 and plan.kept_tokens == 48 and not plan.shrunk
+    scores = torch.arange(96.0).flip(0).view(1, 1, 96)  # earlier pages score higher
+    pos, pages, _ = select_positions(scores, 0.5, 16, 4, 64, protect="none")
+    assert pages[0, 0].tolist() == [0, 1, 2] and pos[0, 0].tolist() == list(range(48))
+
+
 def test_everything_protected_and_fits_keeps_all():
     # T=40, B=16, W=30: pages 0..2 all protected (40 tokens); at ratio 0 they fit b = 40
     pos, pages, plan = select_positions(torch.rand(1, 2, 40), 0.0, 16, 4, 30)
@@ -131,7 +166,7 @@ def test_everything_protected_and_fits_keeps_all():
     assert pos[0, 1].tolist() == list(range(40)) and pages[0, 0].tolist() == [0, 1, 2]
     # any positive ratio makes b < T = protected tokens: a conflict, never an empty cache
     with pytest.raises(ValueError, match="b=39"):
-        select_positions(torch.rand(1, 2, 40), 0.02, 16, 4, 30)
+        select_positions(torch.rand(1, 2, 40), 0.02, 16, 4, 30, on_budget_conflict="raise")
 
 
 def test_prop71_competitive_retention():

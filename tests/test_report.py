@@ -196,3 +196,40 @@ def test_shards_made_with_other_settings_are_flagged(tmp_path):
     text = build_report(root, tmp_path / "out", plots=False).read_text()
     assert "Incomplete runs" in text
     assert "shard_1_of_2 was made with other settings than shard_0_of_2 (n_samples: 2 -> 1)" in text
+
+
+def test_longbench_e_by_length_range(tmp_path):
+    """LongBench-E's official breakdown (eval.py scorer_e: length < 4000, < 8000, else 8k+) by each row's length."""
+    root = tmp_path / "runs"
+    lengths = [3000, 5000, 9000, 3500, 7000, 12000]
+    for press, scores in (("snapkv", [1, 0, 0, 1, 1, 0]), ("page_entrokv", [1, 1, 0, 1, 0, 1])):
+        d = root / "longbench_e" / "tiny" / press / "cr0.5"
+        d.mkdir(parents=True)
+        rows = [{"id": f"trec-{i}", "task": "trec", "score": s, "effective_compression": 0.5,
+                 "metadata": {"length": n, "longbench_e": True}} for i, (n, s) in enumerate(zip(lengths, scores))]
+        (d / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "metrics.json").write_text(json.dumps({"command": "x"}))
+    readme = build_report(root, tmp_path / "out", plots=False).read_text()
+    table = _csv(tmp_path / "out" / "tables" / "longbench_e__tiny__by_length_range.csv")
+    got = {(r["press"], r["task"], r["range"]): (float(r["score"]), int(r["n"])) for r in table}
+    assert {k[2]: v for k, v in got.items() if k[:2] == ("snapkv", "all")} == \
+        {"0-4k": (1.0, 2), "4-8k": (0.5, 2), "8k+": (0.0, 2)}
+    assert {k[2]: v for k, v in got.items() if k[:2] == ("page_entrokv", "all")} == \
+        {"0-4k": (1.0, 2), "4-8k": (0.5, 2), "8k+": (0.5, 2)}
+    assert got[("snapkv", "trec", "4-8k")] == (0.5, 2)
+    assert "### LongBench-E by length range" in readme
+    assert "| snapkv @ 0.5 | 1.000 | 0.500 | 0.000 |" in readme
+    assert "| page_entrokv @ 0.5 | 1.000 | 0.500 | 0.500 |" in readme
+
+
+def test_length_range_table_averages_tasks_and_skips_other_rows():
+    from evaluation.report import Run, length_range, length_range_table
+
+    assert [length_range(n) for n in (0, 3999, 4000, 7999, 8000)] == ["0-4k", "0-4k", "4-8k", "4-8k", "8k+"]
+    run = Run("longbench_e", "tiny", "knorm", 0.5, Path("."), rows=[
+        {"id": "a", "task": "A", "score": 1.0, "metadata": {"length": 100, "longbench_e": True}},
+        {"id": "b", "task": "A", "score": 1.0, "metadata": {"length": 200, "longbench_e": True}},
+        {"id": "c", "task": "B", "score": 0.0, "metadata": {"length": 300, "longbench_e": True}},
+        {"id": "d", "task": "B", "score": 1.0, "metadata": {"length": 300}}])  # not LongBench-E: left out
+    (row,) = [r for r in length_range_table([run]) if r["task"] == "all"]
+    assert row["range"] == "0-4k" and row["n"] == 3 and row["score"] == 0.5  # (1.0 + 0.0) / 2 tasks, not 2/3

@@ -165,8 +165,9 @@ def test_short_context(name):
         cache = prefill(press, model, ids)
         kept = logical_kept(model, cache)
         assert all(1 <= k <= T for k in kept), (T, kept)
-        if name == "page_entrokv":  # T <= window_size: kept whole, and summary says why
-            assert kept == [T, T] and press.summary()["bypass"] == f"T={T}<=window_size=64"
+        if name == "page_entrokv":  # T <= window_size compresses: protection shrinks, a partial page stays
+            assert kept == [{1: 1, 2: 2, 64: 32}[T]] * 2, (T, kept)
+            assert press.summary()["protection_shrunk"] == (T == 64)
         assert torch.isfinite(decode(model, cache, T).logits).all()
     if name == "entroprefill":  # a short prompt WITH a question but no passage: full prefill, kept whole
         press = build(name, 0.5)
@@ -188,8 +189,13 @@ def test_ratio_zero_keeps_cache_and_099_stays_nonempty(name):
     assert all(getattr(layer.self_attn, "masked_key_indices", None) is None for layer in model.model.layers)
 
     if name == "page_entrokv":  # protected sink + window pages (80 tokens) exceed b = floor(0.01 T) = 2
+        press = build(name, 0.99)  # default: protection shrinks; a partial last page stays (within one page)
+        cache = prefill(press, model, PROMPT_IDS)
+        assert all(k < 2 + press.page_size for k in logical_kept(model, cache))
+        assert press.summary()["protection_shrunk"] == 1
+        assert torch.isfinite(decode(model, cache, T).logits).all()
         with pytest.raises(ValueError, match=r"budget conflict.*80 tokens.*b=2"):
-            prefill(build(name, 0.99), model, PROMPT_IDS)
+            prefill(build(name, 0.99, on_budget_conflict="raise"), model, PROMPT_IDS)
         press = build(name, 0.99, on_budget_conflict="keep_protected")
         cache = prefill(press, model, PROMPT_IDS)
         assert logical_kept(model, cache) == [80, 80] and press.summary()["budget_conflict"] == 1

@@ -161,6 +161,7 @@ def test_composed_snis_then_knorm_keeps_what_it_reports(model):
                                   decoding_press=DecodingPress(base_press=KnormPress(), target_size=64)),
      "decoding press"),
     (lambda: ComposedPress([KnormPress(0.5), PageEntroKVPress(0.5, window_size=16)]), "first press"),
+    (lambda: ComposedPress([ProbabilisticEvictionPress(0.5, unit="page"), KnormPress(0.5)]), "unit='page'"),
     (lambda: ComposedPress([EntroPrefillPress(tokenizer=CHAR_TOK), KnormPress(0.5)]), "cannot share"),
 ])
 def test_refused_combinations(model, make, match):

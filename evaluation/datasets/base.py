@@ -32,8 +32,20 @@ class Example:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+class DataUnavailableError(RuntimeError):
+    """A dataset's files could not be found or fetched (e.g. the hub is unreachable and they are not cached);
+    the message says how to provide them."""
+
+
 class Dataset(Protocol):
-    """What ``evaluation.run`` needs from a dataset config's ``_target_``."""
+    """What ``evaluation.run`` needs from a dataset config's ``_target_``.
+
+    Two optional methods let the harness check a dataset before it loads a model or writes anything
+    (:mod:`evaluation.inputs`, :mod:`evaluation.guards`): ``prepare()`` finds and reads the dataset's files (raising
+    ``FileNotFoundError`` or :class:`DataUnavailableError` with the fix), and ``sample_limit()`` returns
+    ``(limit, what)``, the most ``n_samples`` the dataset can give without repeating itself and what sets that
+    limit, or None when it can generate any number.
+    """
 
     name: str
 

@@ -22,11 +22,11 @@ import random
 import re
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from evaluation.datasets.base import Example
+from evaluation.datasets.base import DataUnavailableError, Example
 from evaluation.datasets.tokens import count_tokens, truncate_middle
 from evaluation.metrics import LONGBENCH_METRICS, longbench_score
 
@@ -156,8 +156,10 @@ def load_rows(source: str, task: str, longbench_e: bool = False) -> list[dict]:
 
     Raises:
         FileNotFoundError: the directory lacks the file, or ``source`` is neither a directory nor a hub id.
-        RuntimeError: the hub could not be reached (offline); the message says how to provide the files.
+        DataUnavailableError: the hub could not be reached and the file is not cached (checked in seconds,
+            :func:`evaluation.hub.hub_reachable`); the message says how to provide the files.
     """
+    online = False
     fname = f"{task}_e.jsonl" if longbench_e else f"{task}.jsonl"
     path = Path(source)
     if path.is_dir():
@@ -168,13 +170,18 @@ def load_rows(source: str, task: str, longbench_e: bool = False) -> list[dict]:
     if source.count("/") != 1 or path.suffix:
         raise FileNotFoundError(f"LongBench source={source!r} is neither a directory nor a hub id like {HUB_ID!r}")
     try:
-        from huggingface_hub import hf_hub_download  # noqa: PLC0415
+        import huggingface_hub  # noqa: PLC0415
 
-        archive = hf_hub_download(repo_id=source, filename="data.zip", repo_type="dataset")
+        from evaluation.hub import hub_reachable  # noqa: PLC0415
+
+        online = hub_reachable()  # seconds; offline, the download below reads the local cache only
+        archive = huggingface_hub.hf_hub_download(repo_id=source, filename="data.zip", repo_type="dataset")
     except Exception as err:  # noqa: BLE001 - any hub/network failure becomes one actionable error
-        raise RuntimeError(
+        why = (f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}" if online else
+               "the hub is unreachable and it is not in the local cache")
+        raise DataUnavailableError(
             f"LongBench needs the Hugging Face dataset {source!r} (its data.zip), which could not be loaded "
-            f"({type(err).__name__}: {err}). Either run once with hub access (HF_HUB_OFFLINE=0) so it is cached, "
+            f"({why}). Either run once with hub access so it is cached, "
             f"or download https://huggingface.co/datasets/{source}/resolve/main/data.zip, unzip it and pass "
             f"dataset.source=<dir> (the directory holding {fname})."
         ) from err
@@ -210,6 +217,7 @@ class LongBenchDataset:
     max_context_length: int | None = None
     skip_longer_than: int | None = None
     longbench_e: bool = False
+    _rows: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.tasks = [str(t) for t in self.tasks]
@@ -222,6 +230,22 @@ class LongBenchDataset:
                 raise ValueError(f"{key}={value} must be >= 1 (or None)")
         self.source = str(self.source)
 
+    def prepare(self) -> None:
+        """Read every task's file now (from ``source``, or the hub's ``data.zip``; the local cache when the hub is
+        unreachable), so that missing data fails before a model is loaded.
+
+        Raises:
+            FileNotFoundError / DataUnavailableError: see :func:`load_rows`.
+        """
+        if self._rows is None:
+            self._rows = {task: load_rows(self.source, task, self.longbench_e) for task in self.tasks}
+
+    def sample_limit(self) -> tuple[int, str]:
+        """The most ``n_samples`` every task can give: the row count of the smallest task file."""
+        self.prepare()
+        task = min(self.tasks, key=lambda t: len(self._rows[t]))
+        return len(self._rows[task]), f"the rows of LongBench{'-E' if self.longbench_e else ''} task {task!r}"
+
     def examples(self, tokenizer, n_samples: int | None = None, seed: int = 0,
                  query_aware: bool = False) -> list[Example]:
         """Examples of every task, in file order; ``n_samples`` keeps a seeded random subset per task.
@@ -230,15 +254,17 @@ class LongBenchDataset:
         ``query_aware=True`` appends the question to the context (and leaves ``question`` empty).
         Metadata: ``prompt_tokens`` (context + question + answer prefix, after truncation),
         ``original_tokens`` (before),
-        ``truncated``, ``length`` (LongBench's word count), ``language``, ``all_classes``, ``chat_template``.
+        ``truncated``, ``length`` (LongBench's word count), ``language``, ``all_classes``, ``chat_template``,
+        ``longbench_e`` (the report's by-length-range table reads it).
 
         Raises:
-            FileNotFoundError / RuntimeError: see :func:`load_rows`.
+            FileNotFoundError / DataUnavailableError: see :func:`load_rows`.
             ValueError: ``max_context_length`` leaves no room for the context.
         """
         out: list[Example] = []
+        self.prepare()
         for task in self.tasks:
-            rows = load_rows(self.source, task, self.longbench_e)
+            rows = self._rows[task]
             keep = list(range(len(rows)))
             if n_samples is not None and n_samples < len(rows):
                 keep = sorted(random.Random(f"longbench|{seed}|{task}").sample(keep, int(n_samples)))
@@ -267,7 +293,7 @@ class LongBenchDataset:
         meta = {
             "prompt_tokens": length, "original_tokens": full, "truncated": truncated,
             "length": row.get("length"), "language": row.get("language"), "all_classes": row.get("all_classes"),
-            "chat_template": task not in NO_CHAT_TEMPLATE, "index": index,
+            "chat_template": task not in NO_CHAT_TEMPLATE, "index": index, "longbench_e": self.longbench_e,
         }
         return Example(id=f"{task}-{row_id}", context=context, question=question,
                        answers=[str(a) for a in row["answers"]],

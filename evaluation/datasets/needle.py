@@ -66,7 +66,7 @@ class NeedleDataset:
         """
         total = len(self.depths) * self.n_per_depth if n_samples is None else int(n_samples)
         sentences = prose_sentences()
-        lengths = [len(tokenizer.encode(" " + s, add_special_tokens=False)) for s in sentences]
+        lengths = [len(ids) for ids in tokenizer([" " + s for s in sentences], add_special_tokens=False)["input_ids"]]
         out = []
         for i in range(total):
             depth = float(self.depths[i % len(self.depths)])

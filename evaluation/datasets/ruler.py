@@ -33,7 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import ClassVar
 
-from evaluation.datasets.base import Example
+from evaluation.datasets.base import DataUnavailableError, Example
 from evaluation.datasets.prose import prose_sentences
 from evaluation.datasets.tokens import count_tokens
 from evaluation.metrics import ruler_postprocess, string_match_all, string_match_part
@@ -439,7 +439,8 @@ def load_qa(source: str, data_dir: str | None = None) -> tuple[list[dict], list[
 
     Raises:
         ValueError: unknown ``source``. FileNotFoundError: ``data_dir`` lacks the file.
-        RuntimeError: the hub could not be reached (offline); the message says how to provide the data.
+        DataUnavailableError: the hub could not be reached (checked in seconds) and the data is not cached; the
+            message says how to provide it.
     """
     if source not in QA_SOURCES:
         raise ValueError(f"qa dataset {source!r} must be one of {sorted(QA_SOURCES)}")
@@ -451,12 +452,16 @@ def load_qa(source: str, data_dir: str | None = None) -> tuple[list[dict], list[
         data = json.loads(path.read_text(encoding="utf-8"))
         return _qa_from_squad_json(data) if source == "squad" else _qa_from_hotpot_json(data)
     try:
+        from evaluation.hub import hub_reachable  # noqa: PLC0415
+
+        hub_reachable()  # seconds; offline, datasets reads its local cache only
         return _qa_from_hub(source)
     except Exception as err:  # noqa: BLE001 - any hub/network failure becomes one actionable error
         cfg = f", config {config!r}" if config else ""
-        raise RuntimeError(
+        raise DataUnavailableError(
             f"RULER qa task needs the Hugging Face dataset {hub_id!r}{cfg} (split {split!r}), which could not be "
-            f"loaded ({type(err).__name__}: {err}). Either run once with hub access (HF_HUB_OFFLINE=0) so it is "
+            f"loaded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Either run once with "
+            f"hub access so it is "
             f"cached, or download {what}, save it as <dir>/{filename} and pass dataset.qa_data_dir=<dir>."
         ) from err
 
@@ -537,6 +542,25 @@ class RulerDataset:
         if self.num_samples < 1:
             raise ValueError(f"num_samples={self.num_samples} must be >= 1")
 
+    def prepare(self) -> None:
+        """Load the qa tasks' questions (``qa_data_dir`` or the hub) now, before a model is loaded.
+
+        Raises:
+            FileNotFoundError / DataUnavailableError: see :func:`load_qa`.
+        """
+        for name in self.tasks:
+            if RULER_TASKS[name].kind == "qa":
+                load_qa(RULER_TASKS[name].args["dataset"], self.qa_data_dir)
+
+    def sample_limit(self) -> tuple[int, str] | None:
+        """For qa tasks, the number of questions of the smallest qa source (example ``i`` asks question ``i``);
+        None when every task is synthetic (any number)."""
+        qa = [name for name in self.tasks if RULER_TASKS[name].kind == "qa"]
+        if not qa:
+            return None
+        name = min(qa, key=lambda t: len(load_qa(RULER_TASKS[t].args["dataset"], self.qa_data_dir)[0]))
+        return len(load_qa(RULER_TASKS[name].args["dataset"], self.qa_data_dir)[0]), f"the questions of RULER task {name!r}"
+
     # -- generation ------------------------------------------------------------------------------
 
     def _renderer(self, name: str, context_length: int, seed: int, index: int,
@@ -575,7 +599,7 @@ class RulerDataset:
 
         Raises:
             ValueError: a length too short for a task's smallest prompt.
-            RuntimeError: a qa task without hub access or ``qa_data_dir``.
+            DataUnavailableError: a qa task without hub access or ``qa_data_dir``.
         """
         count = self.num_samples if n_samples is None else int(n_samples)
         if count < 1:

@@ -626,9 +626,9 @@ def _mean(xs):
 def run(cfg: DictConfig) -> dict:
     """Capture, analyse and write every output (see the module docstring); returns ``run.json``'s dict."""
     from hydra.utils import instantiate
-    from kvpress import KVPressTextGenerationPipeline
 
     from evaluation.models import load_model
+    from evaluation.pipeline import TextGenerationPipeline
 
     t0 = time.perf_counter()
     if cfg.get("threads"):
@@ -642,7 +642,7 @@ def run(cfg: DictConfig) -> dict:
     HQ, G = mc.num_attention_heads, mc.num_key_value_heads
     r = HQ // G
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // HQ
-    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(cfg.device))
+    pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(cfg.device))
     prompts, needle_ds = build_prompts(cfg, pipe, tokenizer)
     t_load = time.perf_counter() - t0
     logger.info("model %s (H_Q=%d, G=%d, r=%d, L=%d), %d prompts, load %.0fs", cfg.model.name, HQ, G, r,

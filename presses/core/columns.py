@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["column_sums"]
+__all__ = ["column_sums", "harmonic_prior"]
 
 
 def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Tensor | None = None,
@@ -53,3 +53,23 @@ def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Te
         probs = probs * row_weights.float().view(n, 1)
     out = probs.sum(dim=-2).reshape(B, HQ, end)
     return torch.nn.functional.pad(out, (0, t - end))
+
+
+def harmonic_prior(t: int, device=None) -> torch.Tensor:
+    """Harmonic prior over the prompt rows, ``h_j = 1 / ((t - j + 1) H_t)`` (paper 003 eq. 35).
+
+    Args:
+        t: number of rows (prompt length), ``>= 1``.
+        device: torch device of the result.
+
+    Returns:
+        ``(t,)`` float32 summing to 1; row ``j`` (0-based ``j - 1``) gets ``1 / ((t - j + 1) H_t)``,
+        so the last row has the largest weight ``1 / H_t``.
+
+    Raises:
+        ValueError: if ``t < 1``.
+    """
+    if t < 1:
+        raise ValueError(f"t={t} must be >= 1")
+    inv = 1.0 / torch.arange(t, 0, -1, device=device, dtype=torch.float64)  # 1/t, ..., 1/2, 1
+    return (inv / inv.sum()).float()

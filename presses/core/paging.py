@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "PAGE_SCORES",
     "BUDGET_CONFLICT_MODES",
+    "PROTECTIONS",
     "PageBudget",
     "token_budget",
     "num_pages",
@@ -35,7 +36,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PAGE_SCORES = ("block_max", "mass")
-BUDGET_CONFLICT_MODES = ("raise", "keep_protected")
+BUDGET_CONFLICT_MODES = ("shrink", "raise", "keep_protected")
+PROTECTIONS = ("sink_window", "none")
 
 
 def token_budget(seq_len: int, compression_ratio: float) -> int:
@@ -88,29 +90,69 @@ def page_scores(scores: torch.Tensor, page_size: int, method: str = "block_max")
     return s.reshape(*s.shape[:-1], P, page_size).sum(-1)
 
 
-def protected_page_mask(seq_len: int, page_size: int, n_sink: int, window_size: int) -> torch.Tensor:
-    """Protected pages (docs/methods.md §1 step 7): every page holding a sink position ``j < n_sink`` and every
-    page touching the last ``window_size`` positions (this includes the final, partial page).
+def protected_page_mask(seq_len: int, page_size: int, n_sink: int, window_size: int,
+                        protect: str = "sink_window") -> torch.Tensor:
+    """Protected pages (docs/methods.md §1 step 7).
+
+    ``protect="sink_window"``: every page holding a sink position ``j < n_sink`` and every page touching the last
+    ``window_size`` positions (this includes the final, partial page). ``protect="none"`` (paper 000's plain
+    top-K over pages, docs/methods.md §1.11): only a partial last page, the page the next tokens are written
+    into, which every group must keep for the cache to stay one dense tensor.
 
     Returns:
         ``(P,)`` bool mask on the CPU.
 
     Raises:
-        ValueError: for ``page_size < 1``, ``n_sink < 0`` or ``window_size < 1``.
+        ValueError: for ``page_size < 1``, ``n_sink < 0``, ``window_size < 1`` or an unknown ``protect``.
     """
     if n_sink < 0:
         raise ValueError(f"n_sink={n_sink} must be >= 0")
     if window_size < 1:
         raise ValueError(f"window_size={window_size} must be >= 1")
+    if protect not in PROTECTIONS:
+        raise ValueError(f"protect={protect!r} is not one of {PROTECTIONS}")
     P = num_pages(seq_len, page_size)
     mask = torch.zeros(P, dtype=torch.bool)
     if P == 0:
+        return mask
+    if protect == "none":
+        mask[-1] = seq_len % page_size != 0
         return mask
     n_sink_pages = num_pages(min(n_sink, seq_len), page_size)
     mask[:n_sink_pages] = True
     first_window_page = max(seq_len - window_size, 0) // page_size
     mask[first_window_page:] = True
     return mask
+
+
+def shrink_protection(protected: torch.Tensor, page_len: torch.Tensor, n_sink_pages: int, budget: int,
+                      page_size: int) -> torch.Tensor:
+    """Unprotect pages until the protected tokens fit ``budget`` (docs/methods.md §1.12).
+
+    Window pages lose protection first, oldest first; then the sink pages, latest first. A partial last page
+    keeps its protection whatever the budget (every group must keep it for the cache to stay dense), so the
+    kept count can exceed ``budget`` by less than one page.
+
+    Args:
+        protected: ``(P,)`` bool mask (:func:`protected_page_mask`).
+        page_len: ``(P,)`` tokens per page.
+        n_sink_pages: the leading pages that hold sink positions.
+        budget: ``b`` tokens.
+        page_size: ``B`` (a last page shorter than ``B`` is partial).
+
+    Returns:
+        A new ``(P,)`` bool mask.
+    """
+    protected = protected.clone()
+    P = protected.numel()
+    pinned = P - 1 if P and int(page_len[-1]) < page_size else None  # a partial last page
+    window = [k for k in range(n_sink_pages, P) if protected[k] and k != pinned]
+    sinks = [k for k in reversed(range(min(n_sink_pages, P))) if protected[k] and k != pinned]
+    for k in window + sinks:
+        if int(page_len[protected].sum()) <= budget:
+            break
+        protected[k] = False
+    return protected
 
 
 @dataclass(frozen=True)
@@ -126,6 +168,7 @@ class PageBudget:
         num_selected: ``K``, unprotected pages kept per group.
         kept_tokens: ``protected_tokens + K * B`` (``<= budget`` unless ``conflict``).
         conflict: True when the protected pages alone exceed ``budget`` (``keep_protected`` mode).
+        shrunk: True when pages lost their protection to fit ``budget`` (``shrink`` mode).
     """
 
     seq_len: int
@@ -136,6 +179,7 @@ class PageBudget:
     num_selected: int
     kept_tokens: int
     conflict: bool
+    shrunk: bool = False
 
     @property
     def num_pages(self) -> int:
@@ -149,53 +193,61 @@ class PageBudget:
 
 
 def page_budget(seq_len: int, compression_ratio: float, page_size: int, n_sink: int, window_size: int,
-                on_budget_conflict: str = "raise") -> PageBudget:
-    """Strict budget plan (docs/methods.md §1 step 8, paper 000 Theorem 3).
+                on_budget_conflict: str = "shrink", protect: str = "sink_window") -> PageBudget:
+    """Strict budget plan (docs/methods.md §1 step 8 and §1.12, paper 000 Theorem 3).
 
-    Keeps all protected pages plus ``K = floor((b - protected_tokens) / B)`` unprotected pages (capped
-    by the number of unprotected pages), so the kept count never exceeds ``b``. Unprotected pages are
-    always full: the partial last page is protected.
+    Keeps all protected pages plus ``K = floor((b - protected_tokens) / B)`` unprotected pages (capped by the
+    number of unprotected pages), so the kept count never exceeds ``b``, except by less than one page when a
+    partial last page alone exceeds it. Unprotected pages are always full: a partial last page is protected.
 
     Args:
         seq_len: ``T``.
         compression_ratio: in ``[0, 1)``.
         page_size: ``B >= 1``.
         n_sink: sink positions ``>= 0``.
-        window_size: observer window ``W >= 1``.
-        on_budget_conflict: ``"raise"`` or ``"keep_protected"`` (keep only the protected pages and
-            log a warning when they alone exceed ``b``).
+        window_size: observer window ``W >= 1`` (its pages are protected).
+        on_budget_conflict: what to do when the protected pages alone exceed ``b``: ``"shrink"`` (default:
+            protection shrinks until it fits, :func:`shrink_protection`), ``"raise"``, or ``"keep_protected"``
+            (keep only the protected pages and log a warning).
+        protect: ``"sink_window"`` or ``"none"`` (:func:`protected_page_mask`).
 
     Returns:
         A :class:`PageBudget`.
 
     Raises:
-        ValueError: when the protected tokens exceed ``b`` in ``"raise"`` mode (the message names
-            ``T``, ``b``, the protected tokens, ``page_size``, ``n_sink`` and ``window_size``), or for
-            invalid arguments.
+        ValueError: when the protected tokens exceed ``b`` in ``"raise"`` mode (the message names ``T``, ``b``,
+            the protected tokens, ``page_size``, ``n_sink`` and ``window_size``), or for invalid arguments.
     """
     if on_budget_conflict not in BUDGET_CONFLICT_MODES:
         raise ValueError(f"on_budget_conflict={on_budget_conflict!r} is not one of {BUDGET_CONFLICT_MODES}")
     b = token_budget(seq_len, compression_ratio)
-    protected = protected_page_mask(seq_len, page_size, n_sink, window_size)
+    protected = protected_page_mask(seq_len, page_size, n_sink, window_size, protect)
     P = protected.numel()
     page_len = torch.full((P,), page_size, dtype=torch.long)
     if P:
         page_len[-1] = seq_len - (P - 1) * page_size
     protected_tokens = int(page_len[protected].sum())
-    n_free = int((~protected).sum())
+    shrunk = False
     if protected_tokens > b:
         msg = (
             f"Page-EntroKV budget conflict: the protected pages hold {protected_tokens} tokens but the "
             f"budget is b={b} (T={seq_len}, compression_ratio={compression_ratio}, page_size={page_size}, "
             f"n_sink={n_sink}, window_size={window_size}); lower compression_ratio, window_size, n_sink "
-            f"or page_size, or set on_budget_conflict='keep_protected'"
+            f"or page_size, or set on_budget_conflict='shrink' or 'keep_protected'"
         )
         if on_budget_conflict == "raise":
             raise ValueError(msg)
-        logger.warning("%s. Keeping only the protected pages (effective budget %d tokens).", msg, protected_tokens)
-        return PageBudget(seq_len, b, page_size, protected, protected_tokens, 0, protected_tokens, True)
-    K = min((b - protected_tokens) // page_size, n_free)
-    return PageBudget(seq_len, b, page_size, protected, protected_tokens, K, protected_tokens + K * page_size, False)
+        if on_budget_conflict == "keep_protected":
+            logger.warning("%s. Keeping only the protected pages (effective budget %d tokens).", msg, protected_tokens)
+            return PageBudget(seq_len, b, page_size, protected, protected_tokens, 0, protected_tokens, True)
+        n_sink_pages = num_pages(min(n_sink, seq_len), page_size) if protect == "sink_window" else 0
+        shrunk_mask = shrink_protection(protected, page_len, n_sink_pages, b, page_size)
+        shrunk = not torch.equal(shrunk_mask, protected)  # a partial last page alone cannot shrink
+        protected, protected_tokens = shrunk_mask, int(page_len[shrunk_mask].sum())
+    n_free = int((~protected).sum())
+    K = min(max(b - protected_tokens, 0) // page_size, n_free)
+    return PageBudget(seq_len, b, page_size, protected, protected_tokens, K, protected_tokens + K * page_size, False,
+                      shrunk)
 
 
 def select_pages(scores: torch.Tensor, protected: torch.Tensor, num_selected: int) -> torch.Tensor:
@@ -234,8 +286,8 @@ def select_pages(scores: torch.Tensor, protected: torch.Tensor, num_selected: in
 def pages_to_positions(pages: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
     """Expand ascending page ids to ascending token positions (docs/methods.md §1 step 9).
 
-    Every row must contain the last (possibly partial) page, as the protected set guarantees, so all
-    rows keep the same number of positions.
+    When the last page is partial, every row must contain it (as the protected set guarantees), so all rows
+    keep the same number of positions.
 
     Args:
         pages: ``(..., n_pages)`` ascending page ids, each row ending with page ``P - 1``.
@@ -243,30 +295,35 @@ def pages_to_positions(pages: torch.Tensor, seq_len: int, page_size: int) -> tor
         page_size: ``B``.
 
     Returns:
-        ``(..., (n_pages - 1) * B + len(last page))`` long positions, ascending.
+        ``(..., n_kept)`` long positions, ascending (``n_pages * B``, less the missing tail of a partial
+        last page).
 
     Raises:
-        ValueError: if some row does not end with the last page.
+        ValueError: if the last page is partial and some row does not end with it.
     """
     P = num_pages(seq_len, page_size)
     if pages.shape[-1] == 0:
         return pages.new_zeros(*pages.shape[:-1], 0)
-    if not bool((pages[..., -1] == P - 1).all()):
-        raise ValueError(f"every row of pages must end with the last page {P - 1} (T={seq_len}, page_size={page_size})")
+    last = seq_len - (P - 1) * page_size
+    if last < page_size and not bool((pages[..., -1] == P - 1).all()):
+        raise ValueError(f"every row of pages must end with the partial last page {P - 1} (T={seq_len}, "
+                         f"page_size={page_size})")
     offs = torch.arange(page_size, device=pages.device)
     pos = (pages.unsqueeze(-1) * page_size + offs).flatten(-2)
-    n = (pages.shape[-1] - 1) * page_size + (seq_len - (P - 1) * page_size)
+    if last == page_size:
+        return pos
+    n = (pages.shape[-1] - 1) * page_size + last
     return pos[..., :n]
 
 
 def select_positions(scores: torch.Tensor, compression_ratio: float, page_size: int, n_sink: int,
                      window_size: int, page_score: str = "block_max", on_budget_conflict: str = "raise",
-                     ) -> tuple[torch.Tensor, torch.Tensor, PageBudget]:
+                     protect: str = "sink_window") -> tuple[torch.Tensor, torch.Tensor, PageBudget]:
     """Per-group page selection under the strict budget (docs/methods.md §1 steps 6-9).
 
     Args:
         scores: ``(B, G, T)`` per-position pooled scores.
-        compression_ratio, page_size, n_sink, window_size, on_budget_conflict: see :func:`page_budget`.
+        compression_ratio, page_size, n_sink, window_size, on_budget_conflict, protect: see :func:`page_budget`.
         page_score: ``"block_max"`` or ``"mass"`` (:func:`page_scores`).
 
     Returns:
@@ -277,7 +334,7 @@ def select_positions(scores: torch.Tensor, compression_ratio: float, page_size: 
         ValueError: see :func:`page_budget` and :func:`page_scores`.
     """
     T = scores.shape[-1]
-    plan = page_budget(T, compression_ratio, page_size, n_sink, window_size, on_budget_conflict)
+    plan = page_budget(T, compression_ratio, page_size, n_sink, window_size, on_budget_conflict, protect)
     ps = page_scores(scores, page_size, page_score)
     pages = select_pages(ps, plan.protected, plan.num_selected)
     return pages_to_positions(pages, T, page_size), pages, plan

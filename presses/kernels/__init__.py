@@ -19,6 +19,8 @@ Dispatch function -> torch reference -> Triton implementation:
   :func:`presses.kernels.expected_unique.expected_unique_many_triton`
 - :func:`biased_decode_attention` -> :func:`presses.kernels.references.biased_decode_reference` ->
   :func:`presses.kernels.biased_decode.biased_decode_triton`
+- :func:`attention_with_column_sums` -> :func:`presses.core.prefill_stats.attention_with_column_sums` ->
+  :func:`presses.kernels.fused_prefill.attention_with_column_sums_triton`
 - :func:`row_chunk_masses` -> :func:`presses.core.row_masses.row_chunk_masses_reference` ->
   :func:`presses.kernels.row_masses.row_chunk_masses_triton`
 
@@ -34,6 +36,7 @@ import torch
 
 from presses.core.columns import column_sums as column_sums_reference
 from presses.core.observer import observer_attention_reference
+from presses.core.prefill_stats import attention_with_column_sums as attention_with_column_sums_reference
 from presses.core.row_masses import row_chunk_masses_reference
 from presses.kernels.references import (
     biased_decode_reference,
@@ -42,9 +45,16 @@ from presses.kernels.references import (
 )
 
 try:  # the Triton implementations (an optional dependency: the ``triton`` extra)
-    from presses.kernels import attention_columns, biased_decode, expected_unique, renyi_pages, row_masses
+    from presses.kernels import (
+        attention_columns,
+        biased_decode,
+        expected_unique,
+        fused_prefill,
+        renyi_pages,
+        row_masses,
+    )
 except ImportError:  # pragma: no cover - only without triton
-    attention_columns = biased_decode = expected_unique = renyi_pages = row_masses = None
+    attention_columns = biased_decode = expected_unique = fused_prefill = renyi_pages = row_masses = None
 
 __all__ = [
     "KERNEL_MODES",
@@ -55,6 +65,7 @@ __all__ = [
     "pooled_page_scores",
     "expected_unique_many",
     "biased_decode_attention",
+    "attention_with_column_sums",
     "row_chunk_masses",
 ]
 
@@ -159,6 +170,23 @@ def biased_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if use_triton(key) and query.dtype == key.dtype == value.dtype and key.dtype in _TRITON_DTYPES:
         return biased_decode.biased_decode_triton(query, key, value, bias, scaling)
     return biased_decode_reference(query, key, value, bias, scaling)
+
+
+def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               row_weights: torch.Tensor | None = None, scaling: float | None = None,
+                               block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch for a prefill's causal attention plus the row-weighted column sums of its attention matrix
+    (SNIS proposals ``h2o``, ``h2o_h``, ``min_h`` computed in the prefill; paper 003 eqs. 16, 36):
+    ``(B, H_Q, T, d), (B, G, T, d), (B, G, T, d_v) -> ((B, H_Q, T, d_v) in the query dtype, (B, H_Q, T)``
+    float32); see :func:`presses.core.prefill_stats.attention_with_column_sums` for the contract, errors and source
+    (``block_size``: query rows per block of the torch path's column pass). Both paths are a flash-attention
+    forward that also returns each row's log-sum-exp, then a column pass ``exp(logit - lse)``; the torch path's
+    forward is torch's own fused CPU kernel (``sdpa``'s output bit for bit), the Triton path's the forward kernel
+    of :mod:`presses.kernels.fused_prefill` followed by the column kernel of :func:`column_sums`."""
+    if (use_triton(key) and query.dtype == key.dtype == value.dtype and key.dtype in _TRITON_DTYPES
+            and query.shape[-1] == value.shape[-1]):
+        return fused_prefill.attention_with_column_sums_triton(query, key, value, row_weights, scaling)
+    return attention_with_column_sums_reference(query, key, value, row_weights, scaling, block_size)
 
 
 def row_chunk_masses(queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, num_chunks: int,

@@ -13,9 +13,11 @@ from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
 from presses.base import Capabilities, ResearchPress
+from presses.core.observer import window_queries
 from presses.core.paging import (
     BUDGET_CONFLICT_MODES,
     PAGE_SCORES,
+    PROTECTIONS,
     PageBudget,
     page_budget,
     pages_to_positions,
@@ -24,28 +26,33 @@ from presses.core.paging import (
     token_budget,
 )
 from presses.core.pooling import POOLINGS
-from presses.kernels import pooled_page_scores
-from presses.observers import observer_attention
+from presses.kernels import column_sums, pooled_page_scores
+from presses.observers import memoized_observers, observer_attention
 
-__all__ = ["PageEntroKVPress"]
+__all__ = ["PageEntroKVPress", "GROUP_SELECTIONS", "MAX_OBSERVERS"]
+
+GROUP_SELECTIONS = ("group", "union")
+#: Paper 000 observes with the prompt's queries up to its prefill observation window of 4096 positions.
+MAX_OBSERVERS = 4096
 
 
 @dataclass
 class PageEntroKVPress(ResearchPress, ScorerPress):
     """Page-EntroKV (paper 000; docs/methods.md §1): one page selection per (layer, KV group) at prefill.
 
-    The observer attention of the last ``window_size`` queries (averaged over the window) is pooled
-    inside each GQA group with weights ``softmax(-H_alpha / tau)`` of the sink-isolated Rényi entropy,
-    projected onto pages of ``page_size`` tokens by block-max, and the best pages are kept under the
-    strict budget ``floor(T (1 - compression_ratio))`` on top of the protected sink and window pages
-    (paper 001 section 7). Every group keeps the same count, so the cache stays dense and the
-    intra-group UOR is exactly 1. Kept positions keep their original RoPE; decoding must continue at
-    position ``T`` (kvpress's pipeline and ``model.generate`` do).
+    The observer attention (the last ``observer_window`` prompt queries, averaged over the observers) is pooled
+    inside each GQA group with weights ``softmax(-H_alpha / tau)`` of the sink-isolated Rényi entropy, projected
+    onto pages of ``page_size`` tokens by block-max, and the best pages are kept under the strict budget
+    ``floor(T (1 - compression_ratio))`` on top of the protected sink and window pages (paper 001 section 7).
+    Every group keeps the same count, so the cache stays dense and the intra-group UOR is exactly 1. Kept
+    positions keep their original RoPE; decoding must continue at position ``T`` (kvpress's pipeline and
+    ``model.generate`` do). Any prompt length compresses at any ratio: when the protected pages exceed the
+    budget, protection shrinks (window pages first, the sink page last; docs/methods.md §1.12).
 
     Parameters:
         compression_ratio: fraction of the prompt to evict, in ``[0, 1)``; 0 leaves the cache untouched.
-        window_size: ``W`` observer queries (the last ``W`` pages' positions are protected), ``>= 1``.
-            A prompt with ``T <= W`` is kept whole.
+        window_size: ``W``: the pages touching the last ``W`` positions are protected, and the default observers
+            are the last ``W`` queries; ``>= 1``.
         n_sink: leading attention-sink positions ``|S|`` (isolated from the entropy, protected), ``>= 0``.
         page_size: ``B`` tokens per page (vLLM's block size 16), ``>= 1``.
         alpha: Rényi order (2 = collision, 1 = Shannon, ``inf`` = min-entropy), ``> 0``.
@@ -53,8 +60,21 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         pooling: ``"entropy"`` (default), ``"raw_entropy"`` (no sink isolation), ``"mean"`` (``1/r``),
             ``"max"`` (max over the group's heads).
         page_score: ``"block_max"`` (default) or ``"mass"``.
-        on_budget_conflict: ``"raise"`` (default: ``ValueError`` when the protected pages alone exceed
-            the budget) or ``"keep_protected"`` (keep only the protected pages, log a warning).
+        observer_window: the observers: ``None`` (the last ``window_size`` queries), an int (the last that many
+            queries), or ``"all"`` (every prompt query, at most the last 4096: paper 000's prefill observation
+            window, docs/methods.md §1.11). Windows above ``observer_block`` rows are averaged block by block
+            through the column-sum kernel, so memory stays ``O(observer_block x T)`` per head.
+        protect: ``"sink_window"`` (default; docs/methods.md §1 step 7) or ``"none"`` (paper 000 Algorithm 1:
+            plain top-K over pages; a partial last page, which every group must keep, stays).
+        group_selection: ``"group"`` (default: each KV group keeps its own pages) or ``"union"`` (paper 000: each
+            group selects its top-K, and the layer keeps the union of the groups' pages for every group; the
+            budget then holds per group selection, not per layer: ``summary()`` reports what was kept).
+        max_fallback: ``None`` (default, off) or a threshold in nats: a group whose sink-isolated head entropies
+            span less than it (``max_h H_h - min_h H_h``) is pooled by the max over its heads instead (paper
+            000's fallback for indistinguishable heads; docs/methods.md §1.11).
+        on_budget_conflict: ``"shrink"`` (default: protection shrinks to fit the budget), ``"raise"``
+            (``ValueError`` when the protected pages alone exceed the budget) or ``"keep_protected"``.
+        observer_block: query rows per block when averaging many observers, ``>= 1``.
         record: keep per-layer diagnostics in ``self.records`` (reset at each prefill).
 
     kvpress's wrappers (the press contract, :mod:`presses.base`): it is a ``ScorerPress``. :meth:`score` spreads
@@ -64,16 +84,18 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     calls :meth:`compress` during decoding with its buffered hidden states as the observers. In a
     ``ComposedPress`` it must come first (it pages the prompt's own positions).
 
-    Batches: supported; each row gets its own pages, with the same count for every row and group
-    (the count depends only on ``T``). Padding tokens are not treated specially.
+    Batches: supported; each row gets its own pages, with the same count for every row and group (with
+    ``"union"``, rows whose union is smaller are filled with their next-best pages). Padding tokens are not
+    treated specially.
 
     ``self.records`` (when ``record``): one dict per layer and batch row of the last prefill with keys
     ``layer_idx``, ``batch_index``, ``T``, ``budget``, ``kept_tokens``, ``page_size``,
     ``protected_pages`` ``(n_protected,)``, ``kept_pages`` ``(G, n_kept_pages)`` (page ids, ascending),
-    ``weights`` ``(G, r)`` (``None`` for ``"max"``), ``entropy`` ``(H_Q,)`` (sink-isolated),
-    ``raw_entropy`` ``(H_Q,)``, ``z`` ``(H_Q,)`` (non-sink mass), ``effective_compression``,
-    ``conflict``, ``bypass`` (empty string or the reason nothing was scored). Tensors are on the CPU;
-    the statistic entries are ``None`` when nothing was scored (``T <= W`` or ratio 0).
+    ``selected_pages`` ``(G, n)`` (each group's own selection, before a union), ``weights`` ``(G, r)``
+    (``None`` for ``"max"``), ``entropy`` ``(H_Q,)`` (sink-isolated), ``raw_entropy`` ``(H_Q,)``, ``z``
+    ``(H_Q,)`` (non-sink mass), ``fallback`` ``(G,)`` (groups pooled by max), ``observers``,
+    ``effective_compression``, ``conflict``, ``shrunk``, ``bypass`` (empty string or the reason nothing was
+    scored). Tensors are on the CPU; the statistic entries are ``None`` when nothing was scored.
     """
 
     compression_ratio: float = 0.0
@@ -84,7 +106,12 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     tau: float = 0.5
     pooling: str = "entropy"
     page_score: str = "block_max"
-    on_budget_conflict: str = "raise"
+    observer_window: int | str | None = None
+    protect: str = "sink_window"
+    group_selection: str = "group"
+    max_fallback: float | None = None
+    on_budget_conflict: str = "shrink"
+    observer_block: int = 256
     record: bool = False
     capabilities: ClassVar[Capabilities] = Capabilities()
     records: list = field(default_factory=list, init=False, repr=False)
@@ -94,11 +121,15 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     def __post_init__(self):
         if not (0.0 <= self.compression_ratio < 1.0):
             raise ValueError(f"compression_ratio={self.compression_ratio} must be in [0, 1)")
-        for name, low in (("page_size", 1), ("window_size", 1), ("n_sink", 0)):
+        for name, low in (("page_size", 1), ("window_size", 1), ("n_sink", 0), ("observer_block", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or int(value) != value or value < low:
                 raise ValueError(f"{name}={value} must be an integer >= {low}")
             setattr(self, name, int(value))
+        if self.observer_window is not None and self.observer_window != "all":
+            ok = isinstance(self.observer_window, int) and not isinstance(self.observer_window, bool)
+            if not ok or self.observer_window < 1:
+                raise ValueError(f"observer_window={self.observer_window!r} must be None, 'all' or an integer >= 1")
         if not (self.alpha > 0):
             raise ValueError(f"alpha={self.alpha} must be > 0 (Rényi order; float('inf') = min-entropy)")
         if not (self.tau > 0):
@@ -109,6 +140,12 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             raise ValueError(f"page_score={self.page_score!r} is not one of {PAGE_SCORES}")
         if self.on_budget_conflict not in BUDGET_CONFLICT_MODES:
             raise ValueError(f"on_budget_conflict={self.on_budget_conflict!r} is not one of {BUDGET_CONFLICT_MODES}")
+        if self.protect not in PROTECTIONS:
+            raise ValueError(f"protect={self.protect!r} is not one of {PROTECTIONS}")
+        if self.group_selection not in GROUP_SELECTIONS:
+            raise ValueError(f"group_selection={self.group_selection!r} is not one of {GROUP_SELECTIONS}")
+        if self.max_fallback is not None and not self.max_fallback >= 0:
+            raise ValueError(f"max_fallback={self.max_fallback} must be None or a threshold >= 0 (nats)")
 
     def reset(self) -> None:
         """Forget the previous request's records, statistics and page plan."""
@@ -128,22 +165,51 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
                                  "positions, which a press before it removes; got it at position "
                                  f"{wrapper.presses.index(inner)}")
 
+    # ------------------------------------------------------------------ scoring
+    def observers(self, seq_len: int) -> int:
+        """The number of observer queries for a prompt of ``T`` rows (``observer_window`` resolved, at most ``T``)."""
+        wanted = self.window_size if self.observer_window is None else (
+            MAX_OBSERVERS if self.observer_window == "all" else self.observer_window)
+        return max(1, min(wanted, seq_len))
+
     def _observer_attention(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
                             attentions: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
-        """Observer-averaged attention ``(B, H_Q, T)`` of the last ``min(window_size, n)`` rows of
-        ``hidden_states`` (``n`` rows) over ``keys`` (docs/methods.md §1 step 1).
+        """Observer-averaged attention ``(B, H_Q, T)`` of the last observers among the ``n`` rows of
+        ``hidden_states`` over ``keys`` (docs/methods.md §1 step 1).
 
-        At prefill the rows are the prompt's last positions. When a wrapper passes fewer rows than keys
+        At prefill the rows are the prompt's last positions; more than ``observer_block`` observers are averaged
+        block by block (:func:`presses.kernels.column_sums`). When a wrapper passes fewer rows than keys
         (``DecodingPress``'s buffered decode states, ``ChunkPress``/``BlockPress`` chunks), the observers are
         those rows, taken to be the last keys: at decode their positions end at ``cache_position[-1]`` (RoPE from
         the module's rotary embedding); otherwise the last positions of ``position_embeddings`` are used, as
         kvpress's SnapKV does.
         """
         n, T = hidden_states.shape[1], keys.shape[2]
-        W = min(self.window_size, n, T)
+        W = min(self.observers(T), n)
         pe = kwargs.get("position_embeddings")
-        if n == T or pe is None or attentions is not None:
+        return memoized_observers(module, hidden_states, keys, W,
+                                  lambda: self._compute_observers(module, hidden_states, keys, attentions, kwargs, W),
+                                  attentions, pe, self.observer_block)
+
+    def _compute_observers(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                           attentions: torch.Tensor | None, kwargs: dict, W: int) -> torch.Tensor:
+        """The observer attention of :meth:`_observer_attention` (``W`` observers), computed."""
+        n, T = hidden_states.shape[1], keys.shape[2]
+        pe = kwargs.get("position_embeddings")
+        if attentions is not None:
             return observer_attention(module, hidden_states, keys, W, pe, attentions)
+        if n == T and pe is not None and W > self.observer_block:
+            cos, sin = pe
+            scaling = getattr(module, "scaling", None)
+            total = None
+            for start in range(T - W, T, self.observer_block):  # column sums of one block of observer rows
+                end = min(start + self.observer_block, T)
+                q = window_queries(module, hidden_states[:, :end], end - start, (cos[:, :end], sin[:, :end]))
+                part = column_sums(q, keys, None, torch.arange(start, end, device=keys.device), scaling)
+                total = part if total is None else total + part
+            return total / W
+        if n == T or pe is None:
+            return observer_attention(module, hidden_states, keys, W, pe, None)
         cos, sin = pe
         if cos.shape[1] < W:  # decode steps: the buffered rows end at the current position
             last = int(kwargs["cache_position"][-1])
@@ -151,13 +217,34 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             cos, sin = module.rotary_emb(hidden_states[:, -W:], positions)
         return observer_attention(module, hidden_states, keys, W, (cos[:, -W:], sin[:, -W:]), None)
 
+    def _page_scores(self, attn: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, dict | None, torch.Tensor]:
+        """Page scores ``(B, G, P)`` of the observer attention (docs/methods.md §1 steps 2-6), with the max-pooling
+        fallback for groups whose head entropies span less than ``max_fallback`` (§1.11).
+
+        Returns:
+            ``(page scores, diagnostics or None, fallback (B, G) bool)``.
+        """
+        need_diag = self.record or self.max_fallback is not None
+        # dispatch: Triton on CUDA, pooled_group_scores + page_scores elsewhere (presses.kernels)
+        _, scores, diag = pooled_page_scores(attn, num_groups, self.n_sink, self.alpha, self.tau, self.pooling,
+                                             self.page_size, self.page_score, diagnostics=need_diag)
+        B = attn.shape[0]
+        fallback = torch.zeros(B, num_groups, dtype=torch.bool, device=scores.device)
+        if self.max_fallback is not None and self.pooling != "max":
+            entropy = diag["entropy"].view(B, num_groups, -1)
+            fallback = (entropy.amax(-1) - entropy.amin(-1)) < self.max_fallback
+            if bool(fallback.any()):
+                _, max_scores, _ = pooled_page_scores(attn, num_groups, self.n_sink, self.alpha, self.tau, "max",
+                                                      self.page_size, self.page_score)
+                scores = torch.where(fallback.unsqueeze(-1), max_scores, scores)
+        return scores, diag, fallback
+
     def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               attentions: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
         """Per-token scores for kvpress's score-based wrappers (``ScorerPress.score``).
 
         Each token gets its group's page score (docs/methods.md §1 steps 1-6); the tokens of protected pages
-        (sink pages and the pages touching the last ``window_size`` positions, step 7) get a score above every
-        other, so a wrapper's top-k keeps them first.
+        (step 7, per ``protect``) get a score above every other, so a wrapper's top-k keeps them first.
 
         Args:
             module, hidden_states, keys, values, attentions, kwargs: as kvpress passes them to ``score``;
@@ -170,20 +257,42 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         if self.n_sink >= T:
             return keys.new_zeros(B, G, T, dtype=torch.float32)
         attn = self._observer_attention(module, hidden_states, keys, attentions, kwargs)
-        _, pages, _ = pooled_page_scores(attn, G, self.n_sink, self.alpha, self.tau, self.pooling, self.page_size,
-                                         self.page_score)
+        pages, _, _ = self._page_scores(attn, G)
         tokens = pages.repeat_interleave(self.page_size, dim=-1)[..., :T]
-        protected = protected_page_mask(T, self.page_size, self.n_sink, self.window_size).to(keys.device)
-        protected = protected.repeat_interleave(self.page_size)[:T]
+        protected = protected_page_mask(T, self.page_size, self.n_sink, self.window_size, self.protect)
+        protected = protected.to(keys.device).repeat_interleave(self.page_size)[:T]
         return tokens.masked_fill(protected, float(tokens.max()) + 1.0)
 
+    # ------------------------------------------------------------------ selection
     def _plan(self, seq_len: int) -> PageBudget:
         """The page plan for ``T`` (computed once per prefill, so a conflict is logged once)."""
-        key = (seq_len, self.compression_ratio, self.page_size, self.n_sink, self.window_size, self.on_budget_conflict)
+        key = (seq_len, self.compression_ratio, self.page_size, self.n_sink, self.window_size, self.on_budget_conflict,
+               self.protect)
         if key not in self._plan_cache:
             self._plan_cache = {key: page_budget(seq_len, self.compression_ratio, self.page_size, self.n_sink,
-                                                 self.window_size, self.on_budget_conflict)}
+                                                 self.window_size, self.on_budget_conflict, self.protect)}
         return self._plan_cache[key]
+
+    @staticmethod
+    def _union(pages: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Paper 000's per-layer union: every group keeps the union of the groups' selected pages.
+
+        Args:
+            pages: ``(B, G, n)`` each group's selected page ids.
+            scores: ``(B, G, P)`` page scores (rows whose union is smaller than the batch's largest are filled with
+                their best remaining pages by the max over groups).
+
+        Returns:
+            ``(B, G, U)`` ascending page ids, the same for every group of a row.
+        """
+        B, G, _ = pages.shape
+        P = scores.shape[-1]
+        member = torch.zeros(B, P, dtype=torch.bool, device=pages.device)
+        member.scatter_(1, pages.reshape(B, -1), True)
+        U = int(member.sum(-1).max())
+        rank = scores.float().amax(1).nan_to_num(nan=float("-inf")).masked_fill(member, float("inf"))
+        chosen = torch.sort(torch.sort(rank, dim=-1, descending=True, stable=True).indices[:, :U], dim=-1).values
+        return chosen.unsqueeze(1).expand(B, G, U)
 
     def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  attentions: torch.Tensor | None, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,61 +309,62 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             ``(keys, values)`` of shape ``(B, G, n_kept, d)``, positions ascending.
 
         Raises:
-            ValueError: on a budget conflict in ``"raise"`` mode (see :func:`presses.core.paging.page_budget`).
+            ValueError: on a budget conflict in ``"raise"`` mode (see :func:`presses.core.paging.page_budget`), or
+                when another press compressed the layer first (inside a ``ComposedPress``).
         """
         layer_idx = getattr(module, "layer_idx", 0)
         Bsz, G, T, _ = keys.shape
         cache_position = kwargs.get("cache_position")
-        if T != hidden_states.shape[1] and cache_position is not None and is_prefilling(cache_position, hidden_states.shape[1]):
+        if T != hidden_states.shape[1] and cache_position is not None and \
+                is_prefilling(cache_position, hidden_states.shape[1]):
             raise ValueError(f"PageEntroKVPress got {T} cache entries for a prefill of {hidden_states.shape[1]} "
                              "tokens: another press compressed this layer first; it must be the first press of "
                              "a ComposedPress")
-
-        bypass = ""
-        if self.compression_ratio == 0:
-            bypass = "compression_ratio=0"
-        elif T <= self.window_size:
-            bypass = f"T={T}<=window_size={self.window_size}"
-        if bypass:
-            b = token_budget(T, self.compression_ratio)
-            self._stats.append({"T": T, "kept": T, "budget": b, "protected": T, "conflict": False, "bypass": bypass})
-            self._record(layer_idx, T, Bsz, None, None, None, bypass)
+        if self.compression_ratio == 0 or T == 0:
+            bypass = "compression_ratio=0" if T else "T=0"
+            self._stats.append({"T": T, "kept": T, "budget": T, "protected": T, "conflict": False, "shrunk": False,
+                                "bypass": bypass, "observers": 0, "fallback": 0})
+            self._record(layer_idx, T, Bsz, None, None, None, None, None, bypass)
             return keys, values
 
         plan = self._plan(T)
         need_scores = plan.num_selected > 0 or self.record
-        # with n_sink >= T every page is protected (plan.num_selected == 0): nothing to score
-        can_score = self.n_sink < T
-        diag = pages = None
+        can_score = self.n_sink < T  # with n_sink >= T nothing is left to isolate: pages tie, lower ids win
+        diag, fallback, selected, observers = None, None, None, 0
         if need_scores and can_score:
+            observers = min(self.observers(T), hidden_states.shape[1])
             attn = self._observer_attention(module, hidden_states, keys, attentions, kwargs)
-            # dispatch: Triton on CUDA, pooled_group_scores + page_scores elsewhere (presses.kernels)
-            _, scores, diag = pooled_page_scores(attn, G, self.n_sink, self.alpha, self.tau, self.pooling,
-                                                 self.page_size, self.page_score, diagnostics=self.record)
-            pages = select_pages(scores, plan.protected, plan.num_selected)
+            scores, diag, fallback = self._page_scores(attn, G)
         else:
-            pages = select_pages(torch.zeros(Bsz, G, plan.num_pages, device=keys.device), plan.protected, 0)
-
-        self._stats.append({"T": T, "kept": plan.kept_tokens, "budget": plan.budget,
-                            "protected": plan.protected_tokens, "conflict": plan.conflict, "bypass": ""})
-        self._record(layer_idx, T, Bsz, plan, pages, diag, "" if can_score else f"n_sink={self.n_sink}>=T={T}")
-        if plan.kept_tokens == T:
+            scores = torch.zeros(Bsz, G, plan.num_pages, device=keys.device)
+        pages = select_pages(scores, plan.protected, plan.num_selected)
+        if self.group_selection == "union" and G > 1 and plan.num_selected > 0:
+            selected, pages = pages, self._union(pages, scores)
+        kept = pages_to_positions(pages, T, self.page_size).shape[-1]
+        self._stats.append({"T": T, "kept": kept, "budget": plan.budget, "protected": plan.protected_tokens,
+                            "conflict": plan.conflict, "shrunk": plan.shrunk, "bypass": "", "observers": observers,
+                            "fallback": 0 if fallback is None else int(fallback.sum())})
+        self._record(layer_idx, T, Bsz, plan, pages, selected, diag, fallback,
+                     "" if can_score else f"n_sink={self.n_sink}>=T={T}", observers)
+        if kept == T:
             return keys, values
         positions = pages_to_positions(pages, T, self.page_size)  # (B, G, n_kept)
         index = positions.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         return keys.gather(2, index).contiguous(), values.gather(2, index).contiguous()
 
+    # ------------------------------------------------------------------ diagnostics
     def _record(self, layer_idx: int, T: int, Bsz: int, plan: PageBudget | None, pages: torch.Tensor | None,
-                diag: dict | None, bypass: str) -> None:
+                selected: torch.Tensor | None, diag: dict | None, fallback: torch.Tensor | None, bypass: str,
+                observers: int = 0) -> None:
         """Append one diagnostics dict per batch row to ``self.records`` (only when ``record``)."""
         if not self.record:
             return
 
         def row(x, b):
-            return None if x is None else x[b].detach().float().cpu()
+            return None if x is None else x[b].detach().cpu()
 
         for b in range(Bsz):
-            kept = plan.kept_tokens if plan is not None else T
+            kept = T if pages is None else pages_to_positions(pages[b:b + 1], T, self.page_size).shape[-1]
             self.records.append({
                 "layer_idx": layer_idx,
                 "batch_index": b,
@@ -263,32 +373,42 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
                 "kept_tokens": kept,
                 "page_size": self.page_size,
                 "protected_pages": None if plan is None else plan.protected.nonzero().squeeze(-1),
-                "kept_pages": None if pages is None else pages[b].detach().cpu(),
-                "weights": row(diag.get("weights") if diag else None, b),
-                "entropy": row(diag.get("entropy") if diag else None, b),
-                "raw_entropy": row(diag.get("raw_entropy") if diag else None, b),
-                "z": row(diag.get("z") if diag else None, b),
+                "kept_pages": row(pages, b),
+                "selected_pages": row(selected if selected is not None else pages, b),
+                "weights": None if not diag or diag.get("weights") is None else row(diag["weights"], b).float(),
+                "entropy": None if not diag or diag.get("entropy") is None else row(diag["entropy"], b).float(),
+                "raw_entropy": None if not diag or diag.get("raw_entropy") is None else row(diag["raw_entropy"], b).float(),
+                "z": None if not diag or diag.get("z") is None else row(diag["z"], b).float(),
+                "fallback": row(fallback, b),
+                "observers": observers,
                 "effective_compression": 1.0 - kept / T if T else 0.0,
                 "conflict": bool(plan.conflict) if plan is not None else False,
+                "shrunk": bool(plan.shrunk) if plan is not None else False,
                 "bypass": bypass,
             })
 
     def summary(self) -> dict[str, float | int | str]:
-        """Statistics of the last prefill (project contract): ``effective_compression`` (mean over
-        layers of ``1 - kept / T``), ``kept_tokens`` (per layer and group), ``context_length`` ``T``,
-        ``budget_tokens`` ``b``, ``protected_tokens``, ``layers``, ``budget_conflict`` (1 if the
-        protected pages exceeded ``b`` in ``keep_protected`` mode) and ``bypass`` (why nothing was
-        evicted, or ``""``). Empty before the first prefill."""
+        """Statistics of the last prefill (the press contract): ``effective_compression`` (mean over layers of
+        ``1 - kept / T``), ``kept_tokens`` (per layer and group, mean over layers), ``context_length`` ``T``,
+        ``budget_tokens`` ``b``, ``protected_tokens`` (after any shrinking), ``protection_shrunk`` (1 when
+        protection shrank to fit the budget), ``budget_conflict`` (1 if the protected pages exceeded ``b`` in
+        ``keep_protected`` mode), ``observers`` (observer queries), ``fallback_groups`` (groups pooled by max,
+        over all layers), ``layers`` and ``bypass`` (why nothing was evicted, or ``""``). Empty before the first
+        prefill."""
         if not self._stats:
             return {}
         n = len(self._stats)
+        last = self._stats[-1]
         return {
-            "effective_compression": sum(1.0 - s["kept"] / s["T"] for s in self._stats) / n,
+            "effective_compression": sum(1.0 - s["kept"] / s["T"] for s in self._stats if s["T"]) / n,
             "kept_tokens": round(sum(s["kept"] for s in self._stats) / n),
-            "context_length": int(self._stats[-1]["T"]),
-            "budget_tokens": int(self._stats[-1]["budget"]),
-            "protected_tokens": int(self._stats[-1]["protected"]),
-            "layers": n,
+            "context_length": int(last["T"]),
+            "budget_tokens": int(last["budget"]),
+            "protected_tokens": int(last["protected"]),
+            "protection_shrunk": int(any(s["shrunk"] for s in self._stats)),
             "budget_conflict": int(any(s["conflict"] for s in self._stats)),
-            "bypass": self._stats[-1]["bypass"],
+            "observers": int(last["observers"]),
+            "fallback_groups": int(sum(s["fallback"] for s in self._stats)),
+            "layers": n,
+            "bypass": last["bypass"],
         }

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from presses.kernels import expected_unique_many  # dispatch: Triton on CUDA, presses.core.coupon elsewhere
+from presses.core.coupon import expected_unique_from_log
+from presses.kernels import expected_unique_many, use_triton  # dispatch: Triton on CUDA, presses.core.coupon elsewhere
 
 __all__ = ["MAX_SAMPLES", "BUDGETS", "search_num_samples", "sample_counts"]
 
@@ -20,7 +21,7 @@ BUDGETS = ("head", "global")
 
 
 def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tuple[int, ...] = (),
-                       tol: float = 0.5, max_samples: int = MAX_SAMPLES) -> torch.Tensor:
+                       tol: float = 0.5, max_samples: int = MAX_SAMPLES, target: float | None = None) -> torch.Tensor:
     """Number of samples ``m`` whose expected kept count meets ``j* = (1 - r*) t`` (paper 003 Alg. 2).
 
     Runs Algorithm 2 independently for every row (``budget="head"``). With ``pool_dims`` the
@@ -28,7 +29,8 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
     (``budget="global"``, appendix F.1 eq. 33). The search starts from ``[0, max_samples]``, takes
     the midpoint ``floor((low + high) / 2)`` and stops at the first midpoint within ``tol`` of
     ``j*``; ``E[J(mid)]`` of every row goes through the kernel dispatch
-    :func:`presses.kernels.expected_unique_many` (one candidate per row). When ``j*`` is unreachable (entries with ``pi_i = 0`` cap ``E[J]``) it returns the
+    :func:`presses.kernels.expected_unique_many` (one candidate per row; without Triton, eq. 24 with
+    ``log(1 - pi_i)`` computed once per search). When ``j*`` is unreachable (entries with ``pi_i = 0`` cap ``E[J]``) it returns the
     smallest ``m`` it could not rule out, at most ``max_samples``. ``E[J]`` is monotone in ``m``.
 
     Args:
@@ -37,6 +39,8 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
         pool_dims: dimensions of ``pi`` (not the last) whose ``E[J]`` are averaged.
         tol: tolerance ``epsilon`` on ``|E[J(m)] - j*|``, ``>= 0`` (0.5 in the paper).
         max_samples: upper end ``alpha`` of the search, ``>= 1``.
+        target: ``j*`` itself, overriding ``(1 - r*) t`` (e.g. a page count for the page unit,
+            :func:`presses.probabilistic.page_sampling.page_target`); ``compression_ratio`` is then only validated.
 
     Returns:
         int64 ``m`` of shape ``pi.shape[:-1]`` without the ``pool_dims`` (kept as size-1 dims).
@@ -57,7 +61,10 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
         raise ValueError(f"pool_dims={pool_dims} may not contain the entry axis (the last one)")
 
     pi = pi.double()
-    j_star = (1.0 - compression_ratio) * pi.shape[-1]
+    # without Triton, log(1 - pi_i) is taken once for all midpoints (expected_unique_from_log: the same values)
+    log_q = None if use_triton(pi) else torch.log1p(-pi)
+    buf = None if log_q is None else torch.empty_like(log_q)
+    j_star = (1.0 - compression_ratio) * pi.shape[-1] if target is None else float(target)
     out_shape = [1 if d in dims else s for d, s in enumerate(pi.shape[:-1])]
     low = torch.zeros(out_shape, dtype=torch.int64, device=pi.device)
     high = torch.full_like(low, max_samples)
@@ -65,7 +72,10 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
     active = torch.ones_like(low, dtype=torch.bool)
     while bool(active.any()):
         mid = torch.div(low + high, 2, rounding_mode="floor")
-        e = expected_unique_many(pi, mid.unsqueeze(-1)).squeeze(-1)  # E[J(mid)] per row, eq. 24
+        if log_q is None:
+            e = expected_unique_many(pi, mid.unsqueeze(-1)).squeeze(-1)  # E[J(mid)] per row, eq. 24
+        else:
+            e = expected_unique_from_log(log_q, mid, buf)
         if dims:
             e = e.mean(dim=dims, keepdim=True)
         hit = active & ((e - j_star).abs() <= tol)

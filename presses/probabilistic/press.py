@@ -14,6 +14,9 @@ from presses.attention_bias import SUPPORTED_ATTENTION, AttentionBias, install_b
 from presses.base import Capabilities, ResearchPress, language_model
 from presses.probabilistic.budget import BUDGETS, sample_counts, search_num_samples
 from presses.probabilistic.correction import snis_bias
+from presses.core.paging import num_pages
+from presses.probabilistic.prefill_attention import install_prefill_attention, request_statistics
+from presses.probabilistic.page_sampling import UNITS, expand_pages, page_proposal, page_target, page_tolerance
 from presses.probabilistic.proposals import PROPOSALS, compute_proposal
 from presses.probabilistic.survivors import row_fingerprints, surviving_positions
 
@@ -51,6 +54,16 @@ class ProbabilisticEvictionPress(ResearchPress):
     ``budget="head"`` next to another press, and a ``PrefillDecodingPress`` with a decoding press (which would
     evict entries the correction refers to) raise a ``ValueError`` when the prefill starts.
 
+    ``unit="page"`` samples pages instead of tokens (:mod:`presses.probabilistic.page_sampling`; docs/methods.md §3.8): the page proposal
+    is the token proposal summed over each page of ``page_size`` positions (the last page may be
+    partial), ``m`` is searched on the expected number of distinct pages with the target
+    ``j*_pages = (1 - r) T / page_size`` and the tolerance ``0.5 / page_size`` pages (the token unit's
+    unfloored ``(1 - r) t`` and 0.5-token tolerance divided by the page size, so that ``page_size=1``
+    makes exactly the token unit's search, draws and bias; with full pages the expected kept token
+    count is then ``(1 - r) T``, as for tokens), every token of a drawn page is kept and
+    gets its page's bias ``(log c_p - log m - log pi_p) / tau``. Storage, padding and the decode-time
+    correction are those of the token unit. The page unit does not share a ``ComposedPress`` with other presses.
+
     Parameters:
         compression_ratio: target fraction ``r*`` of prompt entries to evict, in ``[0, 1)``.
         proposal: ``"min"``, ``"min_h"``, ``"h2o"``, ``"h2o_h"`` (appendix H) or a kvpress scorer
@@ -64,6 +77,8 @@ class ProbabilisticEvictionPress(ResearchPress):
         block_size: query rows per block for the all-row proposals.
         window_size, kernel_size: SnapKV adapter parameters.
         score_normalization: ``"softmax"`` (docs/methods.md §3 item 1) or ``"sum"`` (appendix D eqs. 17, 20) for adapters.
+        unit: sampling unit, ``"token"`` (paper 003) or ``"page"`` (pages of ``page_size`` positions).
+        page_size: positions per page for ``unit="page"``, ``>= 1`` (unused for tokens).
     """
 
     compression_ratio: float = 0.0
@@ -78,6 +93,8 @@ class ProbabilisticEvictionPress(ResearchPress):
     window_size: int = 64
     kernel_size: int = 5
     score_normalization: str = "softmax"
+    unit: str = "token"
+    page_size: int = 16
     capabilities: ClassVar[Capabilities] = Capabilities(decode_state=True)
     _pending: dict = field(default_factory=dict, init=False, repr=False)
     _stats: dict = field(default_factory=dict, init=False, repr=False)
@@ -101,6 +118,10 @@ class ProbabilisticEvictionPress(ResearchPress):
             raise ValueError(f"block_size={self.block_size} must be >= 1")
         if self.score_normalization not in ("softmax", "sum"):
             raise ValueError(f"score_normalization={self.score_normalization!r} must be 'softmax' or 'sum'")
+        if self.unit not in UNITS:
+            raise ValueError(f"unit={self.unit!r} must be one of {UNITS}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size} must be >= 1")
 
     # ------------------------------------------------------------------ per-request state
     def reset(self) -> None:
@@ -119,6 +140,9 @@ class ProbabilisticEvictionPress(ResearchPress):
         for i, wrapper in enumerate(path[:-1]):
             inner = path[i + 1]
             if isinstance(wrapper, ComposedPress) and len(wrapper.presses) > 1:
+                if self.unit == "page":
+                    raise ValueError("ProbabilisticEvictionPress(unit='page') cannot share a ComposedPress with other "
+                                     "presses: a later press would select single tokens of the drawn pages")
                 if self.budget == "head":
                     raise ValueError("ProbabilisticEvictionPress(budget='head') cannot share a ComposedPress with "
                                      "other presses: it evicts and pads each layer at once, and a later press "
@@ -144,7 +168,8 @@ class ProbabilisticEvictionPress(ResearchPress):
 
         Args:
             keys, values: ``(B, G, t, d)`` the layer's prefill cache.
-            pi: ``(B, G, t)`` group proposals.
+            pi: ``(B, G, n)`` group proposals over the sampling units (``n = t`` tokens, or
+                ``ceil(t / page_size)`` pages for ``unit="page"``).
             num_samples: int64 ``m`` broadcastable to ``(B, G)``.
 
         Returns:
@@ -153,20 +178,25 @@ class ProbabilisticEvictionPress(ResearchPress):
         B, G, t, d = keys.shape
         m = num_samples.clamp_min(1).expand(B, G)
         counts = sample_counts(pi, m, self._get_generator(pi.device))
+        kept_units = (counts > 0).sum(-1)
+        if self.unit == "page":  # every token of a drawn page is kept, with its page's count and mass
+            counts, pi = expand_pages(counts, self.page_size, t), expand_pages(pi, self.page_size, t)
         kept = counts > 0
         n_kept = kept.sum(-1)
         P = int(n_kept.max())
         order = torch.sort(kept.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :P]
         valid = torch.arange(P, device=keys.device).view(1, 1, P) < n_kept.unsqueeze(-1)
-        idx = order.unsqueeze(-1).expand(B, G, P, d)
-        new_keys = keys.gather(2, idx).masked_fill(~valid.unsqueeze(-1), 0).contiguous()
-        new_values = values.gather(2, idx).masked_fill(~valid.unsqueeze(-1), 0).contiguous()
+        rows = (order + torch.arange(B * G, device=keys.device).view(B, G, 1) * t).reshape(-1)  # whole rows
+        pad = ~valid.unsqueeze(-1)
+        new_keys = keys.reshape(B * G * t, d).index_select(0, rows).view(B, G, P, d).masked_fill_(pad, 0)
+        new_values = values.reshape(B * G * t, -1).index_select(0, rows).view(B, G, P, -1).masked_fill_(pad, 0)
         bias = snis_bias(counts, m, pi, self.tau, self.correction).gather(-1, order)
         module._attention_bias = AttentionBias(bias.masked_fill(~valid, float("-inf")))
         self._stats[module.layer_idx] = {
             "padded": P,
             "kept": float(n_kept.double().mean()),
             "m": float(m.double().mean()),
+            "kept_units": float(kept_units.double().mean()),
         }
         return new_keys, new_values
 
@@ -193,8 +223,10 @@ class ProbabilisticEvictionPress(ResearchPress):
         pi = compute_proposal(self.proposal, module, hidden_states, keys, values, attentions, kwargs,
                               self.proposal_temperature, self.uniform_mix, self.block_size, self.window_size,
                               self.kernel_size, self.score_normalization)
+        if self.unit == "page":
+            pi = page_proposal(pi, self.page_size)  # (B, G, P): pages are the sampling unit
         if self.budget == "head":
-            m = search_num_samples(pi, self.compression_ratio)  # (B, G)
+            m = search_num_samples(pi, self.compression_ratio, **self._search_options())  # (B, G)
             return self._evict(module, keys, values, pi, m)
         composed = len(self.__dict__.get("_wrapper_path") or [self]) > 1
         # inside a wrapper a later press may select among this layer's entries before finalize: remember them
@@ -227,11 +259,20 @@ class ProbabilisticEvictionPress(ResearchPress):
             raise ValueError(f"the global budget needs the same number of surviving entries in every layer, got "
                              f"{sorted(lengths)}: use budget='head' alone, or presses that keep equal counts")
         m = search_num_samples(torch.stack([pis[i] for i in layers], dim=1), self.compression_ratio,
-                               pool_dims=(1, 2)).view(-1, 1)  # (B, 1)
+                               pool_dims=(1, 2), **self._search_options()).view(-1, 1)  # (B, 1)
         for i in layers:
             module, cache = pending[i][:2]
             layer = cache.layers[module.layer_idx]
             layer.keys, layer.values = self._evict(module, layer.keys, layer.values, pis[i], m)
+
+    def _search_options(self) -> dict:
+        """Options of :func:`presses.probabilistic.budget.search_num_samples` for the unit: none for tokens (target
+        ``(1 - r) t``, tolerance 0.5); for pages the target :func:`presses.probabilistic.page_sampling.page_target`
+        and the tolerance :func:`presses.probabilistic.page_sampling.page_tolerance`, both in pages."""
+        if self.unit == "token":
+            return {}
+        return {"target": page_target(self._seq_len, self.compression_ratio, self.page_size),
+                "tol": page_tolerance(self.page_size)}
 
     # ------------------------------------------------------------------ setup and hooks
     def post_init_from_model(self, model):
@@ -246,21 +287,35 @@ class ProbabilisticEvictionPress(ResearchPress):
             raise ValueError(f"attn_implementation={impl!r} is not supported by ProbabilisticEvictionPress: "
                              f"use one of {SUPPORTED_ATTENTION} (the correction is an additive float mask)")
         install_bias_attention()
+        install_prefill_attention()
         super().post_init_from_model(model)
 
     def model_hooks(self, model):
-        """The contract's prefill-start hook plus a forward hook on the language model that runs
-        :meth:`finalize` (the global budget's eviction) once the prefill has passed every layer."""
-        return [*super().model_hooks(model), (language_model(model), "forward", self._finish_hook)]
+        """The contract's prefill-start hook, a pre-hook on the language model that asks the prefill's own
+        attention for the proposal's statistics (:mod:`presses.probabilistic.prefill_attention`: the all-row
+        column sums come out of the same pass over the keys instead of a second one), and a forward hook that
+        withdraws that request and runs :meth:`finalize` (the global budget's eviction) once the prefill has passed
+        every layer."""
+        lm = language_model(model)
+        return [*super().model_hooks(model), (lm, "forward_pre", self._request_statistics),
+                (lm, "forward", self._finish_hook)]
+
+    def _request_statistics(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if (cache is None or cache.get_seq_length() == 0) and self.compression_ratio > 0:
+            request_statistics([layer.self_attn for layer in module.layers], self.proposal, self.block_size)
 
     def _finish_hook(self, module, args, kwargs, output):
+        request_statistics([layer.self_attn for layer in module.layers], None)
         self.finalize()
         return output
 
     # ------------------------------------------------------------------ diagnostics
     def summary(self) -> dict[str, float | int | str]:
         """Statistics of the last prefill: logical (kept) and physical (padded) compression per layer
-        (comma-separated strings, layer order) and averaged over layers, and the mean draws ``m``."""
+        (comma-separated strings, layer order) and averaged over layers, the mean draws ``m`` and the
+        sampling ``unit``; for ``unit="page"`` also ``page_size``, ``num_pages`` (``ceil(T / page_size)``)
+        and the kept (drawn) pages per KV group, averaged over groups (per layer) and over layers."""
         if not self._stats or self._seq_len == 0:
             return {"logical_compression": 0.0, "physical_compression": 0.0, "num_layers_evicted": 0}
         t = self._seq_len
@@ -277,5 +332,17 @@ class ProbabilisticEvictionPress(ResearchPress):
             "physical_compression": sum(physical) / len(layers),
             "logical_compression_per_layer": ",".join(f"{x:.4f}" for x in logical),
             "physical_compression_per_layer": ",".join(f"{x:.4f}" for x in physical),
+            "unit": self.unit,
+            **(self._page_summary(layers) if self.unit == "page" else {}),
+        }
+
+    def _page_summary(self, layers: list[int]) -> dict[str, float | int | str]:
+        """The page unit's entries of :meth:`summary`."""
+        pages = [self._stats[i]["kept_units"] for i in layers]
+        return {
+            "page_size": self.page_size,
+            "num_pages": num_pages(self._seq_len, self.page_size),
+            "kept_pages_mean": sum(pages) / len(pages),
+            "kept_pages_per_layer": ",".join(f"{x:.2f}" for x in pages),
         }
 

@@ -17,8 +17,10 @@ from contextlib import contextmanager
 import torch
 
 from presses import kernels
+from presses.core.columns import harmonic_prior  # noqa: F401  (part of this module's interface)
 from presses.core.observer import window_queries
 from presses.core.renyi import pool_groups
+from presses.probabilistic.prefill_attention import take_prefill_stats
 
 __all__ = [
     "ATTENTION_PROPOSALS",
@@ -40,26 +42,6 @@ SCORER_PROPOSALS = ("snapkv", "tova", "knorm")
 PROPOSALS = ATTENTION_PROPOSALS + SCORER_PROPOSALS
 
 _shared: dict | None = None  # the memo of an active shared_proposals() block
-
-
-def harmonic_prior(t: int, device=None) -> torch.Tensor:
-    """Harmonic prior over the prompt rows, ``h_j = 1 / ((t - j + 1) H_t)`` (paper 003 eq. 35).
-
-    Args:
-        t: number of rows (prompt length), ``>= 1``.
-        device: torch device of the result.
-
-    Returns:
-        ``(t,)`` float32 summing to 1; row ``j`` (0-based ``j - 1``) gets ``1 / ((t - j + 1) H_t)``,
-        so the last row has the largest weight ``1 / H_t``.
-
-    Raises:
-        ValueError: if ``t < 1``.
-    """
-    if t < 1:
-        raise ValueError(f"t={t} must be >= 1")
-    inv = 1.0 / torch.arange(t, 0, -1, device=device, dtype=torch.float64)  # 1/t, ..., 1/2, 1
-    return (inv / inv.sum()).float()
 
 
 def _check_block(block_size: int) -> None:
@@ -125,8 +107,10 @@ def head_proposals(name: str, module, hidden_states: torch.Tensor, keys: torch.T
     - ``h2o``:   ``pi^h(i) ~ sum_j p^h_j(i)`` (normalised H2O score, eq. 17)
     - ``h2o_h``: ``pi^h(i) ~ sum_j h_j p^h_j(i)``
 
-    The column sums go through the dispatch point :func:`presses.kernels.column_sums` (Triton on CUDA,
-    :func:`column_sums` elsewhere). With the harmonic prior ``h_j`` of :func:`harmonic_prior` and ``||v_i||`` the L2 norm of the
+    When the layer's prefill attention already computed the statistic (:mod:`presses.probabilistic.prefill_attention`,
+    inside the press's prefill) it is used as is; otherwise the column sums are recomputed through the dispatch
+    point :func:`presses.kernels.column_sums` (Triton on CUDA, :func:`presses.core.columns.column_sums`
+    elsewhere). With the harmonic prior ``h_j`` of :func:`harmonic_prior` and ``||v_i||`` the L2 norm of the
     value of entry ``i`` in the head's KV group.
 
     Args:
@@ -148,11 +132,12 @@ def head_proposals(name: str, module, hidden_states: torch.Tensor, keys: torch.T
         raise ValueError(f"proposal={name!r} must be one of {ATTENTION_PROPOSALS}")
     _check_block(block_size)
     t = keys.shape[2]
-    if name == "min":
+    scores = take_prefill_stats(module, keys, name)  # computed by the prefill's own attention, if it could
+    if scores is None and name == "min":
         cos, sin = position_embeddings
         q = window_queries(module, hidden_states, 1, (cos, sin))
         scores = kernels.column_sums(q, keys, scaling=getattr(module, "scaling", None))  # dispatch
-    else:
+    elif scores is None:
         prior = harmonic_prior(t, keys.device) if name.endswith("_h") else None
         scores = attention_column_sums(module, hidden_states, keys, position_embeddings, prior, block_size)
     if name.startswith("min"):
