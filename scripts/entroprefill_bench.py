@@ -28,7 +28,7 @@ Long runs: ``examples.csv`` is rewritten after every example and the tables afte
 
 Usage (``OMP_NUM_THREADS=1``; the committed runs list their commands in results/entroprefill/)::
 
-    python scripts/entroprefill_bench.py --dataset keyfacts --lengths 2048 4096 8192 --n 40 --threads 1
+    python scripts/entroprefill_bench.py --dataset keyfacts --lengths 2048 4096 8000 --n 40 --threads 1
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dataset", choices=["keyfacts", "multidoc"], default="keyfacts")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000],
+                    help="context lengths (keyfacts: 8000 leaves room for the template and answer in 8192 positions)")
     ap.add_argument("--n", "--n-per-kind", dest="n", type=int, default=10,
                     help="examples per length (keyfacts) or per fact kind and length (multidoc)")
     ap.add_argument("--distractor-facts", default="none", help="keyfacts: none | other | number")

@@ -79,3 +79,22 @@ def test_bad_parameters():
         KeyFactsDataset(context_lengths=[200], passage_tokens=96)
     with pytest.raises(ValueError, match="n_samples=0"):
         KeyFactsDataset(context_lengths=[2000]).examples(TOK, 0, seed=0, query_aware=True)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_configured_lengths_fit_the_embedded_model(embedded_model):
+    """Every length of configs/dataset/keyfacts.yaml passes the harness's input check on the embedded model (the
+    chat template, answer prefix and answer within its 8192 positions), both question placements."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from evaluation import loop
+    from evaluation.pipeline import TextGenerationPipeline
+
+    model, tok = embedded_model
+    cfg = OmegaConf.load("configs/dataset/keyfacts.yaml")
+    ds = KeyFactsDataset(context_lengths=list(cfg.context_lengths), passage_tokens=cfg.passage_tokens,
+                         distractor_facts=cfg.distractor_facts, max_new_tokens=cfg.max_new_tokens)
+    pipe = TextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
+    for query_aware in (True, False):
+        loop._check_inputs(ds.examples(tok, 2, seed=0, query_aware=query_aware), [], pipe, model, tok, None)

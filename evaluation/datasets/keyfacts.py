@@ -19,7 +19,7 @@ uncompressed one that is mostly right (docs/methods.md §5.5; the multi-document
 :mod:`evaluation.datasets.multidoc` is answered 1-2 times in 20 by the embedded SmolLM2-135M). On a development
 seed (1000, never the benchmark's) the uncompressed embedded model answered ``"none"`` at 2k/4k/8k tokens, but
 ``"number"`` and ``"other"`` fell to 0.0-0.5 from 4k on (every configuration tried and its score:
-results/entroprefill/README.md).
+results/entroprefill/keyfacts_dev/README.md).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class KeyFactsDataset:
 
     Args:
         context_lengths: target context lengths in model tokens (passages plus instructions and question,
-            before the chat template); examples cycle over them.
+            before the chat template); examples cycle over them. The default's 8000 (not 8192) leaves room for
+            the chat template, the answer prefix and the answer within a model of 8192 positions (SmolLM2).
         passage_tokens: approximate tokens per passage (prose sentences are added while they fit, leaving room
             for a fact); passages are added while the context stays within its length.
         distractor_facts: ``"none" | "other" | "number"``, what the other passages hold besides prose.
@@ -77,7 +78,7 @@ class KeyFactsDataset:
             cannot hold two passages.
     """
 
-    context_lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8192])
+    context_lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8000])
     passage_tokens: int = 96
     distractor_facts: str = "none"
     num_samples: int = 10
