@@ -295,13 +295,14 @@ def main(argv=None) -> int:
 
 
 def write_rows(rows: list[dict], out: Path) -> None:
-    """``examples.csv`` (rewritten whole, through a temporary file, so an interrupted run leaves a readable one)."""
+    """``examples.csv`` (rewritten whole, through a temporary file, so an interrupted run leaves a readable one);
+    NaN is written as an empty cell, as :func:`read_rows` reads it back."""
     keys = list(dict.fromkeys(k for r in rows for k in r))
     tmp = out / "examples.csv.tmp"
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows)
     tmp.replace(out / "examples.csv")
 
 
