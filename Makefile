@@ -15,7 +15,7 @@ RESULTS ?= results
 SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean,snis_min,snis_min_uncorrected,snis_min_h,snis_min_h_uncorrected,snis_h2o,snis_h2o_uncorrected,snis_h2o_h,snis_h2o_h_uncorrected
 SWEEP_RATIOS ?= 0.5,0.75
 
-.PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check
+.PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check claims
 
 install: $(VENV)/.installed
 
@@ -54,6 +54,9 @@ gpu-check: install           # kernels compiled + benchmark + presses end to end
 
 bench-speed: install         # speed and memory of every press at T in {1k,2k,4k,8k} -> results/speed_memory/
 	$(PY) scripts/bench_speed_memory.py
+
+claims: install              # the claims ledger -> results/claims.md (from results/claims/claims.yaml and the artifacts)
+	$(PY) scripts/claims_ledger.py
 
 test: install                # two pytest workers (pytest-xdist), one per core; files stay whole on a worker
 	$(PY) -m pytest -q -x -n 2 --dist loadfile tests

@@ -34,6 +34,9 @@ logger = logging.getLogger("evaluation.harness")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 _MODEL_CACHE: dict = {}
 
+#: suffix of the dataset directory of runs with the question inside the compressed context (query_aware)
+QA_SUFFIX = "-qa"
+
 
 def config_choices(group: str) -> list[str]:
     """Names of the configs in one Hydra group (``press``, ``dataset``, ``model``)."""
@@ -93,7 +96,7 @@ def run_label(names: dict[str, str]) -> str:
 def run_dir(cfg: DictConfig, names: dict[str, str]) -> Path:
     """The directory of one run (see the module docstring)."""
     ratio = 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio)
-    dataset = names["dataset"] + ("-qa" if cfg.get("query_aware") else "")  # the two protocols never mix
+    dataset = names["dataset"] + (QA_SUFFIX if cfg.get("query_aware") else "")  # the two protocols never mix
     out = Path(cfg.output_dir) / dataset / names["model"] / run_label(names) / f"cr{ratio:g}"
     shard = parse_shard(cfg.get("shard"))
     return out / f"shard_{shard[0]}_of_{shard[1]}" if shard else out

@@ -1,7 +1,9 @@
 """The one registry of press capabilities the harness reads: nowhere else in ``evaluation/`` is a press
 recognised by its class or its name (``no_press``, the uncompressed baseline, aside).
 
-- This project's presses state their capabilities themselves (the press contract, :mod:`presses.base`).
+- This project's presses state their capabilities themselves (the press contract, :mod:`presses.base`); a
+  probabilistic-eviction press with a kvpress scorer as its proposal states the scorer's need of eager attention
+  (``tests/test_scorer_proposals.py`` checks it against :data:`KVPRESS`), and gets the scorer's input limits here.
 - kvpress's presses get theirs from :data:`KVPRESS`, by class, and their input limits from
   :func:`press_input_problem`: kvpress checks its inputs with ``assert`` (skipped under ``python -O``) or not
   at all, so the harness turns each limit into a ``ValueError`` naming the value and the limit before the
@@ -30,6 +32,7 @@ from kvpress import (
 
 from presses.attention_bias import take_biases
 from presses.base import Capabilities, ResearchPress
+from presses.probabilistic import ProbabilisticEvictionPress
 
 __all__ = ["KVPRESS", "MOVED_TARGETS", "UNKNOWN", "capabilities", "inner_press", "press_input_problem", "export_decode_state"]
 
@@ -98,7 +101,9 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
     The limits (kvpress 0.5.5): SnapKV, PyramidKV and AdaKV over a windowed scorer need ``T > window_size``;
     StreamingLLM and ExpectedAttention need ``T > n_sink``; TOVA needs ``T >= 2``; AdaKV and PyramidKV do not
     run on eager attention; PyramidKV cannot be followed by a multi-token forward (the pipeline's question).
-    This project's presses compress any input they accept, and validate their own parameters.
+    This project's presses compress any input they accept, and validate their own parameters, except that a
+    :class:`presses.probabilistic.ProbabilisticEvictionPress` whose proposal is a kvpress scorer (``snapkv``,
+    ``tova``, ``knorm`` or a ``ScorerPress`` instance) has that scorer's limits.
 
     Args:
         press: the instantiated press (not None).
@@ -114,6 +119,12 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
         return None
     label = type(press).__name__ if inner is press else f"{type(press).__name__}({type(inner).__name__})"
     T = int(context_length)
+    if isinstance(inner, ProbabilisticEvictionPress):
+        scorer = inner.scorer  # only the proposal's score() is called, on every layer of the prefill
+        if scorer is None:
+            return None
+        where = "press.window_size" if inner.proposal == "snapkv" else "press.proposal.window_size"
+        return _score_problem(scorer, f"{label}(proposal={type(scorer).__name__})", T, where)
     eager = getattr(model.config, "_attn_implementation", None) == "eager"
     if isinstance(press, AdaKVPress) and eager:
         return (f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
@@ -126,12 +137,17 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
                 "mask of a multi-token forward after the prefill (the question) from layer 0's cache length, so "
                 "the other layers fail with a size mismatch: it cannot answer questions through kvpress's pipeline "
                 "(kvpress 0.5.5, transformers 5.x)")
-    if isinstance(inner, SnapKVPress) and T <= inner.window_size:  # PyramidKVPress subclasses SnapKVPress
-        return (f"{label}: the context has T={T} tokens but needs more than window_size={inner.window_size}: use "
-                "a longer context or a smaller press.window_size")
-    if isinstance(inner, (StreamingLLMPress, ExpectedAttentionPress)) and T <= inner.n_sink:
-        return f"{label}: the context has T={T} tokens but needs more than n_sink={inner.n_sink}"
-    if isinstance(inner, TOVAPress) and T < 2:
+    return _score_problem(inner, label, T)
+
+
+def _score_problem(scorer, label: str, T: int, where: str = "press.window_size") -> str | None:
+    """The limits of a kvpress scorer's ``score`` at ``T`` tokens (see :func:`press_input_problem`), or None."""
+    if isinstance(scorer, SnapKVPress) and T <= scorer.window_size:  # PyramidKVPress subclasses SnapKVPress
+        return (f"{label}: the context has T={T} tokens but needs more than window_size={scorer.window_size}: use "
+                f"a longer context or a smaller {where}")
+    if isinstance(scorer, (StreamingLLMPress, ExpectedAttentionPress)) and T <= scorer.n_sink:
+        return f"{label}: the context has T={T} tokens but needs more than n_sink={scorer.n_sink}"
+    if isinstance(scorer, TOVAPress) and T < 2:
         return f"{label}: the context has T={T} tokens but needs at least 2 (it scores the keys before the last token)"
     return None
 

@@ -42,6 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evaluation.harness import QA_SUFFIX
 from evaluation.metrics import score_interval, win_scores
 from evaluation.harness import config_changes, run_in_progress, write_atomic
 
@@ -295,6 +296,38 @@ def win_table(runs: list[Run]) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 
 
+def protocol_table(after: list[Run], inside: list[Run], confidence: float) -> list[dict]:
+    """The two protocols of one dataset and model side by side: one record per (press, ratio) run in both.
+
+    ``after``: runs with the question asked after compression (``<dataset>/``); ``inside``: the question inside
+    the compressed context (``<dataset>-qa/``). The win scores are recomputed among the presses present in both
+    protocols at that ratio (so that the two columns compare the same set of presses).
+
+    Returns:
+        Records with ``press, ratio, n_after, score_after, low_after, high_after, n_inside, score_inside, ...,
+        win_after, win_inside`` (``nan`` where a win score is undefined, e.g. ``no_press``).
+    """
+    both = {(r.press, r.ratio) for r in after} & {(r.press, r.ratio) for r in inside}
+    keep = lambda runs: [r for r in runs if (r.press, r.ratio) in both]  # noqa: E731
+    stats = {name: {(s["press"], s["ratio"]): s for s in summary_table(keep(runs), confidence)}
+             for name, runs in (("after", after), ("inside", inside))}
+    wins = {name: {(w["press"], w["ratio"]): w["win_score"] for w in win_table(keep(runs))}
+            for name, runs in (("after", after), ("inside", inside))}
+    out = []
+    for press, ratio in sorted(both, key=lambda k: (k[1], k[0])):
+        rec = {"dataset": after[0].dataset, "model": after[0].model, "press": press, "ratio": ratio}
+        for name in ("after", "inside"):
+            s = stats[name].get((press, ratio))
+            if s is None:
+                continue
+            rec.update({f"n_{name}": s["n"], f"score_{name}": s["score"], f"low_{name}": s["low"],
+                        f"high_{name}": s["high"]})
+        for name in ("after", "inside"):
+            rec[f"win_{name}"] = wins[name].get((press, ratio), math.nan)
+        out.append(rec)
+    return out
+
+
 def _csv(records: list[dict]) -> str:
     """CSV text of flat records (floats with 6 significant digits)."""
     buf = io.StringIO()
@@ -452,8 +485,28 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
     groups: dict[tuple[str, str], list[Run]] = defaultdict(list)
     for run in runs:
         groups[(run.dataset, run.model)].append(run)
+    pairs = [(d, m) for d, m in sorted(groups) if (d + QA_SUFFIX, m) in groups]
     if groups:
-        md += ["## Contents", ""] + [f"- [{d} / {m}](#{_anchor(d, m)})" for d, m in sorted(groups)] + [""]
+        md += ["## Contents", ""] + (["- [The two protocols side by side](#protocols)"] if pairs else []) + [
+            f"- [{d} / {m}](#{_anchor(d, m)})" for d, m in sorted(groups)] + [""]
+    if pairs:
+        md += ["<a id=\"protocols\"></a>", "## The two protocols side by side", "",
+               "Question after compression (kvpress's default protocol, `<dataset>/`) against the question inside "
+               "the compressed context (`<dataset>-qa/`, `query_aware=true`), on the same examples' contexts. "
+               f"Score: mean [{pct} interval]. Win score: among the presses run in both protocols at that ratio "
+               "(so the two columns compare the same presses; it can differ from the per-protocol sections below).",
+               ""]
+    for dataset, model in pairs:
+        table = protocol_table(groups[(dataset, model)], groups[(dataset + QA_SUFFIX, model)], confidence)
+        link = w.text(f"tables/{dataset}__{model}__protocols.csv", _csv(table))
+        fmt = lambda r, k: (f"{r[f'score_{k}']:.3f} [{r[f'low_{k}']:.3f}, {r[f'high_{k}']:.3f}]"  # noqa: E731
+                            if f"score_{k}" in r else "–")
+        win = lambda v: "–" if math.isnan(v) else f"{v:.3f}"  # noqa: E731
+        md += [f"### {dataset} / {model}", "",
+               _markdown(["ratio", "press", "score, question after", "score, question inside", "win, after",
+                          "win, inside"],
+                         [[f"{r['ratio']:g}", r["press"], fmt(r, "after"), fmt(r, "inside"), win(r["win_after"]),
+                           win(r["win_inside"])] for r in table]), "", f"Table: [{link}]({link})", ""]
     for (dataset, model), group in sorted(groups.items()):
         stem = f"{dataset}__{model}"
         presses = _press_order(r.press for r in group)

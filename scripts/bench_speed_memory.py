@@ -74,12 +74,26 @@ from evaluation.registry import capabilities  # noqa: E402
 
 logger = logging.getLogger("bench_speed_memory")
 
+def _threads_summary(rows: list[dict]) -> str:
+    """torch intra-op threads of the rows, e.g. ``"1 torch thread(s): 24 rows; not recorded: 56 rows"`` (rows
+    of sweeps made before the ``threads`` column existed). A row's ratios (``vs full``, ``overhead``) are taken
+    within its own sweep, so rows measured with different threads compare only through their ratios."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        key = str(r.get("threads") or "")
+        counts[key] = counts.get(key, 0) + 1
+    parts = [f"{k} torch thread(s): {n} rows" for k, n in sorted(counts.items()) if k]
+    if "" in counts:
+        parts.append(f"threads not recorded: {counts['']} rows (earlier sweeps, torch's default)")
+    return "; ".join(parts) or "no rows"
+
+
 #: Columns of speed_memory.csv, in order.
 COLUMNS = ["model", "device", "dtype", "press", "compression_ratio", "T", "context_length", "context",
            "repeats", "prefill_s", "full_prefill_s", "prefill_ratio_vs_full", "press_s", "snapkv_press_s",
            "overhead_ratio", "decode_tokens", "decode_s", "decode_tok_s", "kv_full_bytes", "kv_physical_bytes",
            "kv_logical_bytes", "physical_vs_full", "logical_vs_full", "peak_mem_mb", "peak_mem_delta_mb",
-           "mem_method", "press_stats", "error", "timestamp"]
+           "mem_method", "press_stats", "error", "timestamp", "threads"]
 REFERENCE = "snapkv"
 NO_PRESS = "no_press"
 GPU_TIME_LIMIT_S = 480.0
@@ -530,7 +544,7 @@ def run_bench(cfg: DictConfig, model, tokenizer, model_name: str, device: str, c
             row = {"model": model_name, "device": device, "dtype": dtype, "press": name,
                    "compression_ratio": ratio, "T": T, "context": kind, **res, "full_prefill_s": full_s,
                    "snapkv_press_s": snap_s, "error": error,
-                   "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                   "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "threads": torch.get_num_threads()}
             if not error:
                 row["prefill_ratio_vs_full"] = res["prefill_s"] / full_s if full_s else math.nan
                 row["overhead_ratio"] = (0.0 if name == NO_PRESS
@@ -655,7 +669,7 @@ def write_report(out: Path, rows: list[dict], cfg: DictConfig, command: str, dev
         f"Command: `{command}`",
         "",
         f"Device `{device}` ({platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} torch threads{', ' + torch.cuda.get_device_name(device) if device.startswith('cuda') else ''}), "
+        f"{_threads_summary(rows)}{', ' + torch.cuda.get_device_name(device) if device.startswith('cuda') else ''}), "
         f"torch {torch.__version__}, python {platform.python_version()}, model(s) {', '.join(models) or '-'}; "
         f"decode over {cfg.decode_tokens} tokens; {cfg.repeats} repeat(s) per row (median); "
         f"last sweep {seconds:.0f} s.",

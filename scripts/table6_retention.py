@@ -21,7 +21,7 @@ Fig. 9b (paper 000 appendix): per (layer, group) decision, the needle-value mass
 entropy-pooled score and of the mean-pooled score, from the same observer attention the press pools.
 
 Outputs (``--out``): ``table6_retention.csv`` (one row per prompt and variant), ``table6_fig9b.csv`` (one row per
-prompt, layer and group), ``table6.md`` (the tables, the paper's numbers beside ours, the command) and
+prompt, layer and group), ``table6_reproduction.md`` (the tables, the paper's numbers beside ours, the command) and
 ``table6_fig9b.png``.
 """
 
@@ -180,7 +180,7 @@ def run(args) -> None:
     write_csv(out / "table6_retention.csv", retention)
     write_csv(out / "table6_fig9b.csv", fig9b)
     plot_fig9b(fig9b, out / "table6_fig9b.png")
-    write_atomic(out / "table6.md", report(retention, fig9b, args))
+    write_atomic(out / "table6_reproduction.md", report(retention, fig9b, args))
 
 
 def collect(parts: Path, args, pipe, tokenizer) -> tuple[list[dict], list[dict], int]:
@@ -221,7 +221,7 @@ def _mean(xs):
 
 
 def report(retention: list[dict], fig9b: list[dict], args) -> str:
-    """``table6.md``: (a) pooled selection by length, (b) strict by depth, per protocol; Fig. 9b summary."""
+    """``table6_reproduction.md``: (a) pooled selection by length, (b) strict by depth, per protocol; Fig. 9b summary."""
     argv, skip = [], False
     for a in sys.argv[1:]:  # the recorded command is the whole sweep: drop a per-process --protocols
         if a == "--protocols" or a.startswith("--protocols="):

@@ -233,3 +233,26 @@ def test_length_range_table_averages_tasks_and_skips_other_rows():
         {"id": "d", "task": "B", "score": 1.0, "metadata": {"length": 300}}])  # not LongBench-E: left out
     (row,) = [r for r in length_range_table([run]) if r["task"] == "all"]
     assert row["range"] == "0-4k" and row["n"] == 3 and row["score"] == 0.5  # (1.0 + 0.0) / 2 tasks, not 2/3
+
+
+def test_protocols_side_by_side_compare_the_same_presses(tmp_path):
+    """A dataset run in both protocols gets one side-by-side table; its win scores are computed among the presses
+    present in both protocols (a press run only with the question inside does not change the 'inside' column)."""
+    root = tmp_path / "runs"
+    for dataset, scores in (("needle", {"snapkv": (1, 0), "tova": (0, 0)}),
+                            ("needle-qa", {"snapkv": (0, 1), "tova": (1, 0), "knorm": (1, 0)})):
+        for press, (s1, s2) in scores.items():
+            _write_run(root, press, "0.5", [("e1", "needle", s1), ("e2", "needle", s2)], dataset=dataset)
+    out = tmp_path / "report"
+    readme = build_report(root, out, plots=False).read_text()
+    assert "## The two protocols side by side" in readme
+    rows = {r["press"]: r for r in _csv(out / "tables" / "needle__tiny__protocols.csv")}
+    assert set(rows) == {"snapkv", "tova"}  # knorm ran in one protocol only
+    assert float(rows["snapkv"]["score_after"]) == 0.5 and float(rows["tova"]["score_inside"]) == 0.5
+    # after: snapkv beats-or-ties tova on both examples (1), tova ties only on e2 (0.5). Inside, between the two
+    # only: each wins one example (0.5, 0.5); were knorm counted, tova would get 0.75 (it ties knorm twice).
+    assert float(rows["snapkv"]["win_after"]) == 1.0 and float(rows["tova"]["win_after"]) == 0.5
+    assert float(rows["snapkv"]["win_inside"]) == 0.5 and float(rows["tova"]["win_inside"]) == 0.5
+    only_after = tmp_path / "one"
+    _write_run(only_after, "snapkv", "0.5", [("e1", "needle", 1)], dataset="needle")
+    assert "side by side" not in build_report(only_after, tmp_path / "r2", plots=False).read_text()

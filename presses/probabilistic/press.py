@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
-
 import torch
-from kvpress import ComposedPress, PrefillDecodingPress
+from kvpress import ComposedPress, PrefillDecodingPress, ScorerPress
 from torch import nn
 from transformers import QuantizedCache
 
@@ -17,7 +15,14 @@ from presses.probabilistic.correction import snis_bias
 from presses.core.paging import num_pages
 from presses.probabilistic.prefill_attention import install_prefill_attention, request_statistics
 from presses.probabilistic.page_sampling import UNITS, expand_pages, page_proposal, page_target, page_tolerance
-from presses.probabilistic.proposals import PROPOSALS, compute_proposal
+from presses.probabilistic.proposals import (
+    NORMALIZATIONS,
+    check_proposal,
+    compute_proposal,
+    needs_attention_weights,
+    proposal_label,
+    proposal_scorer,
+)
 from presses.probabilistic.survivors import row_fingerprints, surviving_positions
 
 __all__ = ["ProbabilisticEvictionPress"]
@@ -64,10 +69,22 @@ class ProbabilisticEvictionPress(ResearchPress):
     gets its page's bias ``(log c_p - log m - log pi_p) / tau``. Storage, padding and the decode-time
     correction are those of the token unit. The page unit does not share a ``ComposedPress`` with other presses.
 
+    Any kvpress scorer as the proposal (paper 003 appendix D: a top-k score read as an unnormalised proposal):
+    ``proposal=ExpectedAttentionPress()``, or any other ``ScorerPress`` instance, takes the scorer's per-KV-head
+    scores ``s`` (``score(module, hidden_states, keys, values, attentions, kwargs)``, shape ``(B, G, t)``) and
+    normalises them per group, ``softmax(s / T)`` (``score_normalization="softmax"``, eq. 18) or
+    ``s^(1/T) / sum s^(1/T)`` for non-negative scores (``"sum"``, eqs. 17 and 20); ``T`` is ``proposal_temperature``
+    (D.1). Only the scorer's ``score`` is called: its own ``compression_ratio`` does not evict anything (a score
+    that reads it, like StreamingLLM's window, sees the value the scorer was built with). The names ``"snapkv"``,
+    ``"tova"`` and ``"knorm"`` are this path with ``SnapKVPress(window_size, kernel_size)``, ``TOVAPress()`` and
+    ``KnormPress()``. A scorer that reads attention weights (``ObservedAttentionPress``) needs eager attention, and
+    then the press cannot share a prefill (:attr:`capabilities`). From Hydra the scorer is a nested ``_target_``
+    (``configs/press/snis_expected_attention.yaml``).
+
     Parameters:
         compression_ratio: target fraction ``r*`` of prompt entries to evict, in ``[0, 1)``.
-        proposal: ``"min"``, ``"min_h"``, ``"h2o"``, ``"h2o_h"`` (appendix H) or a kvpress scorer
-            adapter ``"snapkv"``, ``"tova"``, ``"knorm"`` (appendix D, softmax of the score).
+        proposal: ``"min"``, ``"min_h"``, ``"h2o"``, ``"h2o_h"`` (appendix H), a kvpress ``ScorerPress`` instance,
+            or the name of one, ``"snapkv"``, ``"tova"``, ``"knorm"`` (appendix D).
         correction: apply the SNIS correction; ``False`` is the "uncorrected" estimator.
         tau: importance-weight temperature (eq. 10), ``> 0``; ``inf`` = no correction.
         budget: ``"global"`` or ``"head"`` (per KV group).
@@ -75,14 +92,15 @@ class ProbabilisticEvictionPress(ResearchPress):
         uniform_mix: weight ``a`` of the uniform in ``pi' = (1 - a) pi + a / t`` (appendix D.1).
         seed: seed of the sampling generator.
         block_size: query rows per block for the all-row proposals.
-        window_size, kernel_size: SnapKV adapter parameters.
-        score_normalization: ``"softmax"`` (docs/methods.md §3 item 1) or ``"sum"`` (appendix D eqs. 17, 20) for adapters.
+        window_size, kernel_size: parameters of the ``"snapkv"`` name's SnapKVPress.
+        score_normalization: how a scorer's scores become the proposal: ``"softmax"`` (default; any real score,
+            docs/methods.md §3 item 1) or ``"sum"`` (non-negative scores, appendix D eqs. 17, 20).
         unit: sampling unit, ``"token"`` (paper 003) or ``"page"`` (pages of ``page_size`` positions).
         page_size: positions per page for ``unit="page"``, ``>= 1`` (unused for tokens).
     """
 
     compression_ratio: float = 0.0
-    proposal: str = "min_h"
+    proposal: str | ScorerPress = "min_h"
     correction: bool = True
     tau: float = 1.0
     budget: str = "global"
@@ -95,7 +113,6 @@ class ProbabilisticEvictionPress(ResearchPress):
     score_normalization: str = "softmax"
     unit: str = "token"
     page_size: int = 16
-    capabilities: ClassVar[Capabilities] = Capabilities(decode_state=True)
     _pending: dict = field(default_factory=dict, init=False, repr=False)
     _stats: dict = field(default_factory=dict, init=False, repr=False)
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
@@ -104,8 +121,7 @@ class ProbabilisticEvictionPress(ResearchPress):
     def __post_init__(self):
         if not (0.0 <= self.compression_ratio < 1.0):
             raise ValueError(f"compression_ratio={self.compression_ratio} must be in [0, 1)")
-        if self.proposal not in PROPOSALS:
-            raise ValueError(f"proposal={self.proposal!r} must be one of {PROPOSALS}")
+        check_proposal(self.proposal)
         if self.budget not in BUDGETS:
             raise ValueError(f"budget={self.budget!r} must be one of {BUDGETS}")
         if not (self.tau > 0):
@@ -116,12 +132,27 @@ class ProbabilisticEvictionPress(ResearchPress):
             raise ValueError(f"uniform_mix={self.uniform_mix} must be in [0, 1]")
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} must be >= 1")
-        if self.score_normalization not in ("softmax", "sum"):
-            raise ValueError(f"score_normalization={self.score_normalization!r} must be 'softmax' or 'sum'")
+        if self.score_normalization not in NORMALIZATIONS:
+            raise ValueError(f"score_normalization={self.score_normalization!r} must be one of {NORMALIZATIONS}")
         if self.unit not in UNITS:
             raise ValueError(f"unit={self.unit!r} must be one of {UNITS}")
         if self.page_size < 1:
             raise ValueError(f"page_size={self.page_size} must be >= 1")
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The press contract (:mod:`presses.base`): decode-time state always; with a scorer proposal that reads the
+        layers' attention weights (:data:`presses.probabilistic.proposals.ATTENTION_WEIGHT_SCORERS`) also eager
+        attention, and then no shared prefill (as for that scorer alone, :mod:`evaluation.registry`)."""
+        if needs_attention_weights(self.scorer):
+            return Capabilities(shares_prefill=False, decode_state=True, needs_eager=True)
+        return Capabilities(decode_state=True)
+
+    @property
+    def scorer(self) -> ScorerPress | None:
+        """The kvpress scorer behind :attr:`proposal` (a new one for the names ``snapkv``, ``tova``, ``knorm``), or None
+        for an attention proposal."""
+        return proposal_scorer(self.proposal, self.window_size, self.kernel_size)
 
     # ------------------------------------------------------------------ per-request state
     def reset(self) -> None:
@@ -279,13 +310,22 @@ class ProbabilisticEvictionPress(ResearchPress):
         """Check the attention implementation, install the correcting attention wrapper and register the
         model hooks (reset at each prefill, deferred global eviction after the last layer).
 
+        A scorer proposal's own ``post_init_from_model`` is called too (kvpress scorers that load weights do it there).
+
         Raises:
-            ValueError: if the model's attention implementation is not sdpa or eager.
+            ValueError: if the model's attention implementation is not sdpa or eager, or not eager for a scorer
+                proposal that reads attention weights.
         """
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in SUPPORTED_ATTENTION:
             raise ValueError(f"attn_implementation={impl!r} is not supported by ProbabilisticEvictionPress: "
                              f"use one of {SUPPORTED_ATTENTION} (the correction is an additive float mask)")
+        scorer = self.scorer
+        if needs_attention_weights(scorer) and impl != "eager":
+            raise ValueError(f"proposal={scorer!r} reads the layers' attention weights: load the model with "
+                             f"attn_implementation='eager' (it has {impl!r})")
+        if scorer is not None and not isinstance(self.proposal, str):
+            scorer.post_init_from_model(model)
         install_bias_attention()
         install_prefill_attention()
         super().post_init_from_model(model)
@@ -323,7 +363,7 @@ class ProbabilisticEvictionPress(ResearchPress):
         logical = [1.0 - self._stats[i]["kept"] / t for i in layers]
         physical = [1.0 - self._stats[i]["padded"] / t for i in layers]
         return {
-            "proposal": self.proposal,
+            "proposal": proposal_label(self.proposal),
             "budget": self.budget,
             "context_length": t,
             "num_layers_evicted": len(layers),

@@ -1,9 +1,13 @@
 """Proposal distributions ``pi`` over the ``t`` prompt entries for probabilistic eviction.
 
 Paper 003 appendix H (the four proposals ``min``, ``min_h``, ``h2o``, ``h2o_h`` with the harmonic
-prior), appendix D (kvpress top-k scorers turned into proposals, D.1 temperature and uniform
+prior), appendix D (any kvpress top-k scorer turned into a proposal, D.1 temperature and uniform
 mixing) and section 5 (one proposal per GQA group: the mixture of its heads' proposals);
 docs/methods.md §3 item 1.
+
+A proposal is a name of :data:`ATTENTION_PROPOSALS`, a name of :data:`SCORER_PROPOSALS` (a kvpress scorer with
+fixed settings, :func:`named_scorer`) or any kvpress ``ScorerPress`` instance (:func:`check_scorer`). Scorers
+give one score per KV head, i.e. per group, which :func:`score_to_proposal` normalises over the entries.
 
 Shapes: ``B`` batch, ``H_Q`` query heads, ``G`` KV groups, ``r = H_Q / G``, ``t`` prompt entries,
 ``d`` head dim. Query head ``h`` belongs to group ``h // r``. Column sums over all prompt rows are
@@ -14,7 +18,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import dataclasses
+
 import torch
+from kvpress import KnormPress, ObservedAttentionPress, ScorerPress, SnapKVPress, TOVAPress
+from kvpress.presses.base_press import BasePress
 
 from presses import kernels
 from presses.core.columns import harmonic_prior  # noqa: F401  (part of this module's interface)
@@ -32,14 +40,29 @@ __all__ = [
     "group_mixture",
     "adjust_proposal",
     "score_to_proposal",
+    "NORMALIZATIONS",
+    "ATTENTION_WEIGHT_SCORERS",
+    "named_scorer",
+    "check_scorer",
+    "check_proposal",
+    "proposal_scorer",
+    "proposal_label",
+    "needs_attention_weights",
     "scorer_scores",
     "compute_proposal",
     "shared_proposals",
 ]
 
 ATTENTION_PROPOSALS = ("min", "min_h", "h2o", "h2o_h")
+#: Names of kvpress scorers with fixed settings (:func:`named_scorer`); any other ``ScorerPress`` is passed as an instance.
 SCORER_PROPOSALS = ("snapkv", "tova", "knorm")
 PROPOSALS = ATTENTION_PROPOSALS + SCORER_PROPOSALS
+#: How a scorer's scores become a proposal (:func:`score_to_proposal`).
+NORMALIZATIONS = ("softmax", "sum")
+#: kvpress scorers that read the layer's attention weights (``attn_implementation="eager"``). In kvpress 0.5.5 only
+#: ObservedAttentionPress needs them; SnapKV and TOVA use them when the attention returns them and recompute their
+#: window's attention otherwise.
+ATTENTION_WEIGHT_SCORERS: tuple[type, ...] = (ObservedAttentionPress,)
 
 _shared: dict | None = None  # the memo of an active shared_proposals() block
 
@@ -230,49 +253,146 @@ def score_to_proposal(scores: torch.Tensor, temperature: float = 1.0, normalizat
     raise ValueError(f"normalization={normalization!r} must be 'softmax' or 'sum'")
 
 
-def scorer_scores(name: str, module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def named_scorer(name: str, window_size: int = 64, kernel_size: int = 5) -> ScorerPress:
+    """The kvpress scorer a name of :data:`SCORER_PROPOSALS` stands for.
+
+    ``snapkv`` -> ``SnapKVPress(window_size=window_size, kernel_size=kernel_size)``, ``tova`` -> ``TOVAPress()``,
+    ``knorm`` -> ``KnormPress()`` (negative key norm).
+
+    Raises:
+        ValueError: for an unknown ``name``.
+    """
+    if name == "snapkv":
+        return SnapKVPress(window_size=window_size, kernel_size=kernel_size)
+    if name == "tova":
+        return TOVAPress()
+    if name == "knorm":
+        return KnormPress()
+    raise ValueError(f"scorer proposal={name!r} must be one of {SCORER_PROPOSALS}")
+
+
+def _held_presses(press) -> list[str]:
+    """Public attributes of ``press`` that hold another kvpress press (a wrapper's inner press)."""
+    held = []
+    for key, value in vars(press).items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not key.startswith("_") and any(isinstance(v, BasePress) for v in values):
+            held.append(key)
+    return held
+
+
+def check_scorer(scorer) -> ScorerPress:
+    """Return ``scorer`` if it can serve as a proposal: a kvpress ``ScorerPress`` whose ``score`` is its own.
+
+    Only ``score`` is called (paper 003 appendix D): a scorer's own ``compression_ratio`` is not used for eviction,
+    though a score that reads it (StreamingLLMPress's window) sees the value the scorer was built with.
+
+    Raises:
+        ValueError: naming the value, for anything but a ``ScorerPress`` instance, and for a ``ScorerPress`` that wraps
+            another press (e.g. ``CriticalKVPress(press=...)``: its score depends on its own compression ratio and
+            its inner press; pass the inner scorer itself).
+    """
+    if isinstance(scorer, type) or not isinstance(scorer, ScorerPress):
+        raise ValueError(f"proposal={scorer!r} must be one of {PROPOSALS} or a kvpress ScorerPress instance "
+                         "(e.g. kvpress.ExpectedAttentionPress()), whose score() becomes the proposal")
+    held = _held_presses(scorer)
+    if held:
+        raise ValueError(f"proposal={scorer!r} is a ScorerPress that wraps another press (field {held[0]!r}): "
+                         "its score depends on its own compression ratio and wrapped press; pass a plain scorer "
+                         f"(e.g. the wrapped one, {getattr(scorer, held[0])!r})")
+    return scorer
+
+
+def check_proposal(proposal) -> None:
+    """Raise a ``ValueError`` naming ``proposal`` unless it is a name of :data:`PROPOSALS` or a scorer
+    :func:`check_scorer` accepts."""
+    if isinstance(proposal, str):
+        if proposal not in PROPOSALS:
+            raise ValueError(f"proposal={proposal!r} must be one of {PROPOSALS} or a kvpress ScorerPress instance")
+        return
+    check_scorer(proposal)
+
+
+def proposal_scorer(proposal, window_size: int = 64, kernel_size: int = 5) -> ScorerPress | None:
+    """The kvpress scorer behind ``proposal``: the instance itself, the scorer a name of :data:`SCORER_PROPOSALS`
+    stands for (:func:`named_scorer`), or None for an attention proposal (:data:`ATTENTION_PROPOSALS`)."""
+    if isinstance(proposal, str):
+        return named_scorer(proposal, window_size, kernel_size) if proposal in SCORER_PROPOSALS else None
+    return check_scorer(proposal)
+
+
+def proposal_label(proposal) -> str:
+    """A short label of ``proposal`` for statistics rows: the name, or the scorer's class name."""
+    return proposal if isinstance(proposal, str) else type(proposal).__name__
+
+
+def needs_attention_weights(scorer) -> bool:
+    """Whether ``scorer`` reads the layer's attention weights (:data:`ATTENTION_WEIGHT_SCORERS`)."""
+    return isinstance(scorer, ATTENTION_WEIGHT_SCORERS)
+
+
+def scorer_scores(proposal, module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   attentions: torch.Tensor | None, kwargs: dict, window_size: int = 64,
                   kernel_size: int = 5) -> torch.Tensor:
     """Scores of a kvpress top-k scorer, to be turned into a proposal (paper 003 appendix D).
 
-    ``snapkv`` -> :class:`kvpress.SnapKVPress` (``window_size``, ``kernel_size``), ``tova`` ->
-    :class:`kvpress.TOVAPress`, ``knorm`` -> :class:`kvpress.KnormPress` (negative key norm).
+    Args:
+        proposal: a name of :data:`SCORER_PROPOSALS` (``window_size`` and ``kernel_size`` set ``snapkv``'s
+            SnapKVPress) or a ``ScorerPress`` instance.
+        module, hidden_states, keys, values, attentions, kwargs: as passed to a kvpress ``compress``; the scorer's
+            ``score`` gets them unchanged.
 
     Returns:
         ``(B, G, t)`` scores, higher = keep.
 
     Raises:
-        ValueError: for an unknown ``name``.
+        ValueError: for an unknown name or a value :func:`check_scorer` refuses; naming the scorer, when it needs
+            attention weights the attention did not return, when its own input check fails (kvpress asserts, e.g.
+            ``T > window_size``), and when its scores do not have the shape ``(B, G, t)``.
     """
-    from kvpress import KnormPress, SnapKVPress, TOVAPress
+    scorer = proposal_scorer(proposal, window_size, kernel_size)
+    if scorer is None:
+        raise ValueError(f"scorer proposal={proposal!r} must be one of {SCORER_PROPOSALS} or a ScorerPress instance")
+    if attentions is None and needs_attention_weights(scorer):
+        raise ValueError(f"proposal={scorer!r} reads the layer's attention weights, which this attention did not "
+                         "return: load the model with attn_implementation='eager'")
+    try:
+        scores = scorer.score(module, hidden_states, keys, values, attentions, kwargs)
+    except AssertionError as err:  # kvpress checks its inputs with assert
+        raise ValueError(f"proposal={scorer!r} cannot score this layer ({keys.shape[2]} entries): {err}") from err
+    if tuple(scores.shape) != tuple(keys.shape[:3]):
+        raise ValueError(f"proposal={scorer!r} returned scores of shape {tuple(scores.shape)}, expected one per KV "
+                         f"head and entry {tuple(keys.shape[:3])}")
+    return scores
 
-    scorers = {
-        "snapkv": lambda: SnapKVPress(window_size=window_size, kernel_size=kernel_size),
-        "tova": TOVAPress,
-        "knorm": KnormPress,
-    }
-    if name not in scorers:
-        raise ValueError(f"scorer proposal={name!r} must be one of {SCORER_PROPOSALS}")
-    return scorers[name]().score(module, hidden_states, keys, values, attentions, kwargs)
+
+def _scorer_key(scorer: ScorerPress) -> tuple:
+    """What identifies a scorer's scores in the :func:`shared_proposals` memo: its class and field values when it is a
+    dataclass of plain values (equal scorers share), else the object itself (held by the memo entry)."""
+    if dataclasses.is_dataclass(scorer):
+        values = tuple((f.name, getattr(scorer, f.name, None)) for f in dataclasses.fields(scorer))
+        if all(v is None or isinstance(v, (bool, int, float, str)) for _, v in values):
+            return (type(scorer), values)
+    return ("object", id(scorer))
 
 
-def compute_proposal(name: str, module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def compute_proposal(name, module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      attentions: torch.Tensor | None, kwargs: dict, temperature: float = 1.0,
                      uniform_mix: float = 0.0, block_size: int = 128, window_size: int = 64,
                      kernel_size: int = 5, score_normalization: str = "softmax") -> torch.Tensor:
     """The group proposal ``pi`` of one layer (docs/methods.md §3 item 1): head proposals -> group mixture (``1/r``)
-    -> temperature -> uniform mixing; scorer adapters give group scores -> softmax(score / T) ->
-    uniform mixing.
+    -> temperature -> uniform mixing; scorer proposals give group scores -> ``score_normalization`` at temperature
+    ``T`` (:func:`score_to_proposal`) -> uniform mixing.
 
     Args:
-        name: one of :data:`PROPOSALS`.
+        name: one of :data:`PROPOSALS` or a kvpress ``ScorerPress`` instance (:func:`check_scorer`).
         module, hidden_states, keys, values, attentions, kwargs: as passed to a kvpress ``compress``
             (``kwargs["position_embeddings"]`` is used).
         temperature: proposal temperature ``T > 0``.
         uniform_mix: weight ``a`` of the uniform component, in ``[0, 1]``.
         block_size: query rows per block for the all-row proposals.
         window_size, kernel_size: SnapKV adapter parameters.
-        score_normalization: ``"softmax"`` or ``"sum"`` for the scorer adapters.
+        score_normalization: ``"softmax"`` or ``"sum"`` for the scorer proposals.
 
     Returns:
         ``(B, G, t)`` float32 rows summing to 1 (full support when ``uniform_mix > 0``).
@@ -280,26 +400,29 @@ def compute_proposal(name: str, module, hidden_states: torch.Tensor, keys: torch
     Raises:
         ValueError: for an unknown ``name`` or invalid option (see the helpers).
     """
+    check_proposal(name)
+    scorer = proposal_scorer(name, window_size, kernel_size)
     memo_key = None
     if _shared is not None:
-        memo_key = (name, id(module), id(hidden_states), id(attentions), tuple(keys.shape), float(temperature),
-                    float(uniform_mix), int(block_size), int(window_size), int(kernel_size), score_normalization)
+        memo_key = (name if scorer is None else _scorer_key(scorer), id(module), id(hidden_states), id(attentions),
+                    tuple(keys.shape), float(temperature), float(uniform_mix), int(block_size), score_normalization)
         if memo_key in _shared:
             return _shared[memo_key][0]
-    if name in ATTENTION_PROPOSALS:
+    if scorer is None:
         pi = head_proposals(name, module, hidden_states, keys, values, kwargs["position_embeddings"], block_size)
         pi = adjust_proposal(group_mixture(pi, keys.shape[1]), temperature, uniform_mix)
-    elif name in SCORER_PROPOSALS:
-        scores = scorer_scores(name, module, hidden_states, keys, values, attentions, kwargs, window_size,
-                               kernel_size)
-        pi = adjust_proposal(score_to_proposal(scores, temperature, score_normalization), 1.0, uniform_mix)
     else:
-        raise ValueError(f"proposal={name!r} must be one of {PROPOSALS}")
+        scores = scorer_scores(scorer, module, hidden_states, keys, values, attentions, kwargs)
+        try:
+            pi = score_to_proposal(scores, temperature, score_normalization)
+        except ValueError as err:  # e.g. "sum" of negative scores: say whose
+            raise ValueError(f"proposal={scorer!r}: {err}") from err
+        pi = adjust_proposal(pi, 1.0, uniform_mix)
     if not bool(torch.isfinite(pi).all()):
-        raise FloatingPointError(f"proposal {name!r} produced non-finite values")
+        raise FloatingPointError(f"proposal {proposal_label(name)!r} produced non-finite values")
     if memo_key is not None:
         # the memo holds the keyed objects, so their ids cannot be reused by other objects while it lives
-        _shared[memo_key] = (pi, module, hidden_states, attentions)
+        _shared[memo_key] = (pi, module, hidden_states, attentions, scorer)
     return pi
 
 
