@@ -43,8 +43,8 @@ uor: install                 # paper 000 UOR / pooling analysis -> results/uor/$
 snis-study: install          # paper 003 bias/variance study (Fig. 2) -> results/snis/
 	$(PY) scripts/snis_bias_variance.py --model $(MODEL)
 
-entroprefill-bench: install  # EntroPrefill vs full prefill -> results/entroprefill/
-	$(PY) scripts/entroprefill_bench.py --model $(MODEL)
+entroprefill-bench: install  # EntroPrefill vs full prefill on keyfacts (the committed run, resumable) -> results/entroprefill/keyfacts/
+	$(PY) scripts/entroprefill_bench.py --model $(MODEL) --dataset keyfacts --lengths 2048 4096 8000 --n 40 --threads 1 --seed 0 --resume --out results/entroprefill/keyfacts$(if $(filter-out smollm2-135m,$(MODEL)),-$(MODEL))
 
 bench-kernels: install       # Triton kernels vs references on a CUDA GPU -> results/kernels/
 	$(PY) scripts/bench_kernels.py
