@@ -215,6 +215,13 @@ def report() -> None:
         if r["candidate"] in (chosen["candidate"], previous):
             lines.append(f"| {r['candidate']} | {r['dataset']} | {r['protocol']} | {r['ratio']} | {r['n']} | "
                          f"{r['win_score']:.3f} | {r['score']:.3f} | {r['effective_compression']:.3f} |")
+    expected = len(SPLITS) * len(PROTOCOLS) * len(RATIOS)
+    scored = {r["candidate"]: r["cells"] for r in ranked}
+    missing = [label(c) for c in cands if scored.get(label(c), 0) < expected]
+    if missing:
+        lines += ["", f"**Not (fully) run yet** (fewer than {expected} cells; resume with `--stage A|B`; the choice "
+                  "above is among the candidates with runs): " + ", ".join(
+                      f"`{m}` ({scored.get(m, 0)} cells)" for m in missing) + "."]
     lines += ["", "All cells of all candidates: `dev_cells.csv`; the ranking: `dev_ranking.csv`.", ""]
     harness.write_atomic(OUT / "README.md", "\n".join(lines))
     print("\n".join(lines))
