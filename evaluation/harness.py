@@ -174,8 +174,8 @@ def config_changes(saved, cfg) -> list[str]:
     """The settings in which ``cfg`` differs from a run directory's ``saved`` config, as ``key: old -> new``.
 
     Both are (resolved) configs; nested keys are compared leaf by leaf with dotted names, the keys in
-    ``RESUME_FREE_KEYS`` are ignored, and a saved ``_target_`` that merely moved (:data:`MOVED_TARGETS`) counts
-    as its new path.
+    ``RESUME_FREE_KEYS`` are ignored, and a ``_target_`` that merely moved (:data:`MOVED_TARGETS`), on either
+    side, counts as its new path.
     """
     def flat(node, prefix=""):
         if isinstance(node, dict):
@@ -186,7 +186,8 @@ def config_changes(saved, cfg) -> list[str]:
 
     old = flat(OmegaConf.to_container(OmegaConf.create(saved), resolve=True))
     new = flat(OmegaConf.to_container(OmegaConf.create(cfg), resolve=True))
-    old = {k: MOVED_TARGETS.get(v, v) if k.endswith("_target_") else v for k, v in old.items()}
+    old, new = ({k: MOVED_TARGETS.get(v, v) if k.endswith("_target_") else v for k, v in side.items()}
+                for side in (old, new))  # either side may be the older config (the report compares shards)
     return [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in sorted(set(old) | set(new))
             if k.split(".")[0] not in RESUME_FREE_KEYS and old.get(k, "<unset>") != new.get(k, "<unset>")]
 

@@ -256,3 +256,22 @@ def test_protocols_side_by_side_compare_the_same_presses(tmp_path):
     only_after = tmp_path / "one"
     _write_run(only_after, "snapkv", "0.5", [("e1", "needle", 1)], dataset="needle")
     assert "side by side" not in build_report(only_after, tmp_path / "r2", plots=False).read_text()
+
+
+def test_shards_whose_press_target_only_moved_are_one_run(tmp_path):
+    """A shard saved before a press class moved (evaluation.registry.MOVED_TARGETS) and one saved after are the
+    same settings, whichever shard is older."""
+    from evaluation.registry import MOVED_TARGETS
+
+    (old_target, new_target), = MOVED_TARGETS.items()
+    root = tmp_path / "runs"
+    for shard, target in (("shard_0_of_2", new_target), ("shard_1_of_2", old_target)):
+        _write_run(root, "snis_min_h", "0.5", [(f"{shard}-e", "A", 1)], shard=shard)
+        (root / "ruler" / "tiny" / "snis_min_h" / "cr0.5" / shard / "config.yaml").write_text(
+            f"compression_ratio: 0.5\nshard: {shard[6]}/2\npress:\n  _target_: {target}\n")
+    (run,) = scan(root)
+    assert run.complete, run.problems
+    (root / "ruler" / "tiny" / "snis_min_h" / "cr0.5" / "shard_1_of_2" / "config.yaml").write_text(
+        f"compression_ratio: 0.5\nshard: 1/2\npress:\n  _target_: {new_target}\n  tau: 2.0\n")
+    (run,) = scan(root)
+    assert not run.complete and "tau" in run.problems[0]
