@@ -36,9 +36,14 @@ def input_error(err: BaseException) -> BaseException | None:
     None for any other error."""
     from hydra.errors import InstantiationException  # noqa: PLC0415
 
+    outer = err
     while isinstance(err, InstantiationException) and err.__cause__ is not None:
         err = err.__cause__
-    return err if isinstance(err, INPUT_ERRORS) else None
+    if isinstance(err, INPUT_ERRORS):
+        return err
+    if isinstance(outer, InstantiationException) and isinstance(err, TypeError):
+        return outer  # a config's arguments do not fit its _target_: Hydra's message names the target and the key
+    return None
 
 
 def _remove_job_dir() -> None:

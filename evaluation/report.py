@@ -531,6 +531,9 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
 
         ratios = sorted({r["ratio"] for r in summary})
         md += [f"<a id=\"{_anchor(dataset, model)}\"></a>", f"## {dataset} / {model}", ""]
+        if dataset.endswith(QA_SUFFIX):
+            md += [f"Protocol: the question inside the compressed context (`query_aware=true`); the runs of "
+                   f"`{dataset[:-len(QA_SUFFIX)]}` ask it after compression (kvpress's default).", ""]
         md += [f"Runs: {len(group)} ({len(presses)} press(es), ratios {', '.join(f'{x:g}' for x in ratios)}); "
                f"examples per run: {', '.join(sorted({str(r['n']) for r in summary}, key=int))}.", ""]
         md += [f"### Score (mean over examples, {pct} interval)", "",

@@ -58,6 +58,8 @@ from presses import PageEntroKVPress  # noqa: E402
 #: (variant name, press config, pooling override)
 VARIANTS = [("ours_entropy", "page_entrokv", None), ("ours_mean", "page_entrokv", "mean"),
             ("paper000_entropy", "page_entrokv_paper000", None), ("paper000_mean", "page_entrokv_paper000", "mean")]
+#: the shortest target prompt length (tokens): the chat template and the question take about 90, a needle 64
+MIN_LENGTH = 256
 #: protocol name -> question inside the compressed context
 PROTOCOLS = {"question_after": False, "question_inside": True}
 #: Paper 000 Table 6 (Qwen2.5-1.5B-Instruct, r = 6, 20 % budget): pooled-selection retention by T.
@@ -325,7 +327,17 @@ def main(argv=None) -> None:
                         "the report from every prompt's part file)")
     p.add_argument("--parts", default=str(REPO / "runs" / "table6"),
                    help="one json per measured prompt (resume: a prompt with a part file is skipped)")
-    run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.n_per_depth < 1:
+        p.error(f"--n-per-depth {args.n_per_depth} must be >= 1")
+    if not 0 <= args.ratio < 1:
+        p.error(f"--ratio {args.ratio} must be in [0, 1)")
+    if min(args.lengths) < MIN_LENGTH:
+        p.error(f"--lengths {min(args.lengths)} is below {MIN_LENGTH} tokens (the chat template, question and a "
+                "needle must fit)")
+    if not all(0 <= d <= 100 for d in args.depths):
+        p.error(f"--depths {args.depths} must lie in [0, 100]")
+    run(args)
 
 
 if __name__ == "__main__":

@@ -197,3 +197,12 @@ def test_hydra_config_nests_the_page_policy():
     assert isinstance(press, EntroPrefillPress) and isinstance(press.page_policy, PageEntroKVPress)
     assert press.compression_ratio == press.page_policy.compression_ratio == 0.3
     assert press.page_policy.page_size == 8 and press.epsilon == 0.35  # EntroPrefill's defaults are inherited
+
+
+def test_a_page_policy_class_or_a_ratio_string_is_refused_by_name():
+    from presses import EntroPrefillPress, PageEntroKVPress
+
+    with pytest.raises(ValueError, match=r"page_policy=PageEntroKVPress is a class: pass an instance"):
+        EntroPrefillPress(compression_ratio=0.5, page_policy=PageEntroKVPress)
+    with pytest.raises(ValueError, match=r"compression_ratio='0.5' must be a number in \[0, 1\), not str"):
+        PageEntroKVPress(compression_ratio="0.5")

@@ -151,3 +151,15 @@ def test_max_positions_follows_rope_scaling():
     with pytest.raises(ValueError, match=r"example x: context 131000 \+ question 60 \+ max_new_tokens 32 = 131092 "
                                          r"positions, more than the model's max_position_embeddings=131072"):
         guards.check_model_input(model, 131000, 60, 32, "x")
+
+
+def test_config_arguments_that_do_not_fit_the_target_are_input_errors():
+    """A nested ``_target_`` whose arguments do not fit (e.g. a proposal scorer that needs a wrapped press) is an
+    input error: the CLI prints Hydra's message, which names the target and the config key, on one line; any other
+    exception raised inside a target stays a crash."""
+    with pytest.raises(InstantiationException) as info:
+        instantiate(composed("press=snis_expected_attention",
+                             "press.proposal._target_=kvpress.CriticalKVPress").press)
+    err = input_error(info.value)
+    assert err is info.value and "CriticalKVPress" in str(err) and "press.proposal" in str(err)
+    assert input_error(RuntimeError("boom")) is None

@@ -275,3 +275,10 @@ def test_shards_whose_press_target_only_moved_are_one_run(tmp_path):
         f"compression_ratio: 0.5\nshard: 1/2\npress:\n  _target_: {new_target}\n  tau: 2.0\n")
     (run,) = scan(root)
     assert not run.complete and "tau" in run.problems[0]
+
+
+def test_a_question_inside_section_names_its_protocol(tmp_path):
+    root = tmp_path / "runs"
+    _write_run(root, "snapkv", "0.5", [("e1", "needle", 1)], dataset="needle-qa")
+    readme = build_report(root, tmp_path / "r", plots=False).read_text()
+    assert "Protocol: the question inside the compressed context" in readme

@@ -49,6 +49,9 @@ def check_page_policy(policy: Any) -> None:
         ValueError: naming the press and the reason.
     """
     name = type(policy).__name__
+    if isinstance(policy, type) and issubclass(policy, BasePress):
+        raise ValueError(f"page_policy={policy.__name__} is a class: pass an instance, e.g. "
+                         f"page_policy={policy.__name__}(compression_ratio=0.5)")
     if not isinstance(policy, BasePress):
         raise ValueError(f"page_policy must be a kvpress press (a BasePress), got {name}")
     caps = getattr(policy, "capabilities", None)

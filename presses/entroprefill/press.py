@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 from kvpress import ComposedPress
 
-from presses.base import Capabilities, ResearchPress, language_model
+from presses.base import Capabilities, ResearchPress, check_compression_ratio, language_model
 from presses.core.row_masses import chunk_ids
 from presses.entroprefill.chunking import CHUNK_MODES, ChunkPlan, find_question, plan_chunks, token_offsets
 from presses.entroprefill.dual import dual_certificate, greedy_feasible_scan
@@ -153,8 +153,7 @@ class EntroPrefillPress(ResearchPress):
     _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
-        if not 0 <= self.compression_ratio < 1:
-            raise ValueError(f"compression_ratio={self.compression_ratio} must be in [0, 1)")
+        check_compression_ratio(self.compression_ratio)
         if self.chunking not in CHUNK_MODES:
             raise ValueError(f"chunking={self.chunking!r} must be one of {CHUNK_MODES}")
         if self.chunking == "regex" and not self.delimiter:

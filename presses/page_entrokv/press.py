@@ -12,7 +12,7 @@ from kvpress import ComposedPress, ScorerPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
-from presses.base import Capabilities, ResearchPress
+from presses.base import Capabilities, ResearchPress, check_compression_ratio
 from presses.core.observer import window_queries
 from presses.core.paging import (
     BUDGET_CONFLICT_MODES,
@@ -119,8 +119,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     _plan_cache: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
-        if not (0.0 <= self.compression_ratio < 1.0):
-            raise ValueError(f"compression_ratio={self.compression_ratio} must be in [0, 1)")
+        check_compression_ratio(self.compression_ratio)
         for name, low in (("page_size", 1), ("window_size", 1), ("n_sink", 0), ("observer_block", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or int(value) != value or value < low:

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import QuantizedCache
 
 from presses.attention_bias import SUPPORTED_ATTENTION, AttentionBias, install_bias_attention
-from presses.base import Capabilities, ResearchPress, language_model
+from presses.base import Capabilities, ResearchPress, check_compression_ratio, language_model
 from presses.probabilistic.budget import BUDGETS, sample_counts, search_num_samples
 from presses.probabilistic.correction import snis_bias
 from presses.core.paging import num_pages
@@ -119,8 +119,7 @@ class ProbabilisticEvictionPress(ResearchPress):
     _seq_len: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self):
-        if not (0.0 <= self.compression_ratio < 1.0):
-            raise ValueError(f"compression_ratio={self.compression_ratio} must be in [0, 1)")
+        check_compression_ratio(self.compression_ratio)
         check_proposal(self.proposal)
         if self.budget not in BUDGETS:
             raise ValueError(f"budget={self.budget!r} must be one of {BUDGETS}")
