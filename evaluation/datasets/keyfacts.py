@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 
 from evaluation.datasets.base import Example
-from evaluation.datasets.prose import prose_sentences
+from evaluation.datasets.prose import check_passage_lengths, prose_sentences
 from presses.entroprefill.chunking import passage_marker
 
 __all__ = ["KeyFactsDataset", "INSTRUCTION", "FACT_TEMPLATE", "QUESTION_TEMPLATE", "ANSWER_PREFIX", "KEYS", "OTHER_KINDS",
@@ -88,12 +88,7 @@ class KeyFactsDataset:
     def __post_init__(self):
         if self.distractor_facts not in DISTRACTOR_MODES:
             raise ValueError(f"distractor_facts={self.distractor_facts!r} must be one of {DISTRACTOR_MODES}")
-        if self.passage_tokens < 32:
-            raise ValueError(f"passage_tokens={self.passage_tokens} must be >= 32")
-        short = [n for n in self.context_lengths if int(n) < 2 * self.passage_tokens + 128]
-        if short:
-            raise ValueError(f"context_lengths {short} must be >= 2 * passage_tokens + 128 = "
-                             f"{2 * self.passage_tokens + 128} tokens (room for two passages)")
+        check_passage_lengths(self.passage_tokens, self.context_lengths)
 
     def examples(self, tokenizer, n_samples: int | None, seed: int, query_aware: bool) -> list[Example]:
         """Build ``n_samples`` (default ``num_samples``) examples per context length.

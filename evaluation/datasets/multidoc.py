@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 
 from evaluation.datasets.base import Example
-from evaluation.datasets.prose import prose_sentences
+from evaluation.datasets.prose import check_passage_lengths, prose_sentences
 from presses.entroprefill.chunking import passage_marker
 
 __all__ = ["MultiDocQADataset", "INSTRUCTION", "FACTS"]
@@ -76,12 +76,7 @@ class MultiDocQADataset:
         bad = [k for k in self.fact_kinds if k not in FACTS]
         if bad or not self.fact_kinds:
             raise ValueError(f"fact_kinds {list(self.fact_kinds)} must be a non-empty subset of {sorted(FACTS)}")
-        if self.passage_tokens < 32:
-            raise ValueError(f"passage_tokens={self.passage_tokens} must be >= 32")
-        short = [n for n in self.context_lengths if int(n) < 2 * self.passage_tokens + 128]
-        if short:
-            raise ValueError(f"context_lengths {short} must be >= 2 * passage_tokens + 128 = "
-                             f"{2 * self.passage_tokens + 128} tokens (room for two passages)")
+        check_passage_lengths(self.passage_tokens, self.context_lengths)
 
     def examples(self, tokenizer, n_samples: int | None, seed: int, query_aware: bool) -> list[Example]:
         """Build ``n_samples`` (default ``num_samples``) examples per fact kind and context length.

@@ -48,3 +48,18 @@ def prose_paragraphs() -> tuple[str, ...]:
 def prose_sentences() -> tuple[str, ...]:
     """The prose paragraphs split into sentences (on ``.``, ``!`` or ``?`` before a capital)."""
     return tuple(s.strip() for p in prose_paragraphs() for s in _SENTENCE_END.split(p) if s.strip())
+
+
+def check_passage_lengths(passage_tokens: int, context_lengths) -> None:
+    """Refuse passages under 32 tokens and context lengths without room for two passages (the multi-passage
+    sets ``multidoc`` and ``keyfacts``).
+
+    Raises:
+        ValueError: naming the value and the limit.
+    """
+    if passage_tokens < 32:
+        raise ValueError(f"passage_tokens={passage_tokens} must be >= 32")
+    short = [n for n in context_lengths if int(n) < 2 * passage_tokens + 128]
+    if short:
+        raise ValueError(f"context_lengths {short} must be >= 2 * passage_tokens + 128 = "
+                         f"{2 * passage_tokens + 128} tokens (room for two passages)")
