@@ -146,12 +146,20 @@ def ranking(records: list[dict]) -> list[dict]:
     by = {}
     for r in records:
         by.setdefault(r["candidate"], []).append(r)
+    full_n = {}  # the examples a cell has when every run of it is complete
+    for r in records:
+        key = (r["dataset"], r["protocol"], r["ratio"])
+        full_n[key] = max(full_n.get(key, 0), r["n"])
+    expected = len(SPLITS) * len(PROTOCOLS) * len(RATIOS)
     ranked = [{"candidate": c, "cells": len(v), "win_score": sum(r["win_score"] for r in v) / len(v),
                "score": sum(r["score"] for r in v) / len(v),
                "within_budget": all(r["effective_compression"] >= r["ratio"] - BUDGET_TOLERANCE for r in v),
+               "complete": len(v) == expected and all(r["n"] == full_n[(r["dataset"], r["protocol"], r["ratio"])]
+                                                      for r in v),
                **{k: v[0][k] for k in ("observer_window", "protect", "group_selection", "page_size", "tau",
                                        "max_fallback")}} for c, v in by.items()]
-    return sorted(ranked, key=lambda r: (not r["within_budget"], -r["win_score"], -r["score"], r["candidate"]))
+    return sorted(ranked, key=lambda r: (not r["complete"], not r["within_budget"], -r["win_score"], -r["score"],
+                                         r["candidate"]))
 
 
 def candidate_of(record: dict) -> dict:
@@ -197,7 +205,8 @@ def report() -> None:
     chosen = ranked[0]
     expected = len(SPLITS) * len(PROTOCOLS) * len(RATIOS)
     scored = {r["candidate"]: r["cells"] for r in ranked}
-    missing = [label(c) for c in cands if scored.get(label(c), 0) < expected]
+    complete = {r["candidate"] for r in ranked if r["complete"]}
+    missing = [label(c) for c in cands if label(c) not in complete]
     if missing:  # a partial search chooses nothing: chosen.json is written only once every candidate has run
         (OUT / "chosen.json").unlink(missing_ok=True)
     else:
@@ -222,10 +231,11 @@ def report() -> None:
              f"than {BUDGET_TOLERANCE}: the per-layer union of paper 000) rank after all others and are not chosen. "
              "`null` in page_size, tau, max_fallback: the config's default (16, 0.5, off).", "",
              "| rank | candidate | observer_window | protect | group_selection | page_size | tau | max_fallback | "
-             "cells | within budget | win score | score |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "cells | complete | within budget | win score | score |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(ranked, 1):
         lines.append(f"| {i} | {r['candidate']} | {r['observer_window']} | {r['protect']} | {r['group_selection']} | "
                      f"{r['page_size']} | {r['tau']} | {r['max_fallback']} | {r['cells']} | "
+                     f"{'yes' if r['complete'] else 'no'} | "
                      f"{'yes' if r['within_budget'] else 'no'} | {r['win_score']:.3f} | "
                      f"{r['score']:.3f} |")
     lines += ["", "## Cells of the chosen candidate and of our previous default", "",
@@ -237,8 +247,8 @@ def report() -> None:
             lines.append(f"| {r['candidate']} | {r['dataset']} | {r['protocol']} | {r['ratio']} | {r['n']} | "
                          f"{r['win_score']:.3f} | {r['score']:.3f} | {r['effective_compression']:.3f} |")
     if missing:
-        lines += ["", f"**Not (fully) run yet** (fewer than {expected} cells; resume with `--stage A|B`; the choice "
-                  "above is among the candidates with runs): " + ", ".join(
+        lines += ["", f"**Not (fully) run yet** (fewer than {expected} cells, or cells with fewer examples than "
+                  "the others; resume with `--stage A|B`; they rank after every complete candidate): " + ", ".join(
                       f"`{m}` ({scored.get(m, 0)} cells)" for m in missing) + "."]
     lines += ["", "All cells of all candidates: `dev_cells.csv`; the ranking: `dev_ranking.csv`.", ""]
     harness.write_atomic(OUT / "README.md", "\n".join(lines))
