@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 
 from evaluation.datasets.base import Example
-from evaluation.datasets.prose import check_passage_lengths, prose_sentences
+from evaluation.datasets.prose import check_passage_count, check_passage_lengths, fill_body, prose_sentences
 from presses.entroprefill.chunking import passage_marker
 
 __all__ = ["KeyFactsDataset", "INSTRUCTION", "FACT_TEMPLATE", "QUESTION_TEMPLATE", "ANSWER_PREFIX", "KEYS", "OTHER_KINDS",
@@ -124,11 +124,7 @@ class KeyFactsDataset:
             remaining = length - count_tokens(tokenizer, HEADER + tail_probe)
             bodies, j = [], rng.randrange(len(sentences))
             while True:  # prose bodies, each leaving room for one fact
-                body, used, k = [], 0, j
-                while used + sent_len[k % len(sentences)] <= self.passage_tokens - fact_len or not body:
-                    body.append(sentences[k % len(sentences)])
-                    used += sent_len[k % len(sentences)]
-                    k += 1
+                body, k = fill_body(sentences, sent_len, j, self.passage_tokens - fact_len)
                 cost = count_tokens(tokenizer, "\n\n" + passage_marker(len(bodies) + 1) + "\n" + " ".join(body))
                 cost += fact_len if self.distractor_facts != "none" or not bodies else 0
                 if cost > remaining:
@@ -137,9 +133,7 @@ class KeyFactsDataset:
                 remaining -= cost
                 j = k
             n_pass = len(bodies)
-            if n_pass < 2:
-                raise ValueError(f"context_length={length} holds {n_pass} passage(s) of ~{self.passage_tokens} "
-                                 "tokens; at least two are needed")
+            check_passage_count(length, n_pass, self.passage_tokens)
             n_facts = n_pass if self.distractor_facts != "none" else 1
             if n_facts > len(KEYS):
                 raise ValueError(f"context_length={length} holds {n_facts} passages, more than the {len(KEYS)} keys")

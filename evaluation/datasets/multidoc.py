@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 
 from evaluation.datasets.base import Example
-from evaluation.datasets.prose import check_passage_lengths, prose_sentences
+from evaluation.datasets.prose import check_passage_count, check_passage_lengths, fill_body, prose_sentences
 from presses.entroprefill.chunking import passage_marker
 
 __all__ = ["MultiDocQADataset", "INSTRUCTION", "FACTS"]
@@ -112,14 +112,8 @@ class MultiDocQADataset:
             passages, j = [], rng.randrange(len(sentences))
             while len(passages) < len(values):
                 p = len(passages)
-                body, used = [], 0
                 fact = fact_t.format(name=names[p], value=values[p])
-                budget = self.passage_tokens - count_tokens(tokenizer, " " + fact)
-                k = j
-                while used + sent_len[k % len(sentences)] <= budget or not body:
-                    body.append(sentences[k % len(sentences)])
-                    used += sent_len[k % len(sentences)]
-                    k += 1
+                body, k = fill_body(sentences, sent_len, j, self.passage_tokens - count_tokens(tokenizer, " " + fact))
                 body.insert(rng.randrange(len(body) + 1), fact)
                 passage = passage_marker(p + 1) + "\n" + " ".join(body)
                 cost = count_tokens(tokenizer, "\n\n" + passage)
@@ -129,9 +123,7 @@ class MultiDocQADataset:
                 remaining -= cost
                 j = k
             n_pass = len(passages)
-            if n_pass < 2:
-                raise ValueError(f"context_length={length} holds {n_pass} passage(s) of ~{self.passage_tokens} "
-                                 "tokens; at least two are needed")
+            check_passage_count(length, n_pass, self.passage_tokens)
             context = HEADER + "\n\n".join(passages)
             # the asked person's value must occur exactly once (prose could contain a city's name)
             unique = [p for p in range(n_pass) if context.lower().count(values[p].lower()) == 1]

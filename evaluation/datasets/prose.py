@@ -63,3 +63,32 @@ def check_passage_lengths(passage_tokens: int, context_lengths) -> None:
     if short:
         raise ValueError(f"context_lengths {short} must be >= 2 * passage_tokens + 128 = "
                          f"{2 * passage_tokens + 128} tokens (room for two passages)")
+
+
+def fill_body(sentences, sent_len, start: int, budget: int) -> tuple[list[str], int]:
+    """Consecutive prose sentences from index ``start`` (cyclic) while their tokens fit ``budget``; at least one.
+
+    Args:
+        sentences: the prose sentences; sent_len: their token counts (same order).
+        start: index of the first sentence; budget: tokens the body may use.
+
+    Returns:
+        The body's sentences and the (uncycled) index after the last one taken.
+    """
+    body, used, k = [], 0, start
+    while used + sent_len[k % len(sentences)] <= budget or not body:
+        body.append(sentences[k % len(sentences)])
+        used += sent_len[k % len(sentences)]
+        k += 1
+    return body, k
+
+
+def check_passage_count(length: int, n_pass: int, passage_tokens: int) -> None:
+    """Refuse a context length that holds fewer than two passages.
+
+    Raises:
+        ValueError: naming the length, the passage count and the passage size.
+    """
+    if n_pass < 2:
+        raise ValueError(f"context_length={length} holds {n_pass} passage(s) of ~{passage_tokens} "
+                         "tokens; at least two are needed")
