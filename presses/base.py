@@ -64,19 +64,6 @@ class Capabilities:
     composable: bool = True
 
 
-def check_compression_ratio(value, name: str = "compression_ratio") -> None:
-    """Refuse a compression ratio that is not a number in ``[0, 1)`` (kvpress's range: the fraction of the
-    prompt's KV entries removed).
-
-    Raises:
-        ValueError: naming the value (a string, ``None`` or ``nan`` included) and the range.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={value!r} must be a number in [0, 1), not {type(value).__name__}")
-    if not 0 <= value < 1:
-        raise ValueError(f"{name}={value} must be in [0, 1)")
-
-
 def language_model(model):
     """The decoder stack of a causal LM (``model.model.language_model`` for multimodal wrappers, else ``model.model``)."""
     return model.model.language_model if hasattr(model.model, "language_model") else model.model

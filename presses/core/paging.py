@@ -40,6 +40,19 @@ BUDGET_CONFLICT_MODES = ("shrink", "raise", "keep_protected")
 PROTECTIONS = ("sink_window", "none")
 
 
+def check_compression_ratio(value, name: str = "compression_ratio") -> None:
+    """Refuse a compression ratio that is not a number in ``[0, 1)`` (kvpress's range: the fraction of the
+    prompt's KV entries removed).
+
+    Raises:
+        ValueError: naming the value (a string, ``None`` or ``nan`` included) and the range.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r} must be a number in [0, 1), not {type(value).__name__}")
+    if not 0 <= value < 1:
+        raise ValueError(f"{name}={value} must be in [0, 1)")
+
+
 def token_budget(seq_len: int, compression_ratio: float) -> int:
     """Strict token budget ``b = floor(T * (1 - compression_ratio))`` (docs/methods.md §1 step 8).
 
@@ -49,8 +62,7 @@ def token_budget(seq_len: int, compression_ratio: float) -> int:
     Raises:
         ValueError: if ``compression_ratio`` is outside ``[0, 1)`` or ``seq_len < 0``.
     """
-    if not (0.0 <= compression_ratio < 1.0):
-        raise ValueError(f"compression_ratio={compression_ratio} must be in [0, 1)")
+    check_compression_ratio(compression_ratio)
     if seq_len < 0:
         raise ValueError(f"seq_len={seq_len} must be >= 0")
     return math.floor(seq_len * (1.0 - compression_ratio) + 1e-6)

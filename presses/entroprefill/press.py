@@ -38,7 +38,8 @@ from typing import Any, ClassVar, Sequence
 import torch
 from kvpress import ComposedPress
 
-from presses.base import Capabilities, ResearchPress, check_compression_ratio, language_model
+from presses.base import Capabilities, ResearchPress, language_model
+from presses.core.paging import check_compression_ratio
 from presses.core.row_masses import chunk_ids
 from presses.entroprefill.chunking import CHUNK_MODES, ChunkPlan, find_question, plan_chunks, token_offsets
 from presses.entroprefill.dual import dual_certificate, greedy_feasible_scan

@@ -12,13 +12,14 @@ from kvpress import ComposedPress, ScorerPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
-from presses.base import Capabilities, ResearchPress, check_compression_ratio
+from presses.base import Capabilities, ResearchPress
 from presses.core.observer import window_queries
 from presses.core.paging import (
     BUDGET_CONFLICT_MODES,
     PAGE_SCORES,
     PROTECTIONS,
     PageBudget,
+    check_compression_ratio,
     page_budget,
     pages_to_positions,
     protected_page_mask,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from presses.core.coupon import expected_unique_from_log
+from presses.core.paging import check_compression_ratio
 from presses.kernels import expected_unique_many, use_triton  # dispatch: Triton on CUDA, presses.core.coupon elsewhere
 
 __all__ = ["MAX_SAMPLES", "BUDGETS", "search_num_samples", "sample_counts"]
@@ -49,8 +50,7 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
         ValueError: for ``compression_ratio`` outside ``[0, 1)``, ``tol < 0``, ``max_samples < 1``,
             or a pooled dimension that is the entry axis.
     """
-    if not (0.0 <= compression_ratio < 1.0):
-        raise ValueError(f"compression_ratio={compression_ratio} must be in [0, 1)")
+    check_compression_ratio(compression_ratio)
     if tol < 0:
         raise ValueError(f"tol={tol} must be >= 0")
     if max_samples < 1:

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import torch
 
-from presses.core.paging import num_pages, page_scores
+from presses.core.paging import check_compression_ratio, num_pages, page_scores
 
 __all__ = ["UNITS", "page_proposal", "page_target", "page_tolerance", "expand_pages"]
 
@@ -112,8 +112,7 @@ def page_target(seq_len: int, compression_ratio: float, page_size: int) -> float
     Raises:
         ValueError: for ``compression_ratio`` outside ``[0, 1)``, ``seq_len < 0`` or ``page_size < 1``.
     """
-    if not (0.0 <= compression_ratio < 1.0):
-        raise ValueError(f"compression_ratio={compression_ratio} must be in [0, 1)")
+    check_compression_ratio(compression_ratio)
     if seq_len < 0:
         raise ValueError(f"seq_len={seq_len} must be >= 0")
     if page_size < 1:

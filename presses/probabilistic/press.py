@@ -9,10 +9,10 @@ from torch import nn
 from transformers import QuantizedCache
 
 from presses.attention_bias import SUPPORTED_ATTENTION, AttentionBias, install_bias_attention
-from presses.base import Capabilities, ResearchPress, check_compression_ratio, language_model
+from presses.base import Capabilities, ResearchPress, language_model
 from presses.probabilistic.budget import BUDGETS, sample_counts, search_num_samples
 from presses.probabilistic.correction import snis_bias
-from presses.core.paging import num_pages
+from presses.core.paging import check_compression_ratio, num_pages
 from presses.probabilistic.prefill_attention import install_prefill_attention, request_statistics
 from presses.probabilistic.page_sampling import UNITS, expand_pages, page_proposal, page_target, page_tolerance
 from presses.probabilistic.proposals import (
