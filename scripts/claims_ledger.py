@@ -535,15 +535,18 @@ def alpha_peak(root: Path, file: str):
     return [Value("peak at alpha", f"{row.alpha:g}", float(row.alpha))] + vals, float(row.alpha) in (1.0, 2.0)
 
 
+#: bytes per element of the cache dtypes the speed benchmark records
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
 @derived
 def kv_footprint(root: Path, file: str):
     """Uncompressed cache bytes against paper 000 eq. 3, ``2 * e * L * H_KV * D_head * T`` (batch 1)."""
     df = _filter(_read_csv(root, file), {"press": "no_press"}, file)
     shape = _model_shape(root)
-    size = {"float32": 4, "float16": 2, "bfloat16": 2}
     ratios = []
     for _, row in df.iterrows():
-        e = size[str(row["dtype"])]
+        e = DTYPE_BYTES[str(row["dtype"])]
         ratios.append(float(row.kv_full_bytes) / (2 * e * shape["L"] * shape["G"] * shape["head_dim"]
                                                   * float(row.context_length)))
     lo, hi = min(ratios), max(ratios)
@@ -556,14 +559,13 @@ def transfer_payload(root: Path, file: str):
     """EntroPrefill's retained cache bytes against paper 001 section 8.2, ``2 e L G d T'``."""
     df = _filter(_read_csv(root, file), {"press": "entroprefill"}, file)
     shape = _model_shape(root)
-    size = {"float32": 4, "float16": 2, "bfloat16": 2}
     ratios = []
     for _, row in df.iterrows():
         stats = json.loads(row.press_stats) if isinstance(row.press_stats, str) else {}
         t_prime = stats.get("T_prime") or None
         if not t_prime:
             continue
-        e = size[str(row["dtype"])]
+        e = DTYPE_BYTES[str(row["dtype"])]
         ratios.append(float(row.kv_logical_bytes) / (2 * e * shape["L"] * shape["G"] * shape["head_dim"] * t_prime))
     if not ratios:
         raise Missing(f"{file}: no pruned EntroPrefill row")
