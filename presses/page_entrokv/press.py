@@ -55,7 +55,9 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         window_size: ``W``: the pages touching the last ``W`` positions are protected, and the default observers
             are the last ``W`` queries; ``>= 1``.
         n_sink: leading attention-sink positions ``|S|`` (isolated from the entropy, protected), ``>= 0``.
-        page_size: ``B`` tokens per page (vLLM's block size 16), ``>= 1``.
+        page_size: ``B`` tokens per page, ``>= 1``; default 16, vLLM's block size. The benchmark config
+            ``configs/press/page_entrokv.yaml`` uses 32, chosen by win score on a development split
+            (``results/tuning/page_entrokv``).
         alpha: Rényi order (2 = collision, 1 = Shannon, ``inf`` = min-entropy), ``> 0``.
         tau: group temperature ``tau_g > 0``; ``tau -> inf`` is mean pooling.
         pooling: ``"entropy"`` (default), ``"raw_entropy"`` (no sink isolation), ``"mean"`` (``1/r``),
