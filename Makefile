@@ -15,7 +15,7 @@ RESULTS ?= results
 SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean,snis_min,snis_min_uncorrected,snis_min_h,snis_min_h_uncorrected,snis_h2o,snis_h2o_uncorrected,snis_h2o_h,snis_h2o_h_uncorrected
 SWEEP_RATIOS ?= 0.5,0.75
 
-.PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check claims
+.PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check claims paper003-grid
 
 install: $(VENV)/.installed
 
@@ -45,6 +45,17 @@ snis-study: install          # paper 003 bias/variance study (Fig. 2) -> results
 
 entroprefill-bench: install  # EntroPrefill vs full prefill on keyfacts (the committed run, resumable) -> results/entroprefill/keyfacts/
 	$(PY) scripts/entroprefill_bench.py --model $(MODEL) --dataset keyfacts --lengths 2048 4096 8000 --n 40 --threads 1 --seed 0 --resume --out results/entroprefill/keyfacts$(if $(filter-out smollm2-135m,$(MODEL)),-$(MODEL))
+
+# Paper 003 section 7's grid: RULER 2k in kvpress's protocol, its baselines (H2O = observed_attention reads eager
+# weights, so it runs through evaluation.run) and the four proposals corrected (tau 1, 2) and uncorrected.
+# The 11 offline tasks; add qa_1 and qa_2 with P003_TASKS=... dataset.qa_data_dir=... (docs/methods.md, RULER).
+# Resumable; SHARD=i/n runs one share (e.g. make paper003-grid SHARD=0/2 & make paper003-grid SHARD=1/2).
+P003_TASKS ?= [niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe]
+P003_SNIS = snis_min,snis_min_uncorrected,snis_min_tau2,snis_min_h,snis_min_h_uncorrected,snis_min_h_tau2,snis_h2o,snis_h2o_uncorrected,snis_h2o_tau2,snis_h2o_h,snis_h2o_h_uncorrected,snis_h2o_h_tau2
+P003_ARGS = model=$(MODEL) dataset=ruler_paper003 "dataset.context_lengths=[2048]" "dataset.tasks=$(P003_TASKS)" output_dir=results $(if $(SHARD),shard=$(SHARD))
+paper003-grid: install       # -> results/ruler_paper003/; then make report claims
+	$(PY) -m evaluation.fused $(P003_ARGS) "presses=[no_press,streaming_llm,snapkv,tova,knorm,$(P003_SNIS)]" "ratios=[0.25,0.5,0.75]"
+	$(PY) -m evaluation.run -m $(P003_ARGS) press=observed_attention compression_ratio=0.25,0.5,0.75
 
 bench-kernels: install       # Triton kernels vs references on a CUDA GPU -> results/kernels/
 	$(PY) scripts/bench_kernels.py
