@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from presses.core.observer import check_window
+from presses.kernels.tiles import key_tile_scores, load_group_rows, online_softmax_step
 
 __all__ = ["column_sums_triton", "window_attention_triton"]
 
@@ -57,17 +58,8 @@ def _row_stats_kernel(
     b = (pid_bg // G).to(tl.int64)  # 64-bit offsets: caches can exceed 2^31 elements
     g = pid_bg % G
 
-    offs_i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (head-in-group, row) index
-    valid = offs_i < R * n_rows
-    hh = offs_i // n_rows
-    u = offs_i % n_rows
-    pos = tl.load(rows_ptr + u, mask=valid, other=-1)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    q = tl.load(q_ptr + b * sq_b + (g * R + hh)[:, None] * sq_h + u[:, None] * sq_n + offs_d[None, :] * sq_d,
-                mask=valid[:, None] & mask_d[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    offs_i, valid, pos, offs_d, mask_d, q = load_group_rows(q_ptr, rows_ptr, pid_m, b, g, n_rows,
+                                                            sq_b, sq_h, sq_n, sq_d, R, D, BLOCK_M, BLOCK_D, UPCAST)
     k_base = k_ptr + b * sk_b + g * sk_g
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -76,19 +68,9 @@ def _row_stats_kernel(
     hi = tl.minimum(lo + chunk, tl.max(pos, 0) + 1)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None] * sk_d,
-                     mask=(offs_n[None, :] < t_keys) & mask_d[:, None], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
+        s = key_tile_scores(q, k_base, offs_n, offs_n < t_keys, offs_d, mask_d, sk_t, sk_d, IEEE, UPCAST)
         s = tl.where(offs_n[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-        m_i = m_new
+        m_i, _, _, l_i = online_softmax_step(s, m_i, l_i)
     out = (pid_bg * R * n_rows + offs_i) * n_split + split
     tl.store(m_ptr + out, m_i, mask=valid)
     tl.store(l_ptr + out, l_i, mask=valid)

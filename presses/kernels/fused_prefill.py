@@ -26,6 +26,7 @@ import triton.language as tl
 
 from presses.core.prefill_stats import check_prefill_attention_args
 from presses.kernels.attention_columns import _LOG2E, _column_kernel
+from presses.kernels.tiles import key_tile_scores, online_softmax_step
 
 __all__ = ["attention_with_column_sums_triton"]
 
@@ -68,24 +69,14 @@ def _forward_kernel(
     for start in range(0, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < t_len
-        kt = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None] * sk_d,
-                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        s = key_tile_scores(q, k_base, offs_n, mask_n, offs_d, mask_d, sk_t, sk_d, IEEE, UPCAST)
         v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :] * sv_d,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:
-            kt = kt.to(tl.float32)
             v = v.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
         visible = (offs_n[None, :] <= offs_m[:, None]) & mask_n[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past T see nothing
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)  # rows past T see nothing: sum 0
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from presses.core.row_masses import check_chunk_ids
 from presses.kernels.attention_columns import _LOG2E, _column_kernel, _num_sms
+from presses.kernels.tiles import key_tile_scores, load_group_rows, online_softmax_step
 
 __all__ = ["row_chunk_masses_triton"]
 
@@ -51,17 +52,8 @@ def _chunk_mass_kernel(
     b = (pid_bg // G).to(tl.int64)  # 64-bit offsets: caches can exceed 2^31 elements
     g = pid_bg % G
 
-    offs_i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (head-in-group, row) index
-    valid = offs_i < R * n_rows
-    hh = offs_i // n_rows
-    u = offs_i % n_rows
-    pos = tl.load(rows_ptr + u, mask=valid, other=-1)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    q = tl.load(q_ptr + b * sq_b + (g * R + hh)[:, None] * sq_h + u[:, None] * sq_n + offs_d[None, :] * sq_d,
-                mask=valid[:, None] & mask_d[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    offs_i, valid, pos, offs_d, mask_d, q = load_group_rows(q_ptr, rows_ptr, pid_m, b, g, n_rows,
+                                                            sq_b, sq_h, sq_n, sq_d, R, D, BLOCK_M, BLOCK_D, UPCAST)
     k_base = k_ptr + b * sk_b + g * sk_g
     offs_c = pid_c * BLOCK_K + tl.arange(0, BLOCK_K)
 
@@ -73,20 +65,9 @@ def _chunk_mass_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         in_keys = offs_n < t_keys
-        kt = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None] * sk_d,
-                     mask=in_keys[None, :] & mask_d[:, None], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
+        s = key_tile_scores(q, k_base, offs_n, in_keys, offs_d, mask_d, sk_t, sk_d, IEEE, UPCAST)
         s = tl.where(offs_n[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
         cid = tl.load(ids_ptr + offs_n, mask=in_keys, other=-1)
         onehot = (cid[:, None] == offs_c[None, :]).to(tl.float32)  # (BLOCK_N, BLOCK_K): keys in no chunk are 0
         acc = acc * alpha[:, None] + tl.dot(p, onehot, input_precision="ieee")
