@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from presses.kernels.references import check_decode_args
+from presses.kernels.tiles import key_tile_scores, online_softmax_step
 
 __all__ = ["biased_decode_triton"]
 
@@ -52,23 +53,12 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, m_ptr, l_ptr, acc_ptr,
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        kt = tl.load(k_ptr + b * sk_b + g * sk_g + offs_n[None, :] * sk_t + offs_d[:, None] * sk_d,
-                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        s = key_tile_scores(q, k_ptr + b * sk_b + g * sk_g, offs_n, mask_n, offs_d, mask_d, sk_t, sk_d, IEEE, UPCAST)
         v = tl.load(v_ptr + b * sv_b + g * sv_g + offs_n[:, None] * sv_t + offs_d[None, :] * sv_d,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         bias = tl.load(bias_ptr + b * sb_b + g * sb_g + offs_n * sb_t, mask=mask_n, other=float("-inf"))
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
         s = s * qk_scale + bias.to(tl.float32)[None, :] * 1.4426950408889634  # base-2 logits
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
         pv = p.to(v.dtype)
         if UPCAST:
             pv = pv.to(tl.float32)

@@ -5,6 +5,8 @@
   absolute positions; used by the row-statistics pass of :mod:`presses.kernels.attention_columns`
   (docs/methods.md §1 step 1, §3 item 1) and the chunk-mass pass of :mod:`presses.kernels.row_masses`
   (docs/methods.md §4).
+- :func:`key_tile_scores` and :func:`online_softmax_step` also serve the fused prefill
+  (:mod:`presses.kernels.fused_prefill`) and the SNIS decode step (:mod:`presses.kernels.biased_decode`).
 - :func:`key_tile_scores`: one tile of raw scores ``q . k^T`` (``(BLOCK_M, BLOCK_N)``, float32 accumulate).
 - :func:`online_softmax_step`: one key tile of the online softmax in base 2 (flash attention's update;
   paper 003 eq. 16 and paper 001 eq. 2 need each row's normaliser): the new running maximum, the rescale
