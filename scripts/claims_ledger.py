@@ -1048,25 +1048,13 @@ def peak_fraction(root: Path, intensity: float, ridge: float, paper_bound: float
     return [Value("intensity / ridge", f"{intensity:g} / {ridge:g} = {x:.2%}", x)], x < paper_bound
 
 
-def _needle_attention(T: int, r: int = 8, n_sink: int = 4, needle_mass: float = 0.95):
-    import torch  # noqa: PLC0415
-
-    N = T - n_sink
-    needle = n_sink + N // 3
-    attn = torch.zeros(1, r, T, dtype=torch.float64)
-    attn[0, :, n_sink:] = 1.0 / (N - 1)
-    attn[0, :, needle] = 0.0
-    attn[0, 0, n_sink:] = (1.0 - needle_mass) / (N - 1)
-    attn[0, 0, needle] = needle_mass
-    return attn.float(), needle
-
-
 def _table10_rows(Ts, r, tau, eps):
+    from presses.core.needle_group import needle_group_attention  # noqa: PLC0415
     from presses.core.pooling import pooled_group_scores  # noqa: PLC0415
 
     rows = []
     for T in Ts:
-        attn, needle = _needle_attention(T, r, needle_mass=1 - eps)
+        attn, needle = needle_group_attention(T, r, needle_mass=1 - eps)
         pooled, _ = pooled_group_scores(attn, num_groups=1, n_sink=4, alpha=2.0, tau=tau, pooling="entropy")
         mean, _ = pooled_group_scores(attn, num_groups=1, n_sink=4, alpha=2.0, tau=tau, pooling="mean")
         N = T - 4

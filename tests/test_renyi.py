@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from presses.core.needle_group import needle_group_attention
 from presses.core.pooling import pooled_group_scores
 from presses.core.renyi import group_weights, renyi_entropy, sink_isolate
 
@@ -16,24 +17,10 @@ from presses.core.renyi import group_weights, renyi_entropy, sink_isolate
 TABLE10_DELTA = {4096: 1.59e-6, 8192: 3.97e-7, 16384: 9.92e-8, 32768: 2.48e-8, 65536: 6.20e-9, 131072: 1.63e-9}
 
 
-def needle_construction(T: int, r: int = 8, n_sink: int = 4, needle_mass: float = 0.95, needle: int | None = None):
-    """docs/methods.md §1 needle construction: head 0 puts ``needle_mass`` on the needle and the rest uniformly on
-    the other non-sink positions; ``r - 1`` siblings are uniform on the non-sink positions except the
-    needle; no sink mass. Returns ``(attn (1, r, T) float32, needle)``."""
-    N = T - n_sink
-    needle = n_sink + N // 3 if needle is None else needle
-    attn = torch.zeros(1, r, T, dtype=torch.float64)
-    attn[0, :, n_sink:] = 1.0 / (N - 1)
-    attn[0, :, needle] = 0.0
-    attn[0, 0, n_sink:] = (1.0 - needle_mass) / (N - 1)
-    attn[0, 0, needle] = needle_mass
-    return attn.float(), needle
-
-
 @pytest.mark.parametrize("T", sorted(TABLE10_DELTA))
 def test_table10_needle_bound(T):
     r, tau, eps = 8, 0.5, 0.05
-    attn, needle = needle_construction(T, r)
+    attn, needle = needle_group_attention(T, r)
     assert torch.allclose(attn.double().sum(-1), torch.ones(1, r, dtype=torch.float64), atol=1e-5)
     pooled, diag = pooled_group_scores(attn, num_groups=1, n_sink=4, alpha=2.0, tau=tau, pooling="entropy",
                                        diagnostics=True)
