@@ -9,21 +9,21 @@ paper 000 section 3; paper 001 eq. 2 and appendix C (rows are averaged before an
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Callable
 
 import torch
 
 from presses.core.observer import check_window, window_queries
+from presses.core.replay_memo import ReplayMemo
 from presses.kernels import window_attention
 
 __all__ = ["observer_attention", "shared_observers", "memoized_observers"]
 
-_shared: dict | None = None  # the memo of an active shared_observers() block
+_memo = ReplayMemo()  # active inside shared_observers() blocks
 
 
-@contextmanager
-def shared_observers():
+def shared_observers() -> AbstractContextManager[None]:
     """Compute each layer's observer attention once for several presses that replay the same prefill.
 
     Inside the block, :func:`memoized_observers` returns what it already computed for the same attention module,
@@ -34,12 +34,7 @@ def shared_observers():
     replays pass the recorded, never modified tensors of one prefill; keep the block to one prefill. The memo is
     dropped when the block exits; blocks nest (the inner one starts empty).
     """
-    global _shared
-    previous, _shared = _shared, {}
-    try:
-        yield
-    finally:
-        _shared = previous
+    return _memo.scope()
 
 
 def memoized_observers(module, hidden_states: torch.Tensor, keys: torch.Tensor, observers: int,
@@ -52,13 +47,8 @@ def memoized_observers(module, hidden_states: torch.Tensor, keys: torch.Tensor, 
         compute: returns the ``(B, H_Q, T)`` observer attention.
         extra: further objects the result depends on (e.g. ``position_embeddings``), identified by ``id``.
     """
-    if _shared is None:
-        return compute()
     key = (id(module), id(hidden_states), tuple(keys.shape), int(observers), *map(id, extra))
-    if key not in _shared:
-        # the memo holds the keyed objects, so their ids cannot be reused by other objects while it lives
-        _shared[key] = (compute(), module, hidden_states, extra)
-    return _shared[key][0]
+    return _memo.get(key, compute, module, hidden_states, extra)
 
 
 def observer_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,

@@ -16,7 +16,7 @@ computed in query blocks (``block_size`` rows at a time), never as a full ``t x 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import dataclasses
 
@@ -27,6 +27,7 @@ from kvpress.presses.base_press import BasePress
 from presses import kernels
 from presses.core.columns import harmonic_prior  # noqa: F401  (part of this module's interface)
 from presses.core.observer import window_queries
+from presses.core.replay_memo import ReplayMemo
 from presses.core.renyi import pool_groups
 from presses.probabilistic.prefill_attention import take_prefill_stats
 
@@ -64,7 +65,7 @@ NORMALIZATIONS = ("softmax", "sum")
 #: window's attention otherwise.
 ATTENTION_WEIGHT_SCORERS: tuple[type, ...] = (ObservedAttentionPress,)
 
-_shared: dict | None = None  # the memo of an active shared_proposals() block
+_memo = ReplayMemo()  # active inside shared_proposals() blocks
 
 
 def _check_block(block_size: int) -> None:
@@ -402,32 +403,30 @@ def compute_proposal(name, module, hidden_states: torch.Tensor, keys: torch.Tens
     """
     check_proposal(name)
     scorer = proposal_scorer(name, window_size, kernel_size)
-    memo_key = None
-    if _shared is not None:
-        memo_key = (name if scorer is None else _scorer_key(scorer), id(module), id(hidden_states), id(attentions),
-                    tuple(keys.shape), float(temperature), float(uniform_mix), int(block_size), score_normalization)
-        if memo_key in _shared:
-            return _shared[memo_key][0]
-    if scorer is None:
-        pi = head_proposals(name, module, hidden_states, keys, values, kwargs["position_embeddings"], block_size)
-        pi = adjust_proposal(group_mixture(pi, keys.shape[1]), temperature, uniform_mix)
-    else:
-        scores = scorer_scores(scorer, module, hidden_states, keys, values, attentions, kwargs)
-        try:
-            pi = score_to_proposal(scores, temperature, score_normalization)
-        except ValueError as err:  # e.g. "sum" of negative scores: say whose
-            raise ValueError(f"proposal={scorer!r}: {err}") from err
-        pi = adjust_proposal(pi, 1.0, uniform_mix)
-    if not bool(torch.isfinite(pi).all()):
-        raise FloatingPointError(f"proposal {proposal_label(name)!r} produced non-finite values")
-    if memo_key is not None:
-        # the memo holds the keyed objects, so their ids cannot be reused by other objects while it lives
-        _shared[memo_key] = (pi, module, hidden_states, attentions, scorer)
-    return pi
+
+    def compute() -> torch.Tensor:
+        if scorer is None:
+            pi = head_proposals(name, module, hidden_states, keys, values, kwargs["position_embeddings"], block_size)
+            pi = adjust_proposal(group_mixture(pi, keys.shape[1]), temperature, uniform_mix)
+        else:
+            scores = scorer_scores(scorer, module, hidden_states, keys, values, attentions, kwargs)
+            try:
+                pi = score_to_proposal(scores, temperature, score_normalization)
+            except ValueError as err:  # e.g. "sum" of negative scores: say whose
+                raise ValueError(f"proposal={scorer!r}: {err}") from err
+            pi = adjust_proposal(pi, 1.0, uniform_mix)
+        if not bool(torch.isfinite(pi).all()):
+            raise FloatingPointError(f"proposal {proposal_label(name)!r} produced non-finite values")
+        return pi
+
+    if not _memo.active:
+        return compute()
+    memo_key = (name if scorer is None else _scorer_key(scorer), id(module), id(hidden_states), id(attentions),
+                tuple(keys.shape), float(temperature), float(uniform_mix), int(block_size), score_normalization)
+    return _memo.get(memo_key, compute, module, hidden_states, attentions, scorer)
 
 
-@contextmanager
-def shared_proposals():
+def shared_proposals() -> AbstractContextManager[None]:
     """Compute each layer's proposal once for several presses that replay the same prefill.
 
     Inside the block, :func:`compute_proposal` returns the proposal it already computed for the same
@@ -438,10 +437,5 @@ def shared_proposals():
     only valid while the tensors a call sees are not changed in place, so keep the block to one prefill.
     The memo is dropped when the block exits; blocks nest (the inner one starts empty).
     """
-    global _shared
-    previous, _shared = _shared, {}
-    try:
-        yield
-    finally:
-        _shared = previous
+    return _memo.scope()
 
