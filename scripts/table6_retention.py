@@ -144,11 +144,13 @@ def run(args) -> None:
     parts = Path(args.parts)
     parts.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    for protocol, query_aware in PROTOCOLS.items():
+    examples = {(protocol, target): needle_examples(pipe, tokenizer, args, target, query_aware)
+                for protocol, query_aware in PROTOCOLS.items() for target in args.lengths}
+    for protocol in PROTOCOLS:
         if protocol not in args.protocols:
             continue
         for target in args.lengths:
-            for ex in needle_examples(pipe, tokenizer, args, target, query_aware):
+            for ex in examples[(protocol, target)]:
                 part = parts / f"{protocol}_{target}_{ex.id}_r{args.ratio:g}_s{args.seed}.json"
                 if part.exists():  # resume: this prompt was measured by an earlier (or parallel) process
                     continue
@@ -175,7 +177,7 @@ def run(args) -> None:
                     f"{r['variant']}={r['pooled_selection']:.2f}/{r['strict']}" for r in retention[-len(VARIANTS):]),
                     f"({time.perf_counter() - start:.0f} s)", flush=True)
                 write_atomic(part, json.dumps({"retention": retention, "fig9b": fig9b}))
-    retention, fig9b, missing = collect(parts, args, pipe, tokenizer)
+    retention, fig9b, missing = collect(parts, args, examples)
     if missing:
         print(f"{missing} prompt(s) not measured yet (another --protocols process?): no report written", flush=True)
         return
@@ -185,14 +187,15 @@ def run(args) -> None:
     write_atomic(out / "table6_reproduction.md", report(retention, fig9b, args))
 
 
-def collect(parts: Path, args, pipe, tokenizer) -> tuple[list[dict], list[dict], int]:
-    """The retention and Fig. 9b rows of every prompt of ``args`` (both protocols) from the part files in
-    ``parts``, in the order of the sweep, and the number of prompts without a part file."""
+def collect(parts: Path, args, examples: dict) -> tuple[list[dict], list[dict], int]:
+    """The retention and Fig. 9b rows of every prompt of ``examples`` (``{(protocol, target length): needle
+    examples}``, both protocols, as :func:`run` builds them) from the part files in ``parts``, in the order of
+    the sweep, and the number of prompts without a part file."""
     retention, fig9b, missing = [], [], 0
-    for protocol, query_aware in PROTOCOLS.items():
+    for protocol in PROTOCOLS:
         for target in args.lengths:
-            for ex_id in prompt_ids(pipe, tokenizer, args, target, query_aware):
-                part = parts / f"{protocol}_{target}_{ex_id}_r{args.ratio:g}_s{args.seed}.json"
+            for ex in examples[(protocol, target)]:
+                part = parts / f"{protocol}_{target}_{ex.id}_r{args.ratio:g}_s{args.seed}.json"
                 if not part.exists():
                     missing += 1
                     continue
@@ -200,11 +203,6 @@ def collect(parts: Path, args, pipe, tokenizer) -> tuple[list[dict], list[dict],
                 retention += data["retention"]
                 fig9b += data["fig9b"]
     return retention, fig9b, missing
-
-
-def prompt_ids(pipe, tokenizer, args, target: int, query_aware: bool) -> list[str]:
-    """The example ids of the needle prompts at target length ``target`` (as :func:`run` builds them)."""
-    return [ex.id for ex in needle_examples(pipe, tokenizer, args, target, query_aware)]
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
