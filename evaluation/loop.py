@@ -97,16 +97,18 @@ def _tokenise(pipe, tokenizer, ex) -> dict:
         return pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
 
 
-def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens) -> None:
+def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens) -> dict[str, dict]:
     """Every example against the model's positions and vocabulary and every press's limits, before any directory
-    is made."""
+    is made. Returns each example's :func:`_tokenise` output by example id (the loop reuses it)."""
+    tokens = {}
     for ex in examples:
-        ids = _tokenise(pipe, tokenizer, ex)
+        ids = tokens[ex.id] = _tokenise(pipe, tokenizer, ex)
         T, n_question = int(ids["context_ids"].shape[1]), int(ids["questions_ids"][0].shape[1])
         top = max(int(t.max()) for t in (ids["context_ids"], ids["questions_ids"][0]) if t.numel())
         guards.check_model_input(model, T, n_question, max_new_tokens or ex.max_new_tokens or 32, ex.id, top)
         for run in runs:
             guards.check_press_input(run.press, model, T, multi_token_forward=True)  # the question forward follows
+    return tokens
 
 
 def _pipeline_row(run: Run, ex, pipe, dataset, model, tokenizer, T: int, max_new: int) -> dict:
@@ -217,7 +219,7 @@ def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared
     guards.check_model(model, tokenizer)
     pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
     examples = harness.run_examples(first, dataset, tokenizer)
-    _check_inputs(examples, runs, pipe, model, tokenizer, first.max_new_tokens)
+    tokens = _check_inputs(examples, runs, pipe, model, tokenizer, first.max_new_tokens)
     with harness.claim_runs([cfgs[run.index] for run in runs]) as claimed:  # held until metrics.json
         for run, (out, done) in zip(runs, claimed):
             run.out = out
@@ -225,16 +227,16 @@ def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared
                 metrics[run.index] = done
         runs = [run for run in runs if run.index not in metrics]
         if runs:
-            _run_examples(runs, examples, pipe, dataset, model, tokenizer, first, shared_prefill, batch_decode,
-                          pad_decode)
+            _run_examples(runs, examples, tokens, pipe, dataset, model, tokenizer, first, shared_prefill,
+                          batch_decode, pad_decode)
         for run in runs:
             metrics[run.index] = harness.finish_run(run.out, examples, run.names, run.cfg, command)
     return [metrics[k] for k in range(len(cfgs))]
 
 
-def _run_examples(runs: list[Run], examples: list, pipe, dataset, model, tokenizer, first, shared_prefill: bool,
-                  batch_decode: bool, pad_decode: bool) -> None:
-    """Append one row per held run and example it still lacks."""
+def _run_examples(runs: list[Run], examples: list, tokens: dict[str, dict], pipe, dataset, model, tokenizer, first,
+                  shared_prefill: bool, batch_decode: bool, pad_decode: bool) -> None:
+    """Append one row per held run and example it still lacks (``tokens``: :func:`_check_inputs`'s)."""
     done_ids = {run.index: {r["id"] for r in harness.read_predictions(run.out / "predictions.jsonl")} for run in runs}
     todo = round_robin_by_task([e for e in examples if any(e.id not in done_ids[r.index] for r in runs)])
     logger.info("%d runs x %d examples; %d examples still needed by some run", len(runs), len(examples), len(todo))
@@ -242,7 +244,7 @@ def _run_examples(runs: list[Run], examples: list, pipe, dataset, model, tokeniz
     desc = "shared prefill" if shared_prefill else f"{runs[0].names['press']} cr={runs[0].cfg.compression_ratio:g}"
     for ex in tqdm(todo, desc=desc, dynamic_ncols=True):
         max_new = first.max_new_tokens or ex.max_new_tokens or 32
-        ids = _tokenise(pipe, tokenizer, ex)
+        ids = tokens[ex.id]
         context_ids, question_ids = ids["context_ids"].to(model.device), ids["questions_ids"][0]
         T = int(context_ids.shape[1])
         pending = [run for run in runs if ex.id not in done_ids[run.index]]
