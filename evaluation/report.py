@@ -39,7 +39,7 @@ import os
 import re
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from evaluation.harness import QA_SUFFIX
@@ -301,14 +301,21 @@ def protocol_table(after: list[Run], inside: list[Run], confidence: float) -> li
 
     ``after``: runs with the question asked after compression (``<dataset>/``); ``inside``: the question inside
     the compressed context (``<dataset>-qa/``). The win scores are recomputed among the presses present in both
-    protocols at that ratio (so that the two columns compare the same set of presses).
+    protocols at that ratio (so that the two columns compare the same set of presses), and every cell uses only
+    the examples that every such run of both protocols holds (so that a protocol still running, or a run with
+    fewer examples, compares the same examples' contexts).
 
     Returns:
         Records with ``press, ratio, n_after, score_after, low_after, high_after, n_inside, score_inside, ...,
         win_after, win_inside`` (``nan`` where a win score is undefined, e.g. ``no_press``).
     """
     both = {(r.press, r.ratio) for r in after} & {(r.press, r.ratio) for r in inside}
-    keep = lambda runs: [r for r in runs if (r.press, r.ratio) in both]  # noqa: E731
+    kept = [r for r in after + inside if (r.press, r.ratio) in both]
+    common = set.intersection(*[{row["id"] for row in r.rows} for r in kept]) if kept else set()
+    if not common:
+        return []
+    keep = lambda runs: [replace(r, rows=[row for row in r.rows if row["id"] in common])  # noqa: E731
+                         for r in runs if (r.press, r.ratio) in both]
     stats = {name: {(s["press"], s["ratio"]): s for s in summary_table(keep(runs), confidence)}
              for name, runs in (("after", after), ("inside", inside))}
     wins = {name: {(w["press"], w["ratio"]): w["win_score"] for w in win_table(keep(runs))}
@@ -492,21 +499,25 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
     if pairs:
         md += ["<a id=\"protocols\"></a>", "## The two protocols side by side", "",
                "Question after compression (kvpress's default protocol, `<dataset>/`) against the question inside "
-               "the compressed context (`<dataset>-qa/`, `query_aware=true`), on the same examples' contexts. "
+               "the compressed context (`<dataset>-qa/`, `query_aware=true`), on the same examples' contexts: those that "
+               "every run in the table holds in both protocols (n). "
                f"Score: mean [{pct} interval]. Win score: among the presses run in both protocols at that ratio "
                "(so the two columns compare the same presses; it can differ from the per-protocol sections below).",
                ""]
     for dataset, model in pairs:
         table = protocol_table(groups[(dataset, model)], groups[(dataset + QA_SUFFIX, model)], confidence)
+        if not table:  # no press at a ratio in both protocols, or no example in all of them
+            continue
         link = w.text(f"tables/{dataset}__{model}__protocols.csv", _csv(table))
         fmt = lambda r, k: (f"{r[f'score_{k}']:.3f} [{r[f'low_{k}']:.3f}, {r[f'high_{k}']:.3f}]"  # noqa: E731
                             if f"score_{k}" in r else "–")
         win = lambda v: "–" if math.isnan(v) else f"{v:.3f}"  # noqa: E731
         md += [f"### {dataset} / {model}", "",
-               _markdown(["ratio", "press", "score, question after", "score, question inside", "win, after",
+               _markdown(["ratio", "press", "n", "score, question after", "score, question inside", "win, after",
                           "win, inside"],
-                         [[f"{r['ratio']:g}", r["press"], fmt(r, "after"), fmt(r, "inside"), win(r["win_after"]),
-                           win(r["win_inside"])] for r in table]), "", f"Table: [{link}]({link})", ""]
+                         [[f"{r['ratio']:g}", r["press"], r.get("n_inside", "–"), fmt(r, "after"), fmt(r, "inside"),
+                           win(r["win_after"]), win(r["win_inside"])] for r in table]), "",
+               f"Table: [{link}]({link})", ""]
     for (dataset, model), group in sorted(groups.items()):
         stem = f"{dataset}__{model}"
         presses = _press_order(r.press for r in group)

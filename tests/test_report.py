@@ -253,6 +253,19 @@ def test_protocols_side_by_side_compare_the_same_presses(tmp_path):
     # only: each wins one example (0.5, 0.5); were knorm counted, tova would get 0.75 (it ties knorm twice).
     assert float(rows["snapkv"]["win_after"]) == 1.0 and float(rows["tova"]["win_after"]) == 0.5
     assert float(rows["snapkv"]["win_inside"]) == 0.5 and float(rows["tova"]["win_inside"]) == 0.5
+    # a protocol still running (e3 only after, e2 missing from one inside run): both columns use e1 only
+    root2 = tmp_path / "partial"
+    _write_run(root2, "snapkv", "0.5", [("e1", "needle", 1), ("e2", "needle", 0), ("e3", "needle", 0)],
+               dataset="needle")
+    _write_run(root2, "tova", "0.5", [("e1", "needle", 0), ("e2", "needle", 1), ("e3", "needle", 1)],
+               dataset="needle")
+    _write_run(root2, "snapkv", "0.5", [("e1", "needle", 0), ("e2", "needle", 1)], dataset="needle-qa")
+    _write_run(root2, "tova", "0.5", [("e1", "needle", 1)], dataset="needle-qa")
+    build_report(root2, tmp_path / "r3", plots=False)
+    rows = {r["press"]: r for r in _csv(tmp_path / "r3" / "tables" / "needle__tiny__protocols.csv")}
+    assert {r["n_after"] for r in rows.values()} == {r["n_inside"] for r in rows.values()} == {"1"}
+    assert float(rows["snapkv"]["score_after"]) == 1.0 and float(rows["tova"]["score_after"]) == 0.0
+    assert float(rows["snapkv"]["score_inside"]) == 0.0 and float(rows["tova"]["score_inside"]) == 1.0
     only_after = tmp_path / "one"
     _write_run(only_after, "snapkv", "0.5", [("e1", "needle", 1)], dataset="needle")
     assert "side by side" not in build_report(only_after, tmp_path / "r2", plots=False).read_text()
