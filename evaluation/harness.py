@@ -166,6 +166,21 @@ def cache_stats(cache, model, context_length: int) -> dict:
     return {"effective_compression": logical, "physical_compression": physical}
 
 
+def row_effective_compression(row: dict) -> float:
+    """A prediction row's effective compression, from the kept (logical) entries.
+
+    ``row["effective_compression"]`` (:func:`cache_stats`), unless the press reports its own logical count
+    (``press_stats["logical_compression"]``): a press that pads its per-group caches to the layer's longest and
+    masks the padding with a ``-inf`` bias (ProbabilisticEvictionPress, each KV group keeping its own number of
+    draws) has a longer cache than it keeps, so the cache length would count the padding as kept. Rows written
+    before this rule hold the padded figure there; this function reads both. Fraction in ``[0, 1]``.
+    """
+    stats = row.get("press_stats") or {}
+    if isinstance(stats.get("logical_compression"), (int, float)) and stats.get("num_layers_evicted"):
+        return float(stats["logical_compression"])
+    return float(row["effective_compression"])
+
+
 # Keys a run may change between a start and its resume: they do not change its examples or predictions.
 RESUME_FREE_KEYS = ("overwrite", "output_dir", "device")
 
@@ -395,14 +410,17 @@ def run_examples(cfg: DictConfig, dataset, tokenizer) -> list:
 
 def prediction_row(ex, names: dict[str, str], dataset, prediction: str, cache, model, context_length: int,
                    seconds: float, press, **extra) -> dict:
-    """One ``predictions.jsonl`` row: the example, the prediction and its score, the cache's effective
-    compression (:func:`cache_stats`), seconds, and ``press.summary()`` when the press has one."""
-    return {"id": ex.id, "task": ex.task or names["dataset"], "context_length": context_length,
-            "depth": ex.metadata.get("depth"), "answers": ex.answers, "prediction": prediction,
-            "score": float(dataset.score(prediction, ex)), **cache_stats(cache, model, context_length),
-            "seconds": seconds,
-            "press_stats": press.summary() if press is not None and hasattr(press, "summary") else None,
-            **extra, "metadata": ex.metadata}
+    """One ``predictions.jsonl`` row: the example, the prediction and its score, the effective compression
+    (:func:`row_effective_compression`) and the cache's physical one (:func:`cache_stats`), seconds, and
+    ``press.summary()`` when the press has one."""
+    row = {"id": ex.id, "task": ex.task or names["dataset"], "context_length": context_length,
+           "depth": ex.metadata.get("depth"), "answers": ex.answers, "prediction": prediction,
+           "score": float(dataset.score(prediction, ex)), **cache_stats(cache, model, context_length),
+           "seconds": seconds,
+           "press_stats": press.summary() if press is not None and hasattr(press, "summary") else None,
+           **extra, "metadata": ex.metadata}
+    row["effective_compression"] = row_effective_compression(row)  # kept entries, not padding
+    return row
 
 
 def finish_run(out: Path, examples: list, names: dict[str, str], cfg: DictConfig, command: str) -> dict:
@@ -442,7 +460,7 @@ def summarize(rows: list[dict]) -> dict:
         "n": n,
         "score": mean([r["score"] for r in rows]),
         "per_task": {t: mean([r["score"] for r in rows if r["task"] == t]) for t in tasks},
-        "effective_compression": mean([r["effective_compression"] for r in rows]),
+        "effective_compression": mean([row_effective_compression(r) for r in rows]),
         "physical_compression": mean([r["physical_compression"] for r in rows]),
         "seconds_per_example": mean([r["seconds"] for r in rows]),
     }

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from evaluation.harness import QA_SUFFIX
 from evaluation.metrics import score_interval, win_scores
-from evaluation.harness import config_changes, run_in_progress, write_atomic
+from evaluation.harness import config_changes, row_effective_compression, run_in_progress, write_atomic
 
 logger = logging.getLogger("evaluation.report")
 
@@ -238,7 +238,7 @@ def summary_table(runs: list[Run], confidence: float) -> list[dict]:
         n = len(scores)
         weighted = sum(len(v) / n * (sum(v) / len(v)) for v in by_task.values())
         task_avg = sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
-        eff = [float(r["effective_compression"]) for r in run.rows if r.get("effective_compression") is not None]
+        eff = [row_effective_compression(r) for r in run.rows if r.get("effective_compression") is not None]
         out.append({"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio, "n": n,
                     "score": mean, "low": lo, "high": hi, "interval": method, "weighted_average": weighted,
                     "task_average": task_avg, "n_tasks": len(by_task),

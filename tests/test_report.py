@@ -295,3 +295,26 @@ def test_a_question_inside_section_names_its_protocol(tmp_path):
     _write_run(root, "snapkv", "0.5", [("e1", "needle", 1)], dataset="needle-qa")
     readme = build_report(root, tmp_path / "r", plots=False).read_text()
     assert "Protocol: the question inside the compressed context" in readme
+
+
+def test_effective_compression_counts_kept_entries_not_padding(tmp_path):
+    """A SNIS row's cache holds its KV groups' draws padded to the layer's longest (masked), so its cache length
+    overstates what is kept: the report reads the press's logical count (rows written before the rule too);
+    a press without one (or one that evicted nothing) keeps the cache figure."""
+    from evaluation.harness import row_effective_compression
+
+    root = tmp_path / "runs"
+    _write_run(root, "snis_min", "0.5", [("e1", "A", 1), ("e2", "A", 0)])
+    path = root / "ruler" / "tiny" / "snis_min" / "cr0.5" / "predictions.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:2]]
+    for row, logical in zip(rows, (0.51, 0.49)):
+        row.update(effective_compression=0.37, press_stats={"logical_compression": logical, "num_layers_evicted": 30})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _write_run(root, "tova", "0.5", [("e1", "A", 1), ("e2", "A", 1)])
+    build_report(root, tmp_path / "out", plots=False)
+    eff = {r["press"]: float(r["effective_compression"])
+           for r in _csv(tmp_path / "out" / "tables" / "ruler__tiny__summary.csv")}
+    assert eff == pytest.approx({"snis_min": 0.50, "tova": 0.5})
+    assert row_effective_compression({"effective_compression": 0.3, "press_stats": None}) == 0.3
+    assert row_effective_compression({"effective_compression": 0.0, "press_stats": {"logical_compression": 0.0,
+                                                                                    "num_layers_evicted": 0}}) == 0.0
