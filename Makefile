@@ -48,11 +48,13 @@ entroprefill-bench: install  # EntroPrefill vs full prefill on keyfacts (the com
 
 # Paper 003 section 7's grid: RULER 2k in kvpress's protocol, its baselines (H2O = observed_attention reads eager
 # weights, so it runs through evaluation.run) and the four proposals corrected (tau 1, 2) and uncorrected.
-# The 11 offline tasks; add qa_1 and qa_2 with P003_TASKS=... dataset.qa_data_dir=... (docs/methods.md, RULER).
+# The 11 offline tasks; add qa_1 and qa_2 with P003_TASKS=[...,qa_1,qa_2] P003_EXTRA=dataset.qa_data_dir=<dir>
+# (docs/methods.md, RULER); P003_EXTRA passes any other Hydra override too (e.g. device=cuda:0).
 # Resumable; SHARD=i/n runs one share (e.g. make paper003-grid SHARD=0/2 & make paper003-grid SHARD=1/2).
 P003_TASKS ?= [niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe]
 P003_SNIS = snis_min,snis_min_uncorrected,snis_min_tau2,snis_min_h,snis_min_h_uncorrected,snis_min_h_tau2,snis_h2o,snis_h2o_uncorrected,snis_h2o_tau2,snis_h2o_h,snis_h2o_h_uncorrected,snis_h2o_h_tau2
-P003_ARGS = model=$(MODEL) dataset=ruler_paper003 "dataset.context_lengths=[2048]" "dataset.tasks=$(P003_TASKS)" output_dir=results $(if $(SHARD),shard=$(SHARD))
+P003_EXTRA ?=
+P003_ARGS = model=$(MODEL) dataset=ruler_paper003 "dataset.context_lengths=[2048]" "dataset.tasks=$(P003_TASKS)" output_dir=$(RESULTS) $(if $(SHARD),shard=$(SHARD)) $(P003_EXTRA)
 paper003-grid: install       # -> results/ruler_paper003/; then make report claims
 	$(PY) -m evaluation.fused $(P003_ARGS) "presses=[no_press,streaming_llm,snapkv,tova,knorm,$(P003_SNIS)]" "ratios=[0.25,0.5,0.75]"
 	$(PY) -m evaluation.run -m $(P003_ARGS) press=observed_attention compression_ratio=0.25,0.5,0.75

@@ -99,9 +99,15 @@ def _tokenise(pipe, tokenizer, ex) -> dict:
 
 def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens) -> dict[str, dict]:
     """Every example against the model's positions and vocabulary and every press's limits, before any directory
-    is made. Returns each example's :func:`_tokenise` output by example id (the loop reuses it)."""
+    is made. Returns each example's :func:`_tokenise` output by example id (the loop reuses it).
+
+    Raises:
+        ValueError: an example id that repeats, or what :mod:`evaluation.guards` raises.
+    """
     tokens = {}
     for ex in examples:
+        if ex.id in tokens:  # rows, resume and these tokens are keyed by id
+            raise ValueError(f"example id {ex.id!r} appears twice in the dataset; every example needs its own id")
         ids = tokens[ex.id] = _tokenise(pipe, tokenizer, ex)
         T, n_question = int(ids["context_ids"].shape[1]), int(ids["questions_ids"][0].shape[1])
         top = max(int(t.max()) for t in (ids["context_ids"], ids["questions_ids"][0]) if t.numel())

@@ -302,19 +302,23 @@ def protocol_table(after: list[Run], inside: list[Run], confidence: float) -> li
     ``after``: runs with the question asked after compression (``<dataset>/``); ``inside``: the question inside
     the compressed context (``<dataset>-qa/``). The win scores are recomputed among the presses present in both
     protocols at that ratio (so that the two columns compare the same set of presses), and every cell uses only
-    the examples that every such run of both protocols holds (so that a protocol still running, or a run with
-    fewer examples, compares the same examples' contexts).
+    the examples that every such run at that ratio holds in both protocols (so that a protocol still running,
+    or a run with fewer examples, compares the same examples' contexts).
 
     Returns:
         Records with ``press, ratio, n_after, score_after, low_after, high_after, n_inside, score_inside, ...,
         win_after, win_inside`` (``nan`` where a win score is undefined, e.g. ``no_press``).
     """
     both = {(r.press, r.ratio) for r in after} & {(r.press, r.ratio) for r in inside}
-    kept = [r for r in after + inside if (r.press, r.ratio) in both]
-    common = set.intersection(*[{row["id"] for row in r.rows} for r in kept]) if kept else set()
-    if not common:
+    common: dict[float, set] = {}  # per ratio: the examples every run at that ratio holds in both protocols
+    for r in after + inside:
+        if (r.press, r.ratio) in both:
+            ids = {row["id"] for row in r.rows}
+            common[r.ratio] = common[r.ratio] & ids if r.ratio in common else ids
+    both = {(press, ratio) for press, ratio in both if common[ratio]}
+    if not both:
         return []
-    keep = lambda runs: [replace(r, rows=[row for row in r.rows if row["id"] in common])  # noqa: E731
+    keep = lambda runs: [replace(r, rows=[row for row in r.rows if row["id"] in common[r.ratio]])  # noqa: E731
                          for r in runs if (r.press, r.ratio) in both]
     stats = {name: {(s["press"], s["ratio"]): s for s in summary_table(keep(runs), confidence)}
              for name, runs in (("after", after), ("inside", inside))}
@@ -500,7 +504,7 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
         md += ["<a id=\"protocols\"></a>", "## The two protocols side by side", "",
                "Question after compression (kvpress's default protocol, `<dataset>/`) against the question inside "
                "the compressed context (`<dataset>-qa/`, `query_aware=true`), on the same examples' contexts: those that "
-               "every run in the table holds in both protocols (n). "
+               "every run at that ratio holds in both protocols (n). "
                f"Score: mean [{pct} interval]. Win score: among the presses run in both protocols at that ratio "
                "(so the two columns compare the same presses; it can differ from the per-protocol sections below).",
                ""]

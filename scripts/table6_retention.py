@@ -97,9 +97,15 @@ def value_positions(tokenizer, ids: torch.Tensor, value: str) -> torch.Tensor:
     return ((starts < start + len(value)) & (ends > start)).nonzero().squeeze(-1)
 
 
+#: paper 000's pilot page size (Table 4), for every variant: the benchmark config's tuned 32
+#: (results/tuning/page_entrokv) would make "ours" and "paper000" differ in page size too
+PAGE_SIZE = 16
+
+
 def build_press(config: str, ratio: float, pooling: str | None, observed: bool = False) -> PageEntroKVPress:
-    """The press of ``configs/press/<config>.yaml`` at ``ratio`` with ``record=True`` (and a pooling override)."""
-    overrides = [f"press={config}", f"compression_ratio={ratio}", "press.record=true"]
+    """The press of ``configs/press/<config>.yaml`` at ``ratio`` and page size :data:`PAGE_SIZE`, with
+    ``record=True`` (and a pooling override)."""
+    overrides = [f"press={config}", f"compression_ratio={ratio}", "press.record=true", f"press.page_size={PAGE_SIZE}"]
     if pooling:
         overrides.append(f"press.pooling={pooling}")
     node = compose_config(overrides).press
@@ -238,7 +244,8 @@ def report(retention: list[dict], fig9b: list[dict], args) -> str:
              f"{args.depths}, {args.n_per_depth} per depth, seed {args.seed}; compression ratio {args.ratio} "
              "(retention 0.2). Variants: `ours` = `configs/press/page_entrokv.yaml`, `paper000` = "
              "`configs/press/page_entrokv_paper000.yaml` (observers = every prompt query, no protection, per-layer "
-             "union, max fallback), each with entropy pooling and with arithmetic-mean pooling. Criteria: "
+             f"union, max fallback), each with entropy pooling and with arithmetic-mean pooling, all at page size "
+             f"{PAGE_SIZE} (paper 000's). Criteria: "
              "docs/methods.md §1.13.", ""]
     variants = [v for v, _, _ in VARIANTS]
     for protocol in ("question_after", "question_inside"):

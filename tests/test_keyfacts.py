@@ -98,3 +98,20 @@ def test_configured_lengths_fit_the_embedded_model(embedded_model):
     pipe = TextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
     for query_aware in (True, False):
         loop._check_inputs(ds.examples(tok, 2, seed=0, query_aware=query_aware), [], pipe, model, tok, None)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_input_check_refuses_a_repeated_example_id(embedded_model):
+    """The harness keys rows, resume and the tokenised inputs by example id: a dataset that repeats one is
+    refused before anything runs, naming the id."""
+    import torch
+
+    from evaluation import loop
+    from evaluation.pipeline import TextGenerationPipeline
+
+    model, tok = embedded_model
+    pipe = TextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
+    (ex,) = KeyFactsDataset(context_lengths=[2000]).examples(tok, 1, seed=0, query_aware=True)
+    assert len(loop._check_inputs([ex], [], pipe, model, tok, None)) == 1
+    with pytest.raises(ValueError, match=re.escape(f"example id '{ex.id}' appears twice")):
+        loop._check_inputs([ex, ex], [], pipe, model, tok, None)

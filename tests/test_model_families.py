@@ -13,25 +13,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from _tiny_models import FAMILIES, make_tiny_family
 from evaluation.guards import check_model, check_press_input
 from presses.core.observer import window_queries
-from test_robustness import PRESSES, PROMPT_IDS, T_LONG, TOK, VOCAB, build, decode, logical_kept, prefill
+from test_robustness import (PRESSES, PROMPT_IDS, T_LONG, TOK, VOCAB, build, decode, logical_kept,
+                             page_entrokv_kept, prefill)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HALF = T_LONG - int(T_LONG * 0.5)  # kvpress's ScorerPress keeps int(T (1 - ratio)) entries per head
 EXACT = {"snapkv": HALF, "tova": HALF, "knorm": HALF, "streaming_llm": HALF, "expected_attention": HALF,
          "observed_attention": HALF, "adakv": HALF}  # AdaKV: the same count on average over the heads
-#: Page-EntroKV runs at 0.25 here, so that pages beyond the protected ones are chosen (at 0.5 the yaml's pages of
-#: 32 leave none to choose in T_LONG = 224 tokens)
+#: Page-EntroKV runs at 0.25 here: more pages to choose beyond the protected ones than at 0.5
 RATIO = {"page_entrokv": 0.25}
-
-
-def _page_entrokv_kept(press, T: int) -> tuple[int, int]:
-    """``(protected, kept)``: the protected tokens (the sink page and the pages touching the last W positions),
-    and those plus as many whole pages as fit under the strict budget floor(T (1 - ratio)) (T a multiple of
-    the page size)."""
-    B, budget = press.page_size, int(T * (1 - press.compression_ratio))
-    protected = B * (1 + -(-press.window_size // B))
-    return protected, protected + (budget - protected) // B * B
 #: The hub families of configs/model/; the embedded SmolLM2 (a Llama) runs end to end in other tests, and its
 #: 64-wide heads here in test_window_queries_are_the_models_own_queries.
 CONFIG_FAMILIES = [f for f in FAMILIES if f != "smollm2-135m"]
@@ -67,7 +58,7 @@ def test_every_press_on_every_family(family, name):
         cache = prefill(press, model, PROMPT_IDS)
         kept = logical_kept(model, cache)
         if name == "page_entrokv":
-            protected, expected = _page_entrokv_kept(press, T_LONG)
+            protected, expected = page_entrokv_kept(press, T_LONG)
             assert T_LONG % press.page_size == 0 and kept == [expected] * len(kept), kept
             assert expected > protected, "some pages are chosen, not only the protected ones"
         elif name in EXACT:

@@ -261,8 +261,13 @@ def test_protocols_side_by_side_compare_the_same_presses(tmp_path):
                dataset="needle")
     _write_run(root2, "snapkv", "0.5", [("e1", "needle", 0), ("e2", "needle", 1)], dataset="needle-qa")
     _write_run(root2, "tova", "0.5", [("e1", "needle", 1)], dataset="needle-qa")
+    for proto in ("needle", "needle-qa"):  # another ratio, complete in both protocols, keeps its 3 examples
+        _write_run(root2, "snapkv", "0.75", [(e, "needle", 1) for e in ("e1", "e2", "e3")], dataset=proto)
     build_report(root2, tmp_path / "r3", plots=False)
-    rows = {r["press"]: r for r in _csv(tmp_path / "r3" / "tables" / "needle__tiny__protocols.csv")}
+    table = _csv(tmp_path / "r3" / "tables" / "needle__tiny__protocols.csv")
+    assert {(r["ratio"], r["n_after"], r["n_inside"]) for r in table if r["press"] == "snapkv"} == {
+        ("0.5", "1", "1"), ("0.75", "3", "3")}
+    rows = {r["press"]: r for r in table if r["ratio"] == "0.5"}
     assert {r["n_after"] for r in rows.values()} == {r["n_inside"] for r in rows.values()} == {"1"}
     assert float(rows["snapkv"]["score_after"]) == 1.0 and float(rows["tova"]["score_after"]) == 0.0
     assert float(rows["snapkv"]["score_inside"]) == 0.0 and float(rows["tova"]["score_inside"]) == 1.0

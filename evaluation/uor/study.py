@@ -836,7 +836,7 @@ def write_report(out: Path, cfg, info, t4, acc, tau_rows, tau_check, alpha_rows,
               f"{PAPER['census']['retrieval']} retrieval / {PAPER['census']['contextual']} contextual).", "",
               "![Fig. 7](fig7_entropy.png) ![Fig. 8](fig8_weights.png)", ""]
     # Table 6
-    t6 = table6(retention, list(cfg.retention.presses))
+    t6 = table6(retention, list(cfg.retention.presses), int(cfg.presses.page_entrokv.page_size))
     (out / "table6.md").write_text("# Table 6: needle retention at a 20% budget\n\n" + t6 + "\n")
     lines += ["## Table 6: needle retention", "", t6, "", f"Paper: {PAPER['table6']}.", "",
               "![retention per layer](fig6_retention_layers.png)", ""]
@@ -845,9 +845,9 @@ def write_report(out: Path, cfg, info, t4, acc, tau_rows, tau_check, alpha_rows,
     (out / "report.md").write_text("\n".join(lines))
 
 
-def table6(retention: list[dict], presses: list[str]) -> str:
+def table6(retention: list[dict], presses: list[str], page_size: int) -> str:
     """Markdown for Table 6: (a) pooled-selection criterion by length, (b) strict criterion by depth,
-    (c) end-to-end answer accuracy by depth and length."""
+    (c) end-to-end answer accuracy by depth and length (``page_size``: the presses' page size, stated)."""
     names = ["no_press", *presses]
     lengths = sorted({x["length"] for x in retention})
     depths = sorted({x["depth"] for x in retention})
@@ -868,7 +868,7 @@ def table6(retention: list[dict], presses: list[str]) -> str:
         return rows
 
     n = len([x for x in retention if x["press"] == names[0]])
-    out = [f"{n} needle prompts per method; budget 20% (compression_ratio 0.8), page_size 16, "
+    out = [f"{n} needle prompts per method; budget 20% (compression_ratio 0.8), page_size {page_size}, "
            "needle page = every page holding a token of the needle's value.", ""]
     out += block("(a) Pooled-selection criterion: fraction of (layer, group) decisions that keep the needle page, "
                  "by context (T = prompt tokens)", "frac_decisions_kept", "length",
