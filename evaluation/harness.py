@@ -171,7 +171,7 @@ def row_effective_compression(row: dict) -> float:
 
     ``row["effective_compression"]`` (:func:`cache_stats`), unless the press reports its own logical count
     (``press_stats["logical_compression"]``): a press that pads its per-group caches to the layer's longest and
-    masks the padding with a ``-inf`` bias (ProbabilisticEvictionPress, each KV group keeping its own number of
+    masks the padding with a ``-inf`` bias (probabilistic eviction, each KV group keeping its own number of
     draws) has a longer cache than it keeps, so the cache length would count the padding as kept. Rows written
     before this rule hold the padded figure there; this function reads both. Fraction in ``[0, 1]``.
     """
