@@ -31,7 +31,7 @@ import triton.language as tl
 from presses.core.observer import check_window
 from presses.kernels.tiles import key_tile_scores, load_group_rows, online_softmax_step
 
-__all__ = ["column_sums_triton", "window_attention_triton"]
+__all__ = ["check_query_key_args", "column_sums_triton", "window_attention_triton"]
 
 _LOG2E = 1.4426950408889634
 # default tiles, GPU and interpreter alike (the interpreter pays per operation, not per element)
@@ -132,6 +132,31 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def check_query_key_args(queries: torch.Tensor, keys: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """The shapes of observer queries ``(B, H_Q, n, d)`` against a GQA key cache ``(B, G, t, d)``, checked for the
+    row-scoring kernels (this module's and :mod:`presses.kernels.row_masses`).
+
+    Returns:
+        ``(B, H_Q, n, d, G, t)``.
+
+    Raises:
+        ValueError: if the key shape does not match, ``G`` does not divide ``H_Q``, the dtypes differ, or the
+            dtype is not float32, bfloat16 or float16.
+    """
+    B, HQ, n, d = queries.shape
+    if keys.dim() != 4 or keys.shape[0] != B or keys.shape[3] != d:
+        raise ValueError(f"keys of shape {tuple(keys.shape)} do not match queries {tuple(queries.shape)} "
+                         "(expected (B, G, t, d))")
+    G, t = keys.shape[1], keys.shape[2]
+    if HQ % G:
+        raise ValueError(f"num_kv_heads={G} must divide num_heads={HQ}")
+    if queries.dtype != keys.dtype:
+        raise ValueError(f"queries dtype {queries.dtype} differs from keys dtype {keys.dtype}")
+    if queries.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {queries.dtype} is not supported (float32, bfloat16, float16)")
+    return B, HQ, n, d, G, t
+
+
 def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Tensor | None = None,
                        rows: torch.Tensor | None = None, scaling: float | None = None, row_scale: float = 1.0,
                        block_m: int | None = None, block_n: int | None = None,
@@ -157,17 +182,7 @@ def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: t
         ValueError: if ``G`` does not divide ``H_Q``, ``n > t``, shapes or dtypes disagree, or a row
             position is outside ``[0, t)``.
     """
-    B, HQ, n, d = queries.shape
-    if keys.dim() != 4 or keys.shape[0] != B or keys.shape[3] != d:
-        raise ValueError(f"keys of shape {tuple(keys.shape)} do not match queries {tuple(queries.shape)} "
-                         "(expected (B, G, t, d))")
-    G, t = keys.shape[1], keys.shape[2]
-    if HQ % G:
-        raise ValueError(f"num_kv_heads={G} must divide num_heads={HQ}")
-    if queries.dtype != keys.dtype:
-        raise ValueError(f"queries dtype {queries.dtype} differs from keys dtype {keys.dtype}")
-    if queries.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype {queries.dtype} is not supported (float32, bfloat16, float16)")
+    B, HQ, n, d, G, t = check_query_key_args(queries, keys)
     R = HQ // G
     out = torch.zeros(B, HQ, t, device=keys.device, dtype=torch.float32)
     if n == 0 or t == 0 or B == 0:

@@ -23,7 +23,12 @@ import triton
 import triton.language as tl
 
 from presses.core.row_masses import check_chunk_ids
-from presses.kernels.attention_columns import _LOG2E, _column_kernel, _num_sms
+from presses.kernels.attention_columns import (
+    _LOG2E,
+    _column_kernel,
+    _num_sms,
+    check_query_key_args,
+)
 from presses.kernels.tiles import key_tile_scores, load_group_rows, online_softmax_step
 
 __all__ = ["row_chunk_masses_triton"]
@@ -106,17 +111,7 @@ def row_chunk_masses_triton(queries: torch.Tensor, keys: torch.Tensor, rows: tor
         ValueError: if shapes or dtypes disagree, ``G`` does not divide ``H_Q``, a row position is outside
             ``[0, t)``, or the chunk ids are out of range.
     """
-    B, HQ, n, d = queries.shape
-    if keys.dim() != 4 or keys.shape[0] != B or keys.shape[3] != d:
-        raise ValueError(f"keys of shape {tuple(keys.shape)} do not match queries {tuple(queries.shape)} "
-                         "(expected (B, G, t, d))")
-    G, t = keys.shape[1], keys.shape[2]
-    if HQ % G:
-        raise ValueError(f"num_kv_heads={G} must divide num_heads={HQ}")
-    if queries.dtype != keys.dtype:
-        raise ValueError(f"queries dtype {queries.dtype} differs from keys dtype {keys.dtype}")
-    if queries.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype {queries.dtype} is not supported (float32, bfloat16, float16)")
+    B, HQ, n, d, G, t = check_query_key_args(queries, keys)
     if rows.shape != (n,):
         raise ValueError(f"rows has shape {tuple(rows.shape)}, expected ({n},)")
     check_chunk_ids(ids, t, num_chunks)
