@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from evaluation.registry import capabilities
-from presses.attention_bias import AttentionBias, clear_attention_bias
+from presses.attention_bias import AttentionBias, clear_attention_bias, select_bias_rows
 
 logger = logging.getLogger("evaluation.replay")
 
@@ -172,8 +172,9 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
 
     The batched form of ``KVPressTextGenerationPipeline.generate_answer`` (question forward at positions
     ``context_length ...``, then greedy decoding until EOS or ``max_new_tokens``), one row per cache; a
-    row's answer stops at its first EOS after the first token (the pipeline never tests the first one).
-    One cache is decoded by the pipeline's own method. Rows of a batch see no padding (or padding that
+    row's answer stops at its first EOS after the first token (the pipeline never tests the first one), and a
+    row that stops leaves the batch (its cache rows and decode-time bias rows are dropped), so a batch costs
+    the tokens its rows generate, not ``max_new_tokens`` per row. One cache is decoded by the pipeline's own method. Rows of a batch see no padding (or padding that
     :func:`pad_to_common_lengths` masked to zero attention), so each row computes what it would alone, up
     to floating-point rounding of batched matrix products.
 
@@ -197,24 +198,27 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
                                 device=model.device).unsqueeze(0).expand(n, -1)
     outputs = model(input_ids=question_ids.expand(n, -1), past_key_values=cache, position_ids=position_ids,
                     logits_to_keep=1)
-    position_ids = position_ids[:, -1:] + 1
-    generated = [outputs.logits[:, -1].argmax(-1)]
+    position = context_length + question_ids.shape[1]
     stop = model.generation_config.eos_token_id
     stop = torch.tensor(stop if isinstance(stop, list) else [stop], device=model.device)
-    done = torch.zeros_like(generated[0], dtype=torch.bool)  # as generate_answer: the first token is never a stop
+    tokens = [[int(t)] for t in outputs.logits[:, -1].argmax(-1)]  # the first token is never a stop
+    active = torch.arange(n, device=model.device)  # rows still decoding; finished rows leave the batch
+    last = outputs.logits[:, -1].argmax(-1)
     for i in range(max_new_tokens - 1):
-        if bool(done.all()):
-            break
-        outputs = model(input_ids=generated[-1].unsqueeze(1), past_key_values=cache, position_ids=position_ids + i)
-        generated.append(outputs.logits[:, -1].argmax(-1))
-        done = done | torch.isin(generated[-1], stop)
-    tokens = torch.stack(generated, dim=1)  # (n, steps)
-    answers = []
-    for row in tokens:
-        hits = torch.isin(row[1:], stop).nonzero()
-        end = int(hits[0]) + 2 if len(hits) else len(row)
-        answers.append(str(pipe.tokenizer.decode(row[:end], skip_special_tokens=True)))
-    return answers
+        outputs = model(input_ids=last.unsqueeze(1), past_key_values=cache,
+                        position_ids=torch.full((len(active), 1), position + i, device=model.device))
+        last = outputs.logits[:, -1].argmax(-1)
+        for row, token in zip(active.tolist(), last.tolist()):
+            tokens[row].append(token)
+        going = ~torch.isin(last, stop)
+        if not bool(going.all()):
+            if not bool(going.any()):
+                break
+            keep = going.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            select_bias_rows(model, keep)
+            active, last = active[keep], last[keep]
+    return [str(pipe.tokenizer.decode(row, skip_special_tokens=True)) for row in tokens]
 
 
 def pad_to_common_lengths(caches: list, states_per_run: list) -> tuple[list, list]:

@@ -31,7 +31,7 @@ import torch
 from presses.kernels import biased_decode_attention, use_triton
 
 __all__ = ["AttentionBias", "bias_mask", "decode_bias", "grouped_sdpa", "install_bias_attention",
-           "clear_attention_bias", "take_biases", "install_biases", "SUPPORTED_ATTENTION"]
+           "clear_attention_bias", "take_biases", "install_biases", "select_bias_rows", "SUPPORTED_ATTENTION"]
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -277,3 +277,20 @@ def install_biases(model, states_per_run: list) -> None:
             raise ValueError(f"layer {i}: runs decoded in one batch need attention biases of equal padded length "
                              f"(present={present}, lengths={[s.prefix_len if s else None for s in layer_states]})")
         layer.self_attn._attention_bias = AttentionBias(torch.cat([s.bias for s in layer_states], dim=0))
+
+
+def select_bias_rows(model, index: torch.Tensor) -> None:
+    """Keep only the batch rows ``index`` of the biases on ``model``'s attention modules.
+
+    The companion of ``DynamicCache.batch_select_indices`` when a decode batch drops the rows that finished
+    (:func:`evaluation.replay.generate_answers`): row ``k`` of each layer's bias follows row ``index[k]`` of
+    the cache. Layers without a bias are left alone.
+
+    Args:
+        model: the causal LM.
+        index: ``(B',)`` long, the batch rows to keep, in their new order.
+    """
+    for layer in _decoder_layers(model):
+        state = getattr(layer.self_attn, "_attention_bias", None)
+        if state is not None:
+            layer.self_attn._attention_bias = AttentionBias(state.bias.index_select(0, index.to(state.bias.device)))

@@ -334,6 +334,59 @@ def test_batched_decode_never_stops_at_the_first_token(tiny):
     assert len(alone[0]) > 1  # the snapkv row went on past its first token, the EOS
 
 
+def test_rows_that_stop_leave_the_batch_and_the_others_decode_as_alone(tiny):
+    """A row that reaches its stop token leaves the batch (cache rows and SNIS bias rows dropped); the rows
+    still decoding, padded and corrected, give what each gives alone, to their own stop or to the limit."""
+    from kvpress import KVPressTextGenerationPipeline
+
+    from evaluation.registry import export_decode_state
+    from presses.attention_bias import clear_attention_bias
+
+    model, tok = tiny
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
+    ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    question = torch.randint(4, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    presses = [instantiate(composed(f"press={p}", "compression_ratio=0.5").press)
+               for p in ("snis_min", "snapkv", "page_entrokv", "snis_h2o_h", "tova")]
+    eos = model.generation_config.eos_token_id
+
+    def replayed():
+        caches, states = [], []
+        for press in presses:
+            caches.append(replay.replay_prefill(model, press, capture))
+            states.append(export_decode_state(press, model))
+            clear_attention_bias(model)
+        return replay.pad_to_common_lengths(caches, states)
+
+    def decode(rows, max_new):
+        caches, states = replayed()
+        out = []
+        for group in rows:
+            install_biases(model, [states[k] for k in group])
+            try:
+                out += replay.generate_answers(pipe, question, [caches[k] for k in group], 300, max_new)
+            finally:
+                clear_attention_bias(model)
+        return out
+
+    with torch.inference_mode():
+        with replay.PrefillCapture(model) as capture:
+            model.model(input_ids=ids, past_key_values=DynamicCache())
+        model.generation_config.eos_token_id = 0  # never generated (the tokenizer's pad id): full-length rows
+        try:
+            free = decode([[k] for k in range(len(presses))], 12)
+            # the stop token: a character one row generates early and another row does not generate at all
+            stop = next(c for c in free[0][1:6] if c not in free[1])
+            model.generation_config.eos_token_id = tok.convert_tokens_to_ids(stop)
+            alone = decode([[k] for k in range(len(presses))], 12)
+            batched = decode([list(range(len(presses)))], 12)
+        finally:
+            model.generation_config.eos_token_id = eos
+    assert batched == alone
+    stopped = [a != f for a, f in zip(alone, free)]  # a row that never met the stop token ran to the limit
+    assert any(stopped) and not all(stopped)
+
+
 def test_pad_to_common_lengths_masks_only_the_padding(tiny):
     """Caches of different per-layer lengths are padded at their end to the longest; the padded slots get a
     -inf bias, real slots keep the run's SNIS bias (or 0); equal lengths come back untouched."""
