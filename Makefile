@@ -52,7 +52,7 @@ entroprefill-bench: install  # EntroPrefill vs full prefill on keyfacts (the com
 # (docs/methods.md, RULER); P003_EXTRA passes any other Hydra override too (e.g. device=cuda:0).
 # Resumable; SHARD=i/n runs one share (e.g. make paper003-grid SHARD=0/2 & make paper003-grid SHARD=1/2).
 P003_TASKS ?= [niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe]
-P003_SNIS = snis_min,snis_min_uncorrected,snis_min_tau2,snis_min_h,snis_min_h_uncorrected,snis_min_h_tau2,snis_h2o,snis_h2o_uncorrected,snis_h2o_tau2,snis_h2o_h,snis_h2o_h_uncorrected,snis_h2o_h_tau2
+P003_SNIS = snis_min,snis_min_uncorrected,snis_min_tau2,snis_min_h,snis_min_h_uncorrected,snis_min_h_tau2,snis_h2o,snis_h2o_uncorrected,snis_h2o_tau2,snis_h2o_h,snis_h2o_h_uncorrected,snis_h2o_h_tau2,snis_min_page,snis_min_h_page
 P003_EXTRA ?=
 P003_ARGS = model=$(MODEL) dataset=ruler_paper003 "dataset.context_lengths=[2048]" "dataset.tasks=$(P003_TASKS)" output_dir=$(RESULTS) $(if $(SHARD),shard=$(SHARD)) $(P003_EXTRA)
 paper003-grid: install       # -> results/ruler_paper003/; then make report claims
