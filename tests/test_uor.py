@@ -308,3 +308,29 @@ def test_capture_needs_eager(tiny_llama):
     model = tiny_llama(num_heads=4, num_kv_heads=2, num_layers=1, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="eager"):
         capture(model, torch.randint(3, 128, (1, 40)), {}, window_size=8)
+
+
+def test_slot_mass_from_records_and_pooled_rows():
+    """Fig. 6's table: pooled mass summed by in-page slot over the kept full pages (a partial last page and
+    pages not kept do not count), normalised; protected pages are left out of the unprotected share."""
+    from evaluation.uor.study import Capture, slot_mass_rows
+
+    L, G, r, B, T = 2, 2, 2, 4, 18  # 4 full pages and a partial one
+    rows = torch.full((L, G * r, T), 1.0)
+    rows[..., 0::B] = 5.0   # slot 0 of every page carries more
+    rows[..., 1] = 20.0     # slot 1 of page 0, the protected page: only in the share over all kept pages
+    rows[..., 16:] = 100.0  # the partial page: never counted
+    rows = rows / rows.sum(-1, keepdim=True)
+    records = [{"layer_idx": layer, "T": T, "page_size": B, "protected_pages": torch.tensor([0]),
+                "kept_pages": torch.tensor([[0, 2, 4], [1, 3, 4]])} for layer in range(L)]
+    cap = Capture(scores={"snapkv": rows}, full_cache=None, caches={}, records={"page_entrokv": records},
+                  cache_lengths={})
+    out = slot_mass_rows([cap], G, n_sink=1, alpha=2.0, tau=0.5)
+    assert [x["slot"] for x in out] == [0, 1, 2, 3]
+    # every head has the same row, so the pooled row is that row (the scale cancels in the shares); kept full
+    # pages per layer: 0, 2 (group 0) and 1, 3 (group 1), slot sums 5 + 20 + 1 + 1 on page 0, 5 + 1 + 1 + 1 on others
+    assert [x["share_kept"] for x in out] == pytest.approx([20 / 51, 23 / 51, 4 / 51, 4 / 51])
+    assert [x["share_unprotected"] for x in out] == pytest.approx([5 / 8, 1 / 8, 1 / 8, 1 / 8])
+    assert out[0]["pages_kept"] == L * 4 and out[0]["pages_unprotected"] == L * 3  # page 0 of group 0 protected
+    assert sum(x["share_kept"] for x in out) == pytest.approx(1.0) and out[0]["uniform"] == 0.25
+    assert slot_mass_rows([Capture({"snapkv": rows}, None, {}, {}, {})], G, 1, 2.0, 0.5) == []
