@@ -260,19 +260,24 @@ def per_task_table(runs: list[Run], key=lambda r: r.get("task")) -> list[dict]:
     return out
 
 
-def win_table(runs: list[Run]) -> list[dict]:
+def win_table(runs: list[Run], provisional: bool = False) -> list[dict]:
     """Win score of each press per ratio (paper 003 section 7), on examples all presses at that ratio scored.
 
-    Runs of the ``no_press`` baseline and incomplete runs are left out; a ratio with fewer than two presses is
-    skipped.
+    Runs of the ``no_press`` baseline are left out; a ratio with fewer than two presses is skipped.
+
+    Args:
+        runs: the runs of one dataset and model.
+        provisional: ``False``: complete runs only (the table the report, the plots and the claims ledger
+            read). ``True``: only the ratios where some run is incomplete, every run with rows counted, on
+            the examples all of them hold so far (a sweep in progress; ``n_examples`` says how many).
     """
     by_ratio: dict[float, list[Run]] = defaultdict(list)
     for run in runs:
-        if run.press != BASELINE and run.rows and run.complete:
+        if run.press != BASELINE and run.rows and (run.complete or provisional):
             by_ratio[run.ratio].append(run)
     out = []
     for ratio, group in sorted(by_ratio.items()):
-        if len(group) < 2:
+        if len(group) < 2 or (provisional and all(run.complete for run in group)):
             continue
         scored = {run.press: {r["id"]: (r.get("task") or run.dataset, float(r["score"])) for r in run.rows}
                   for run in group}
@@ -537,6 +542,9 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
                  "per_task": w.text(f"tables/{stem}__per_task.csv", _csv(tasks))}
         if wins:
             links["win"] = w.text(f"tables/{stem}__win.csv", _csv(wins))
+        provisional = win_table(group, provisional=True)
+        if provisional:
+            links["win_provisional"] = w.text(f"tables/{stem}__win_provisional.csv", _csv(provisional))
         for label, table in breakdowns.items():
             links[f"by_{label}"] = w.text(f"tables/{stem}__by_{label}.csv", _csv(table))
         ranges = length_range_table(group)
@@ -579,6 +587,17 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
                    _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), "",
                    f"Table: [{links['win']}]({links['win']})"
                    + (f" · plot:\n\n![win score vs ratio]({plots['win']})" if "win" in plots else ""), ""]
+        if provisional:
+            hdr, rows = _pivot(provisional, lambda r: r["press"], lambda r: r["ratio"],
+                               lambda r: f"{r['win_score']:.3f}", row_order=[p for p in presses if p != BASELINE],
+                               col_order=sorted({r["ratio"] for r in provisional}))
+            n = {r["ratio"]: r["n_examples"] for r in provisional}
+            md += ["### Win score so far (incomplete runs, provisional)", "",
+                   "As above, at the ratios where some run is still incomplete, on the examples every run at the "
+                   "ratio holds so far (" + ", ".join(f"cr {x:g}: n = {n[x]}" for x in sorted(n)) + "). These "
+                   "change as the runs finish; no other table or the claims ledger reads them.", "",
+                   _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), "",
+                   f"Table: [{links['win_provisional']}]({links['win_provisional']})", ""]
         labels = [_label(p, x) for p in presses for x in ratios
                   if any(r["press"] == p and r["ratio"] == x for r in summary)]
         hdr, rows = _pivot(tasks, lambda r: _label(r["press"], r["ratio"]), lambda r: r["group"],

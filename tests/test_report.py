@@ -92,12 +92,19 @@ def test_summary_intervals_averages_and_win_score(results, tmp_path):
     # at 0.25 streaming_llm is incomplete (shard 1 missing): knorm alone is left, no win score
     assert not any(float(r["ratio"]) == 0.25 for r in wins)
     assert not any(r["press"] == "no_press" for r in wins)
+    # ... except in the provisional table, on a1, the one example both hold: knorm 1 beats streaming_llm 0
+    provisional = _csv(out / "tables" / "ruler__tiny__win_provisional.csv")
+    assert {float(r["ratio"]) for r in provisional} == {0.25}  # ratios whose runs are all complete stay out
+    assert _cell(provisional, "knorm", 0.25, "win_score") == 1.0
+    assert _cell(provisional, "streaming_llm", 0.25, "win_score") == 0.0
+    assert _cell(provisional, "knorm", 0.25, "n_examples") == 1
     per_task = _csv(out / "tables" / "ruler__tiny__per_task.csv")
     assert _cell([r for r in per_task if r["group"] == "B"], "knorm", 0.5, "score") == pytest.approx(0.5)
 
     text = readme.read_text()
     assert readme == out / "README.md"
     assert "python -m evaluation.run dataset=ruler press=knorm compression_ratio=0.5" in text
+    assert "### Win score so far (incomplete runs, provisional)" in text and "cr 0.25: n = 1" in text
     assert "shards [1] of 2 missing" in text and "never edit by hand" in text
     for name in ("score", "win", "tasks"):
         png = out / "plots" / f"ruler__tiny__{name}.png"
