@@ -4,7 +4,8 @@ A run is one (model, dataset, press, compression ratio[, shard]); its directory 
 ``<output_dir>/<dataset>[-qa]/<model>/<press>/cr<ratio>[/shard_i_of_n]/`` (``-qa``: the question inside the
 compressed context, ``query_aware=true``; the two protocols never share a directory) and holds
 ``predictions.jsonl`` (one row per example, appended and fsynced as each finishes), ``config.yaml`` (the resolved
-config) and ``metrics.json`` (written last, atomically). A run whose ``metrics.json`` exists is skipped; an
+config), ``commands.txt`` (the commands that wrote rows, :func:`note_command`) and ``metrics.json`` (written last,
+atomically). A run whose ``metrics.json`` exists is skipped; an
 interrupted run resumes after its last complete row, only with the settings saved in its ``config.yaml``.
 
 One process at a time writes a run directory: :func:`claim_runs` holds a file lock (``.run.lock``, the
@@ -126,6 +127,19 @@ def read_predictions(path: Path) -> list[dict]:
     if torn:
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
+
+
+#: A run directory's log of the commands that wrote its rows, for the report while the run is unfinished (a
+#: finished run's ``metrics.json`` holds its command).
+COMMANDS_NAME = "commands.txt"
+
+
+def note_command(out: Path, command: str) -> None:
+    """Add ``command`` (one line) to ``out``'s :data:`COMMANDS_NAME` unless it is there already; atomic."""
+    path = out / COMMANDS_NAME
+    seen = path.read_text().splitlines() if path.exists() else []
+    if command not in seen:
+        write_atomic(path, "".join(line + "\n" for line in [*seen, command]))
 
 
 def append_row(path: Path, row: dict) -> None:
@@ -328,7 +342,7 @@ def _claim(cfg: DictConfig, names: dict[str, str], made: list[Path]):
             lock.release()
             return out, None, metrics
         if overwrite:
-            for name in ("predictions.jsonl", "metrics.json"):
+            for name in ("predictions.jsonl", "metrics.json", COMMANDS_NAME):
                 (out / name).unlink(missing_ok=True)
         write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))  # before any row
         return out, lock, None
@@ -368,7 +382,7 @@ def claim_runs(runs: list[tuple[DictConfig, dict[str, str]]]):
     except BaseException:
         for path in reversed(made):  # nothing left behind by a run that never wrote a row
             if path.is_dir() and not _has_rows(path) and not (path / "metrics.json").exists():
-                for name in (LOCK_NAME, "config.yaml"):
+                for name in (LOCK_NAME, "config.yaml", COMMANDS_NAME):
                     (path / name).unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     path.rmdir()  # only when empty

@@ -232,6 +232,8 @@ def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared
             if done is not None:  # finished by another process meanwhile
                 metrics[run.index] = done
         runs = [run for run in runs if run.index not in metrics]
+        for run in runs:
+            harness.note_command(run.out, command)
         if runs:
             _run_examples(runs, examples, tokens, pipe, dataset, model, tokenizer, first, shared_prefill,
                           batch_decode, pad_decode)

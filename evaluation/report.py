@@ -44,7 +44,8 @@ from pathlib import Path
 
 from evaluation.harness import QA_SUFFIX
 from evaluation.metrics import score_interval, win_scores
-from evaluation.harness import config_changes, row_effective_compression, run_in_progress, write_atomic
+from evaluation.harness import (COMMANDS_NAME, config_changes, row_effective_compression, run_in_progress,
+                                write_atomic)
 
 logger = logging.getLogger("evaluation.report")
 
@@ -126,10 +127,14 @@ def scan(results_dir: Path) -> list[Run]:
                     run.rows.append(row)
             metrics = _read_json(piece / "metrics.json")
             where = piece.relative_to(directory.parent) if piece != directory else "run"
-            if run_in_progress(piece):  # its rows and metrics.json may change while we read them
-                run.problems.append(f"{where} is in progress (another process is writing it)")
-            elif metrics is None:
-                run.problems.append(f"{where} has no metrics.json (unfinished)")
+            busy = run_in_progress(piece)  # its rows and metrics.json may change while we read them
+            if busy or metrics is None:
+                run.problems.append(f"{where} is in progress (another process is writing it)" if busy
+                                    else f"{where} has no metrics.json (unfinished)")
+                log = piece / COMMANDS_NAME  # the commands that wrote its rows so far
+                for command in (log.read_text(encoding="utf-8").splitlines() if log.exists() else []):
+                    if command and command not in run.commands:
+                        run.commands.append(command)
             elif metrics.get("command") and metrics["command"] not in run.commands:
                 run.commands.append(metrics["command"])
         shards = [s for s, _ in pieces if s is not None]
@@ -630,7 +635,7 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
                                                  for r in bad] + [""]
         commands = sorted({c for r in group for c in r.commands})
         md += ["### Commands", "", "The runs above were produced by:", "", "```"]
-        md += commands or ["(no metrics.json recorded a command)"]
+        md += commands or ["(no run recorded a command)"]
         md += ["```", ""]
     readme = Path(w.text("README.md", "\n".join(md).rstrip() + "\n"))
     w.prune()

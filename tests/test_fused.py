@@ -174,7 +174,11 @@ def test_fused_predictions_equal_separate_runs_and_resume(tiny, tmp_path):
     (out / "metrics.json").unlink()
     harness.write_atomic(out / "predictions.jsonl", json.dumps(rows[0]) + "\n")
     before = (tmp_path / "fused/needle/smollm2-135m/snapkv/cr0.5/predictions.jsonl").read_text()
-    fused.run_fused(runs, "test")
+    fused.run_fused(runs, "test resumed")
+    # every command that wrote rows of the unfinished run is logged; finished runs are not touched again
+    assert (out / harness.COMMANDS_NAME).read_text().splitlines() == ["test", "test resumed"]
+    snap = tmp_path / "fused/needle/smollm2-135m/snapkv/cr0.5"
+    assert (snap / harness.COMMANDS_NAME).read_text().splitlines() == ["test"]
     again = harness.read_predictions(out / "predictions.jsonl")
     assert [r["id"] for r in again] == [r["id"] for r in rows]
     assert again[1]["prediction"] == rows[1]["prediction"]

@@ -39,7 +39,9 @@ def results(tmp_path):
     _write_run(root, "knorm", "0.5", [("a1", "A", 1), ("a2", "A", 1), ("b1", "B", 0.5)])
     _write_run(root, "streaming_llm", "0.5", [("a1", "A", 0), ("a2", "A", 0), ("b1", "B", 1)])
     _write_run(root, "knorm", "0.25", [("a1", "A", 1), ("a2", "A", 1), ("b1", "B", 1)])
-    _write_run(root, "streaming_llm", "0.25", [("a1", "A", 0)], shard="shard_0_of_2")  # shard 1 never ran
+    _write_run(root, "streaming_llm", "0.25", [("a1", "A", 0)], shard="shard_0_of_2", finished=False)  # shard 1 never ran
+    (root / "ruler" / "tiny" / "streaming_llm" / "cr0.25" / "shard_0_of_2" / "commands.txt").write_text(
+        "python -m evaluation.fused dataset=ruler shard=0/2\n")  # the unfinished shard's command log
     (root / ".hydra" / "x").mkdir(parents=True)
     (root / ".hydra" / "x" / "predictions.jsonl").write_text('{"id": "zz", "task": "A", "score": 1}\n')
     return root
@@ -62,7 +64,8 @@ def test_scan_merges_shards_and_flags_missing(results):
     assert sorted(r["id"] for r in snap.rows) == ["a1", "a2", "b1"] and snap.complete
     assert len(snap.commands) == 1 and "press=snapkv" in snap.commands[0]
     stream = runs[("streaming_llm", 0.25)]
-    assert not stream.complete and "shards [1] of 2 missing" in stream.problems[0]
+    assert not stream.complete and "shards [1] of 2 missing" in stream.problems[-1]
+    assert stream.commands == ["python -m evaluation.fused dataset=ruler shard=0/2"]  # from its command log
 
 
 def test_summary_intervals_averages_and_win_score(results, tmp_path):
