@@ -23,6 +23,7 @@ Global memory holds only the ``(B, H_Q, t)`` output and ``O(B H_Q n)`` row stati
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -132,6 +133,59 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+@dataclass(frozen=True)
+class RowLaunch:
+    """Host-side launch settings of the observer-row kernels (this module's row statistics and
+    :mod:`presses.kernels.row_masses`), from :func:`row_launch`.
+
+    Attributes:
+        qk_scale: the logit scale times ``log2 e`` (the kernels work in base 2).
+        bd: the head-dimension tile size.
+        ieee: float32 inputs multiply in IEEE precision (no TF32).
+        upcast: bfloat16 tiles are upcast before ``tl.dot`` (the Triton interpreter, which runs the kernels off
+            CUDA, multiplies them as raw uint16; the upcast is exact).
+        num_warps: warps per program.
+        n_kblocks, chunk, num_splits: key tiles up to the last visible key, keys per split, and the number of
+            splits of the row-statistics pass.
+    """
+
+    qk_scale: float
+    bd: int
+    ieee: bool
+    upcast: bool
+    num_warps: int
+    n_kblocks: int
+    chunk: int
+    num_splits: int
+
+
+def row_launch(queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, scaling: float | None, bn: int,
+               num_splits: int | None, programs: int) -> RowLaunch:
+    """The launch settings of an observer-row kernel over ``queries`` ``(B, H_Q, n, d)`` and ``keys``.
+
+    Args:
+        rows: ``(n,)`` the rows' absolute positions (keys after the last one are never visible).
+        scaling: logit scale, default ``d ** -0.5``.
+        bn: the key tile size (the caller's, or its kernel's default).
+        num_splits: the caller's override (``None``: by device; the interpreter uses one split).
+        programs: the programs per key split besides the splits themselves (row blocks x batch x groups x ...),
+            against which the splits fill about four waves of the GPU's multiprocessors.
+    """
+    d = queries.shape[-1]
+    interpreting = not keys.is_cuda
+    bd = max(16, triton.next_power_of_2(d))
+    n_kblocks = triton.cdiv(int(rows.max()) + 1, bn)
+    if num_splits is None and interpreting:
+        num_splits = 1
+    if num_splits is None:
+        num_splits = max(1, min(n_kblocks, 4 * _num_sms(keys.device) // max(1, programs)))
+    chunk = triton.cdiv(n_kblocks, num_splits) * bn
+    return RowLaunch(qk_scale=(d ** -0.5 if scaling is None else float(scaling)) * _LOG2E, bd=bd,
+                     ieee=queries.dtype == torch.float32,
+                     upcast=interpreting and queries.dtype == torch.bfloat16, num_warps=4 if bd <= 64 else 8,
+                     n_kblocks=n_kblocks, chunk=chunk, num_splits=triton.cdiv(n_kblocks * bn, chunk))
+
+
 def check_query_key_args(queries: torch.Tensor, keys: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     """The shapes of observer queries ``(B, H_Q, n, d)`` against a GQA key cache ``(B, G, t, d)``, checked for the
     row-scoring kernels (this module's and :mod:`presses.kernels.row_masses`).
@@ -200,26 +254,12 @@ def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: t
         if row_weights.shape != (n,):
             raise ValueError(f"row_weights has shape {tuple(row_weights.shape)}, expected ({n},)")
         row_weights = row_weights.to(device=keys.device, dtype=torch.float32).contiguous()
-    scaling = d ** -0.5 if scaling is None else float(scaling)
-    qk_scale = scaling * _LOG2E
-    interpreting = not keys.is_cuda
-    bm, bn = block_m or _BLOCK_M, block_n or _BLOCK_N
-    bd = max(16, triton.next_power_of_2(d))
-    ieee = queries.dtype == torch.float32
-    # the Triton interpreter multiplies bfloat16 tiles as raw uint16: upcast there (exact) instead
-    upcast = interpreting and queries.dtype == torch.bfloat16
-    num_warps = 4 if bd <= 64 else 8
-
     # pass 1: per-row softmax statistics, split over key chunks
+    bm, bn = block_m or _BLOCK_M, block_n or _BLOCK_N
     n_mblocks = triton.cdiv(R * n, bm)
-    n_kblocks = triton.cdiv(int(rows.max()) + 1, bn)  # keys after the last row are never visible
-    if num_splits is None and interpreting:
-        num_splits = 1
-    if num_splits is None:
-        want = 4 * _num_sms(keys.device)
-        num_splits = max(1, min(n_kblocks, want // max(1, n_mblocks * B * G)))
-    chunk = triton.cdiv(n_kblocks, num_splits) * bn
-    num_splits = triton.cdiv(n_kblocks * bn, chunk)
+    launch = row_launch(queries, keys, rows, scaling, bn, num_splits, n_mblocks * B * G)
+    qk_scale, bd, ieee, upcast, num_warps = launch.qk_scale, launch.bd, launch.ieee, launch.upcast, launch.num_warps
+    n_kblocks, chunk, num_splits = launch.n_kblocks, launch.chunk, launch.num_splits
     m_part = torch.empty(B * HQ * n, num_splits, device=keys.device, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
     _row_stats_kernel[(n_mblocks * num_splits, B * G)](

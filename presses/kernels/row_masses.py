@@ -24,10 +24,9 @@ import triton.language as tl
 
 from presses.core.row_masses import check_chunk_ids
 from presses.kernels.attention_columns import (
-    _LOG2E,
     _column_kernel,
-    _num_sms,
     check_query_key_args,
+    row_launch,
 )
 from presses.kernels.tiles import key_tile_scores, load_group_rows, online_softmax_step
 
@@ -126,27 +125,13 @@ def row_chunk_masses_triton(queries: torch.Tensor, keys: torch.Tensor, rows: tor
         raise ValueError(f"row positions must lie in [0, t={t}), got [{int(rows.min())}, {int(rows.max())}]")
     rows = rows.to(device=keys.device, dtype=torch.int32).contiguous()
     ids = ids.to(device=keys.device, dtype=torch.int32).contiguous()
-    scaling = d ** -0.5 if scaling is None else float(scaling)
-    qk_scale = scaling * _LOG2E
-    interpreting = not keys.is_cuda
     bm, bn = block_m or _BLOCK_M, block_n or _BLOCK_N
-    bd = max(16, triton.next_power_of_2(d))
     bk = min(_MAX_BLOCK_K, max(16, triton.next_power_of_2(max(1, num_chunks))))
     n_cblocks = triton.cdiv(max(1, num_chunks), bk)
-    ieee = queries.dtype == torch.float32
-    # the Triton interpreter multiplies bfloat16 tiles as raw uint16: upcast there (exact) instead
-    upcast = interpreting and queries.dtype == torch.bfloat16
-    num_warps = 4 if bd <= 64 else 8
-
     n_mblocks = triton.cdiv(R * n, bm)
-    n_kblocks = triton.cdiv(int(rows.max()) + 1, bn)  # keys after the last row are never visible
-    if num_splits is None and interpreting:
-        num_splits = 1
-    if num_splits is None:
-        want = 4 * _num_sms(keys.device)
-        num_splits = max(1, min(n_kblocks, want // max(1, n_mblocks * B * G * n_cblocks)))
-    chunk = triton.cdiv(n_kblocks, num_splits) * bn
-    num_splits = triton.cdiv(n_kblocks * bn, chunk)
+    launch = row_launch(queries, keys, rows, scaling, bn, num_splits, n_mblocks * B * G * n_cblocks)
+    qk_scale, bd, ieee, upcast, num_warps = launch.qk_scale, launch.bd, launch.ieee, launch.upcast, launch.num_warps
+    n_kblocks, chunk, num_splits = launch.n_kblocks, launch.chunk, launch.num_splits
     m_part = torch.empty(B * HQ * n, num_splits, device=keys.device, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
     c_part = torch.empty(B * HQ * n, num_splits, max(1, num_chunks), device=keys.device, dtype=torch.float32)
