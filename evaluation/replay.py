@@ -174,9 +174,10 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     ``context_length ...``, then greedy decoding until EOS or ``max_new_tokens``), one row per cache; a
     row's answer stops at its first EOS after the first token (the pipeline never tests the first one), and a
     row that stops leaves the batch (its cache rows and decode-time bias rows are dropped), so a batch costs
-    the tokens its rows generate, not ``max_new_tokens`` per row. One cache is decoded by the pipeline's own method. Rows of a batch see no padding (or padding that
-    :func:`pad_to_common_lengths` masked to zero attention), so each row computes what it would alone, up
-    to floating-point rounding of batched matrix products.
+    the tokens its rows generate, not ``max_new_tokens`` per row. One cache is decoded by the pipeline's own
+    method. Rows of a batch see no padding (or padding that :func:`pad_to_common_lengths` masked to zero
+    attention), so each row computes what it would alone, up to floating-point rounding of batched matrix
+    products.
 
     Raises:
         ValueError: if the caches' per-layer lengths differ.
@@ -201,9 +202,9 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     position = context_length + question_ids.shape[1]
     stop = model.generation_config.eos_token_id
     stop = torch.tensor(stop if isinstance(stop, list) else [stop], device=model.device)
-    tokens = [[int(t)] for t in outputs.logits[:, -1].argmax(-1)]  # the first token is never a stop
-    active = torch.arange(n, device=model.device)  # rows still decoding; finished rows leave the batch
     last = outputs.logits[:, -1].argmax(-1)
+    tokens = [[token] for token in last.tolist()]  # the first token is never a stop
+    active = torch.arange(n, device=model.device)  # rows still decoding; finished rows leave the batch
     for i in range(max_new_tokens - 1):
         outputs = model(input_ids=last.unsqueeze(1), past_key_values=cache,
                         position_ids=torch.full((len(active), 1), position + i, device=model.device))

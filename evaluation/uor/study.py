@@ -91,6 +91,7 @@ PAPER = {
               float("inf"): (0.641, 0.624, 4.260)},
     "census": {"sink": 152, "retrieval": 47, "contextual": 809, "w_sink": (0.303, 0.116), "w_ctx": (0.144, 0.176),
                "ratio": (2.10, 0.66)},
+    "fig6": "slot 0 about 0.144, secondary peaks at slots 8 and 10",
     "table6": "pooled-selection criterion: mean pooling 0.0%, Page-EntroKV 100.0% at T = 959..2499; strict: "
               "uncompressed 1.00 at every depth",
 }
@@ -853,7 +854,7 @@ def write_report(out: Path, cfg, info, t4, acc, tau_rows, tau_check, alpha_rows,
                   f"{slots[0]['uniform']:.4f}), over {slots[0]['pages_kept']} kept page frames (all) and "
                   f"{slots[0]['pages_unprotected']} unprotected ones (not the sink or window pages). Largest "
                   "unprotected shares: " + ", ".join(f"slot {x['slot']} {x['share_unprotected']:.4f}" for x in top)
-                  + ". Paper (Qwen2.5-1.5B pilot, r = 6): slot 0 about 0.144, secondary peaks at slots 8 and 10.", "",
+                  + f". Paper (Qwen2.5-1.5B pilot, r = 6): {PAPER['fig6']}.", "",
                   md_table(slots, ["slot", "share_kept", "share_unprotected", "uniform"], 4), ""]
     # Table 5
     tau_md = [{**x, "paper max_w / std": "" if x["tau"] not in PAPER["tau"] else
