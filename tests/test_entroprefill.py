@@ -266,47 +266,51 @@ def test_row_attention_matches_observer_attention(tiny_llama):
 # ------------------------------------------------------------------------------------------
 
 
+def _causal(n):
+    return torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)[None, None]
+
+
+def forward_pruned(model, ids, layer, R, cache, trim_cache):
+    """Run layers 0..layer on the full prompt, then the rest on R only (original positions), into ``cache``;
+    with ``trim_cache`` the early layers' entries are cut to R at the switch. Returns the last prefill logits."""
+    lm = model.model
+    T = ids.shape[1]
+    h = lm.embed_tokens(ids)
+    pos = torch.arange(T)[None]
+    cos, sin = lm.rotary_emb(h, pos)
+    mask = _causal(T)
+    for i, blk in enumerate(lm.layers):
+        if i == layer + 1:
+            h, pos, cos, sin, mask = h[:, R], pos[:, R], cos[:, R], sin[:, R], _causal(len(R))
+            for j in range(layer + 1 if trim_cache else 0):
+                cache.layers[j].keys = cache.layers[j].keys[:, :, R]
+                cache.layers[j].values = cache.layers[j].values[:, :, R]
+        h = blk(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                cache_position=torch.arange(h.shape[1]), position_embeddings=(cos, sin))
+    return model.lm_head(lm.norm(h))[0, -1]
+
+
+def decode_steps(model, cache, T, decode_ids):
+    """Logits of greedy-free decode steps feeding ``decode_ids`` at positions T, T+1, ... (a list)."""
+    return [model(input_ids=torch.tensor([[tok]]), past_key_values=cache,
+                  position_ids=torch.tensor([[T + s]])).logits[0, -1] for s, tok in enumerate(decode_ids)]
+
+
 def reference_pruned(model, ids, layer, R, decode_ids):
     """Run layers 0..layer on the full prompt, then the rest on R only (original positions);
     return the last prefill logits and the logits of greedy-free decode steps at T, T+1, ..."""
-    lm = model.model
-    T = ids.shape[1]
     cache = DynamicCache()
-
-    def causal(n):
-        return torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)[None, None]
-
     with torch.no_grad():
-        h = lm.embed_tokens(ids)
-        pos = torch.arange(T)[None]
-        cos, sin = lm.rotary_emb(h, pos)
-        mask = causal(T)
-        for i, blk in enumerate(lm.layers):
-            if i == layer + 1:
-                h, pos, cos, sin, mask = h[:, R], pos[:, R], cos[:, R], sin[:, R], causal(len(R))
-                for j in range(layer + 1):
-                    cache.layers[j].keys = cache.layers[j].keys[:, :, R]
-                    cache.layers[j].values = cache.layers[j].values[:, :, R]
-            h = blk(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                    cache_position=torch.arange(h.shape[1]), position_embeddings=(cos, sin))
-        logits = [model.lm_head(lm.norm(h))[0, -1]]
-        for s, tok in enumerate(decode_ids):
-            out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, position_ids=torch.tensor([[T + s]]))
-            logits.append(out.logits[0, -1])
-    return torch.stack(logits), cache
+        first = forward_pruned(model, ids, layer, R, cache, trim_cache=True)
+        return torch.stack([first, *decode_steps(model, cache, ids.shape[1], decode_ids)]), cache
 
 
 def run_press(model, ids, press, decode_ids):
     cache = DynamicCache()
-    T = ids.shape[1]
     with torch.no_grad():
         with press(model):
             out = model(input_ids=ids, past_key_values=cache)
-        logits = [out.logits[0, -1]]
-        for s, tok in enumerate(decode_ids):
-            o = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, position_ids=torch.tensor([[T + s]]))
-            logits.append(o.logits[0, -1])
-    return torch.stack(logits), cache
+        return torch.stack([out.logits[0, -1], *decode_steps(model, cache, ids.shape[1], decode_ids)]), cache
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

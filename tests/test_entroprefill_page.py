@@ -15,7 +15,7 @@ from presses.page_entrokv import PageEntroKVPress
 from presses.probabilistic import ProbabilisticEvictionPress
 
 from conftest import make_tiny_llama
-from test_entroprefill import TOK, prompt, run_press
+from test_entroprefill import TOK, decode_steps, forward_pruned, prompt, run_press
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -32,7 +32,6 @@ def pruned_then_paged(model, ids, layer, R, policy, decode_ids):
     """Reference: layers 0..layer on the full prompt, the rest on R (original positions), then ``policy.compress``
     on every layer's pruned cache, fed the layer's attention input at R; then decode from position T."""
     lm = model.model
-    T = ids.shape[1]
     cache = DynamicCache()
     inputs = {}
 
@@ -40,23 +39,12 @@ def pruned_then_paged(model, ids, layer, R, policy, decode_ids):
         inputs[module.layer_idx] = (kwargs["hidden_states"], kwargs["position_embeddings"])
 
     handles = [blk.self_attn.register_forward_pre_hook(capture, with_kwargs=True) for blk in lm.layers]
-
-    def causal(n):
-        return torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)[None, None]
-
     with torch.no_grad():
-        h = lm.embed_tokens(ids)
-        pos = torch.arange(T)[None]
-        cos, sin = lm.rotary_emb(h, pos)
-        mask = causal(T)
-        for i, blk in enumerate(lm.layers):
-            if i == layer + 1:
-                h, pos, cos, sin, mask = h[:, R], pos[:, R], cos[:, R], sin[:, R], causal(len(R))
-            h = blk(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                    cache_position=torch.arange(h.shape[1]), position_embeddings=(cos, sin))
-        for handle in handles:
-            handle.remove()
-        logits = [model.lm_head(lm.norm(h))[0, -1]]
+        try:
+            first = forward_pruned(model, ids, layer, R, cache, trim_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
         for i, blk in enumerate(lm.layers):
             hs, (c, s) = inputs[i]
             keys, values = cache.layers[i].keys, cache.layers[i].values
@@ -64,10 +52,7 @@ def pruned_then_paged(model, ids, layer, R, policy, decode_ids):
                 hs, c, s, keys, values = hs[:, R], c[:, R], s[:, R], keys[:, :, R], values[:, :, R]
             cache.layers[i].keys, cache.layers[i].values = policy.compress(
                 blk.self_attn, hs, keys, values, None, {"position_embeddings": (c, s)})
-        for step, tok in enumerate(decode_ids):
-            out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, position_ids=torch.tensor([[T + step]]))
-            logits.append(out.logits[0, -1])
-    return torch.stack(logits), cache
+        return torch.stack([first, *decode_steps(model, cache, ids.shape[1], decode_ids)]), cache
 
 
 @pytest.fixture(scope="module")
