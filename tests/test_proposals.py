@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-from kvpress import BasePress, KnormPress, SnapKVPress, TOVAPress
-from transformers import DynamicCache
+from kvpress import KnormPress, SnapKVPress, TOVAPress
 
 from presses.core.columns import column_sums
 from presses.probabilistic.proposals import (
@@ -19,28 +18,12 @@ from presses.probabilistic.proposals import (
 )
 
 
-class _Capture(BasePress):
-    """Records what kvpress passes to ``compress`` for every layer (no compression)."""
-
-    def __init__(self):
-        self.calls = {}
-
-    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        self.calls[module.layer_idx] = (module, hidden_states, keys, values, attentions, kwargs)
-        return keys, values
-
-
 @pytest.fixture(scope="module")
 def captured():
     """Layer-0 inputs of a tiny eager GQA Llama (H_Q=6, G=2) with its full attention matrices."""
-    from conftest import make_tiny_llama
+    from conftest import capture_layer0
 
-    model = make_tiny_llama(num_heads=6, num_kv_heads=2, num_layers=1, hidden=96, attn_implementation="eager")
-    ids = torch.randint(3, 120, (2, 23), generator=torch.Generator().manual_seed(0))
-    cap = _Capture()
-    with torch.no_grad(), cap(model):
-        model.model(input_ids=ids, past_key_values=DynamicCache(), output_attentions=True)
-    return cap.calls[0]
+    return capture_layer0(23, output_attentions=True)
 
 
 def _naive_column_sums(attn, weights=None):

@@ -14,7 +14,6 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from kvpress import (
-    BasePress,
     CriticalKVPress,
     ExpectedAttentionPress,
     KnormPress,
@@ -56,28 +55,12 @@ NAMES = list(scorers())
 NON_NEGATIVE = {"snapkv", "tova", "expected_attention", "streaming_llm", "observed_attention"}  # "sum" applies
 
 
-class _Capture(BasePress):
-    """Records what kvpress passes to ``compress`` for every layer (no compression)."""
-
-    def __init__(self):
-        self.calls = {}
-
-    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        self.calls[module.layer_idx] = (module, hidden_states, keys, values, attentions, kwargs)
-        return keys, values
-
-
 @pytest.fixture(scope="module")
 def captured():
     """Layer-0 inputs of a tiny eager GQA Llama (H_Q=6, G=2, batch 2) with its attention weights."""
-    from conftest import make_tiny_llama
+    from conftest import capture_layer0
 
-    model = make_tiny_llama(num_heads=6, num_kv_heads=2, num_layers=1, hidden=96, attn_implementation="eager")
-    ids = torch.randint(3, 120, (2, 31), generator=torch.Generator().manual_seed(0))
-    cap = _Capture()
-    with torch.no_grad(), cap(model):
-        model.model(input_ids=ids, past_key_values=DynamicCache())
-    return cap.calls[0]
+    return capture_layer0(31)
 
 
 def _model(tiny_llama, name, layers=2):
