@@ -184,6 +184,21 @@ def test_hydra_config_nests_the_page_policy():
     assert press.page_policy.page_size == 8 and press.epsilon == 0.35  # EntroPrefill's defaults are inherited
 
 
+def test_hydra_page_policy_is_page_entrokvs_config_and_swaps_by_group():
+    """The nested policy is press/page_entrokv.yaml itself (its tuned defaults, not a copy), and a user swaps it for
+    another press config with ``press@press.page_policy=<name>``."""
+    from hydra.utils import instantiate
+
+    from evaluation.harness import compose_config
+
+    alone = compose_config(["press=page_entrokv", "compression_ratio=0.3"]).press
+    nested = compose_config(["press=entroprefill_page", "compression_ratio=0.3"]).press.page_policy
+    assert nested == alone
+    cfg = compose_config(["press=entroprefill_page", "compression_ratio=0.3", "press@press.page_policy=snapkv"])
+    press = instantiate(cfg.press)
+    assert isinstance(press.page_policy, SnapKVPress) and press.page_policy.compression_ratio == 0.3
+
+
 def test_a_page_policy_class_or_a_ratio_string_is_refused_by_name():
     from presses import EntroPrefillPress, PageEntroKVPress
 
