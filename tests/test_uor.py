@@ -313,7 +313,7 @@ def test_capture_needs_eager(tiny_llama):
 def test_slot_mass_from_records_and_pooled_rows():
     """Fig. 6's table: pooled mass summed by in-page slot over the kept full pages (a partial last page and
     pages not kept do not count), normalised; protected pages are left out of the unprotected share."""
-    from evaluation.uor.study import Capture, slot_mass_rows
+    from evaluation.uor.study import Capture, pooled_rows, slot_mass_rows
 
     L, G, r, B, T = 2, 2, 2, 4, 18  # 4 full pages and a partial one
     rows = torch.full((L, G * r, T), 1.0)
@@ -325,7 +325,7 @@ def test_slot_mass_from_records_and_pooled_rows():
                 "kept_pages": torch.tensor([[0, 2, 4], [1, 3, 4]])} for layer in range(L)]
     cap = Capture(scores={"snapkv": rows}, full_cache=None, caches={}, records={"page_entrokv": records},
                   cache_lengths={})
-    out = slot_mass_rows([cap], G, n_sink=1, alpha=2.0, tau=0.5)
+    out = slot_mass_rows([cap], pooled_rows([cap], G, n_sink=1, alpha=2.0, tau=0.5))
     assert [x["slot"] for x in out] == [0, 1, 2, 3]
     # every head has the same row, so the pooled row is that row (the scale cancels in the shares); kept full
     # pages per layer: 0, 2 (group 0) and 1, 3 (group 1), slot sums 5 + 20 + 1 + 1 on page 0, 5 + 1 + 1 + 1 on others
@@ -333,4 +333,5 @@ def test_slot_mass_from_records_and_pooled_rows():
     assert [x["share_unprotected"] for x in out] == pytest.approx([5 / 8, 1 / 8, 1 / 8, 1 / 8])
     assert out[0]["pages_kept"] == L * 4 and out[0]["pages_unprotected"] == L * 3  # page 0 of group 0 protected
     assert sum(x["share_kept"] for x in out) == pytest.approx(1.0) and out[0]["uniform"] == 0.25
-    assert slot_mass_rows([Capture({"snapkv": rows}, None, {}, {}, {})], G, 1, 2.0, 0.5) == []
+    bare = Capture({"snapkv": rows}, None, {}, {}, {})
+    assert slot_mass_rows([bare], pooled_rows([bare], G, 1, 2.0, 0.5)) == []

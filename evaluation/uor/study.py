@@ -306,17 +306,31 @@ def build_prompts(cfg: DictConfig, pipe, tokenizer) -> tuple[list[Prompt], objec
 # Analyses (pure functions of the captured data)
 # ------------------------------------------------------------------------------------------------------
 
-def replay_tables(prompts: list[Prompt], caps: list[Capture], cfg: DictConfig, G: int, r: int):
-    """Table 4: per-cell rows and summary rows for every scorer and ``k/T``, plus the pooled rows."""
+def pooled_rows(caps: list[Capture], G: int, n_sink: int, alpha: float, tau: float) -> list[torch.Tensor]:
+    """The pooled group rows ``p_g`` of every prompt, computed once for Table 4 and Fig. 6.
+
+    Args:
+        caps: the prefills' captures; each holds ``scores["snapkv"]``, ``(L, H_Q, T)``.
+        G: KV groups; n_sink, alpha, tau: the press's pooling settings (paper 000 section 3; docs/methods.md §1).
+
+    Returns:
+        One ``(L, G, T)`` tensor per capture: sink-isolated Rényi-entropy pooling of its ``snapkv`` rows
+        (:func:`presses.core.pooling.pooled_group_scores`).
+    """
+    return [pooled_group_scores(cap.scores["snapkv"], G, n_sink, alpha, tau, "entropy")[0] for cap in caps]
+
+
+def replay_tables(prompts: list[Prompt], caps: list[Capture], cfg: DictConfig, G: int, r: int,
+                  pooled: list[torch.Tensor]):
+    """Table 4: per-cell rows and summary rows for every scorer and ``k/T``, plus the pooled rows (``pooled``:
+    :func:`pooled_rows` of ``caps``)."""
     cells, summary = [], []
-    pc = cfg.presses.page_entrokv
     for scorer in [*cfg.replay.scorers, "page_entrokv_pooled"]:
         for k in cfg.replay.k_over_t:
             outs = []
-            for p, cap in zip(prompts, caps):
+            for p, cap, rows in zip(prompts, caps, pooled):
                 if scorer == "page_entrokv_pooled":
-                    pooled, _ = pooled_group_scores(cap.scores["snapkv"], G, pc.n_sink, pc.alpha, pc.tau, "entropy")
-                    out = pooled_replay(pooled, r, float(k))
+                    out = pooled_replay(rows, r, float(k))
                 else:
                     out = head_independent_replay(cap.scores[scorer], G, float(k))
                 outs.append(out)
@@ -356,7 +370,7 @@ def replay_tables(prompts: list[Prompt], caps: list[Capture], cfg: DictConfig, G
     return cells, summary
 
 
-def slot_mass_rows(caps: list[Capture], G: int, n_sink: int, alpha: float, tau: float) -> list[dict]:
+def slot_mass_rows(caps: list[Capture], pooled: list[torch.Tensor]) -> list[dict]:
     """Paper 000 Fig. 6: where the pooled score mass sits inside the pages the press kept.
 
     For every prompt, layer and group, the pooled row ``p_g`` (sink-isolated entropy pooling of the ``snapkv``
@@ -366,7 +380,7 @@ def slot_mass_rows(caps: list[Capture], G: int, n_sink: int, alpha: float, tau: 
 
     Args:
         caps: the prefills' captures, with ``records["page_entrokv"]`` (``record=True``).
-        G: KV groups; n_sink, alpha, tau: the pooling's settings (the press's own).
+        pooled: :func:`pooled_rows` of ``caps`` with the press's own pooling settings, ``(L, G, T)`` each.
 
     Returns:
         One row per slot: ``slot``, ``share_kept`` (all kept full pages), ``share_unprotected`` (kept pages
@@ -374,15 +388,13 @@ def slot_mass_rows(caps: list[Capture], G: int, n_sink: int, alpha: float, tau: 
         each share (``pages_kept``, ``pages_unprotected``). Empty without records.
     """
     sums, pages_used, B = {}, {"kept": 0, "unprotected": 0}, None
-    for cap in caps:
+    for cap, rows in zip(caps, pooled):
         recs = [x for x in cap.records.get("page_entrokv", []) if x.get("kept_pages") is not None]
-        if not recs:
-            continue
-        pooled, _ = pooled_group_scores(cap.scores["snapkv"], G, n_sink, alpha, tau, "entropy")  # (L, G, T)
         for rec in recs:
             B, n_full = int(rec["page_size"]), int(rec["T"]) // int(rec["page_size"])
             protected = set() if rec["protected_pages"] is None else set(rec["protected_pages"].tolist())
-            frames = pooled[rec["layer_idx"], :, :n_full * B].double().view(G, n_full, B)
+            G = rows.shape[1]
+            frames = rows[rec["layer_idx"], :, :n_full * B].double().view(G, n_full, B)
             for g in range(G):
                 kept = [p for p in rec["kept_pages"][g].tolist() if p < n_full]
                 for key, chosen in (("kept", kept), ("unprotected", [p for p in kept if p not in protected])):
@@ -724,14 +736,15 @@ def run(cfg: DictConfig) -> dict:
                     int(p.context_ids.shape[1]), t_prefill, time.perf_counter() - t1)
 
     # --- Table 4, Fig. 4 ---
-    cells, t4 = replay_tables(prompts, caps, cfg, G, r)
+    pc = cfg.presses.page_entrokv
+    pooled = pooled_rows(caps, G, int(pc.n_sink), float(pc.alpha), float(pc.tau))
+    cells, t4 = replay_tables(prompts, caps, cfg, G, r, pooled)
     write_csv(out / "cells.csv", cells)
     write_csv(out / "table4.csv", t4)
     plot_fig4(cells, r, out / "fig4_uor_vs_jbar.png", [float(k) for k in cfg.replay.k_over_t])
     acc = accounting_table(prompts, caps, cfg, head_dim, G, r)
     write_csv(out / "page_accounting.csv", acc)
-    pc = cfg.presses.page_entrokv
-    slots = slot_mass_rows(caps, G, int(pc.n_sink), float(pc.alpha), float(pc.tau))
+    slots = slot_mass_rows(caps, pooled)
     write_csv(out / "slot_mass.csv", slots)
     # --- Table 5 ---
     tau_rows, tau_check, alpha_rows, card = ablation_tables(prompts, caps, cfg, G)
