@@ -727,7 +727,9 @@ def _snis(press: str) -> bool:
 
 @derived
 def snis_vs_baselines(root: Path, file: str, baselines: list[str], column: str = "score"):
-    """Per ratio, the best probabilistic-eviction press against the best kvpress baseline."""
+    """Per ratio, the best probabilistic-eviction press against the best kvpress baseline (a sweep still
+    running counts as missing)."""
+    _require_complete(root, file)
     df = _read_csv(root, file)
     vals, ok = [], True
     for ratio, sub in sorted(df.groupby("ratio")):
@@ -796,10 +798,23 @@ def win_rising(root: Path, file: str):
             Value("mean win", f"{float(lo[common].mean()):.3f} -> {float(hi[common].mean()):.3f}")], share > 0.5
 
 
+def _require_complete(root: Path, file: str) -> None:
+    """Raise :class:`Missing` when the report table ``file`` (``<dataset>__<model>__<kind>.csv``) comes from a
+    sweep still running: its ``__summary.csv`` marks a run incomplete, and numbers over part of the examples are
+    not the claim's."""
+    summary = file.rsplit("__", 1)[0] + "__summary.csv"
+    if (root / summary).exists():
+        runs = _read_csv(root, summary)
+        if "complete" in runs and not runs.complete.astype(str).eq("True").all():
+            raise Missing(f"{file}: the sweep is incomplete ({summary} marks unfinished runs)")
+
+
 @derived
 def task_rank(root: Path, file: str, press: str, tasks: dict, ratio: float | None = None):
     """Rank of ``press`` on each named task (1 = best; ties share the best rank), and whether it matches the
-    paper's ``first`` / ``last`` / ``top3``."""
+    paper's ``first`` / ``last`` / ``top3``. A per-task table of a sweep still running (its ``__summary.csv``
+    marks a run incomplete) counts as missing: ranks over a part of the tasks' examples are not the claim's."""
+    _require_complete(root, file)
     df = _read_csv(root, file)
     df = df[df.ratio > 0]
     if ratio is not None:

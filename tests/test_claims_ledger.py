@@ -173,3 +173,20 @@ def test_ledger_without_any_artifact_does_not_crash(tmp_path, claims):
     for cid in measured_only:
         row = next(line for line in text.splitlines() if line.startswith(f"| {cid} |"))
         assert "not measured yet" in row
+
+
+def test_a_sweep_still_running_counts_as_missing(tmp_path):
+    """Per-task ranks and SNIS-vs-baseline numbers are read only from a complete sweep: while a run of the
+    table's sweep is incomplete the pointer is missing (a fallback stands in), and once complete it is read."""
+    tables = tmp_path / "results" / "tables"
+    tables.mkdir(parents=True)
+    (tables / "d__m__per_task.csv").write_text(
+        "dataset,model,press,ratio,group,n,score\n"
+        "d,m,knorm,0.5,cwe,10,0.1\nd,m,tova,0.5,cwe,10,0.3\nd,m,snis_min_h,0.5,cwe,10,0.2\n")
+    summary = "dataset,model,press,ratio,n,score,complete\nd,m,knorm,0.5,10,0.1,{}\nd,m,tova,0.5,10,0.3,True\n"
+    (tables / "d__m__summary.csv").write_text(summary.format("False"))
+    with pytest.raises(L.Missing, match="incomplete"):
+        L.task_rank(tmp_path, "results/tables/d__m__per_task.csv", "knorm", {"cwe": "last"})
+    (tables / "d__m__summary.csv").write_text(summary.format("True"))
+    vals, ok = L.task_rank(tmp_path, "results/tables/d__m__per_task.csv", "knorm", {"cwe": "last"})
+    assert ok and "rank 3 of 3" in vals[0].text
