@@ -151,9 +151,22 @@ def _path(root: Path, rel: str) -> Path:
 
 
 def _read_csv(root: Path, rel: str):
+    """A committed CSV as a DataFrame.
+
+    Raises:
+        Missing: the file is absent, or it is a report table (``results/tables/<dataset>__<model>__<kind>.csv``)
+            of a sweep still running: its ``__summary.csv`` marks a run incomplete, and numbers over part of the
+            examples are not the claim's (a fallback stands in until the sweep is complete).
+    """
     import pandas as pd  # noqa: PLC0415
 
-    return pd.read_csv(_path(root, rel))
+    df = pd.read_csv(_path(root, rel))
+    if rel.startswith("results/tables/") and rel.count("__") == 2:
+        summary = rel.rsplit("__", 1)[0] + "__summary.csv"
+        runs = df if summary == rel else pd.read_csv(root / summary) if (root / summary).exists() else df
+        if "complete" in runs and not runs.complete.astype(str).eq("True").all():
+            raise Missing(f"{rel}: the sweep is incomplete ({summary} marks unfinished runs)")
+    return df
 
 
 def _read_json(root: Path, rel: str):
@@ -727,9 +740,7 @@ def _snis(press: str) -> bool:
 
 @derived
 def snis_vs_baselines(root: Path, file: str, baselines: list[str], column: str = "score"):
-    """Per ratio, the best probabilistic-eviction press against the best kvpress baseline (a sweep still
-    running counts as missing)."""
-    _require_complete(root, file)
+    """Per ratio, the best probabilistic-eviction press against the best kvpress baseline."""
     df = _read_csv(root, file)
     vals, ok = [], True
     for ratio, sub in sorted(df.groupby("ratio")):
@@ -798,23 +809,10 @@ def win_rising(root: Path, file: str):
             Value("mean win", f"{float(lo[common].mean()):.3f} -> {float(hi[common].mean()):.3f}")], share > 0.5
 
 
-def _require_complete(root: Path, file: str) -> None:
-    """Raise :class:`Missing` when the report table ``file`` (``<dataset>__<model>__<kind>.csv``) comes from a
-    sweep still running: its ``__summary.csv`` marks a run incomplete, and numbers over part of the examples are
-    not the claim's."""
-    summary = file.rsplit("__", 1)[0] + "__summary.csv"
-    if (root / summary).exists():
-        runs = _read_csv(root, summary)
-        if "complete" in runs and not runs.complete.astype(str).eq("True").all():
-            raise Missing(f"{file}: the sweep is incomplete ({summary} marks unfinished runs)")
-
-
 @derived
 def task_rank(root: Path, file: str, press: str, tasks: dict, ratio: float | None = None):
     """Rank of ``press`` on each named task (1 = best; ties share the best rank), and whether it matches the
-    paper's ``first`` / ``last`` / ``top3``. A per-task table of a sweep still running (its ``__summary.csv``
-    marks a run incomplete) counts as missing: ranks over a part of the tasks' examples are not the claim's."""
-    _require_complete(root, file)
+    paper's ``first`` / ``last`` / ``top3``."""
     df = _read_csv(root, file)
     df = df[df.ratio > 0]
     if ratio is not None:

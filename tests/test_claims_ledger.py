@@ -187,6 +187,8 @@ def test_a_sweep_still_running_counts_as_missing(tmp_path):
     (tables / "d__m__summary.csv").write_text(summary.format("False"))
     with pytest.raises(L.Missing, match="incomplete"):
         L.task_rank(tmp_path, "results/tables/d__m__per_task.csv", "knorm", {"cwe": "last"})
+    with pytest.raises(L.Missing, match="incomplete"):  # the summary itself, as a csv pointer reads it
+        L._read_csv(tmp_path, "results/tables/d__m__summary.csv")
     (tables / "d__m__summary.csv").write_text(summary.format("True"))
     vals, ok = L.task_rank(tmp_path, "results/tables/d__m__per_task.csv", "knorm", {"cwe": "last"})
     assert ok and "rank 3 of 3" in vals[0].text
