@@ -389,11 +389,10 @@ def slot_mass_rows(caps: list[Capture], pooled: list[torch.Tensor]) -> list[dict
     """
     sums, pages_used, B = {}, {"kept": 0, "unprotected": 0}, None
     for cap, rows in zip(caps, pooled):
-        recs = [x for x in cap.records.get("page_entrokv", []) if x.get("kept_pages") is not None]
-        for rec in recs:
+        G = rows.shape[1]
+        for rec in (x for x in cap.records.get("page_entrokv", []) if x.get("kept_pages") is not None):
             B, n_full = int(rec["page_size"]), int(rec["T"]) // int(rec["page_size"])
             protected = set() if rec["protected_pages"] is None else set(rec["protected_pages"].tolist())
-            G = rows.shape[1]
             frames = rows[rec["layer_idx"], :, :n_full * B].double().view(G, n_full, B)
             for g in range(G):
                 kept = [p for p in rec["kept_pages"][g].tolist() if p < n_full]
