@@ -91,8 +91,12 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def scan(results_dir: Path) -> list[Run]:
+def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
     """All runs below ``results_dir`` (hidden directories such as ``.hydra`` are skipped).
+
+    Args:
+        results_dir: the directory holding ``<dataset>/<model>/<press>/cr<ratio>/``.
+        dataset: read only ``results_dir/<dataset>/`` (``None``: every dataset).
 
     Raises:
         FileNotFoundError: ``results_dir`` does not exist.
@@ -101,7 +105,8 @@ def scan(results_dir: Path) -> list[Run]:
     if not results_dir.is_dir():
         raise FileNotFoundError(f"results directory {results_dir} does not exist")
     parts: dict[Path, list[tuple[tuple[int, int] | None, Path]]] = defaultdict(list)
-    for pred in sorted(results_dir.rglob("predictions.jsonl")):
+    below = results_dir / dataset if dataset is not None else results_dir
+    for pred in sorted(below.rglob("predictions.jsonl")):
         rel = pred.relative_to(results_dir).parts
         if any(p.startswith(".") for p in rel):
             continue

@@ -738,19 +738,50 @@ def _snis(press: str) -> bool:
     return press.startswith("snis_")
 
 
+def _wins(root: Path, file: str, among: list[str] | None = None):
+    """The win-score table ``file`` (``results/tables/<dataset>__<model>__win.csv``) as a DataFrame.
+
+    A win score ranks every press against the others in its table, so it depends on which presses the table
+    holds. With ``among``, the scores are recomputed among those presses only (paper 003 ranks its 9 methods;
+    our grid holds their uncorrected, tau-2 and page-unit twins too), from the complete runs under
+    ``results/<dataset>/<model>/`` with the report's own ``win_table``.
+
+    Raises:
+        Missing: the table is absent or its sweep incomplete (:func:`_read_csv`), or a press of ``among`` has no
+            complete run at some ratio of the table.
+    """
+    import pandas as pd  # noqa: PLC0415
+
+    from evaluation.report import scan, win_table  # noqa: PLC0415
+
+    df = _read_csv(root, file)
+    if not among:
+        return df
+    dataset, model, _ = Path(file).name.split("__")
+    runs = [r for r in scan(root / "results", dataset) if r.model == model and r.press in among and r.complete]
+    out = pd.DataFrame(win_table(runs))
+    for ratio in sorted(df.ratio.unique()):
+        have = set(out[out.ratio == ratio].press) if not out.empty else set()
+        if set(among) - have:
+            raise Missing(f"{file}: no complete run of {sorted(set(among) - have)} at cr {ratio:g}")
+    return out
+
+
 @derived
-def snis_vs_baselines(root: Path, file: str, baselines: list[str], column: str = "score"):
-    """Per ratio, the best probabilistic-eviction press against the best kvpress baseline."""
+def snis_vs_baselines(root: Path, file: str, baselines: list[str], column: str = "score",
+                      ours: list[str] | None = None):
+    """Per ratio, the best probabilistic-eviction press (every ``snis_*`` row, or only ``ours``) against the best
+    kvpress baseline."""
     df = _read_csv(root, file)
     vals, ok = [], True
     for ratio, sub in sorted(df.groupby("ratio")):
         if ratio == 0:
             continue
-        ours = sub[sub.press.map(_snis)]
+        ours_rows = sub[sub.press.isin(ours)] if ours else sub[sub.press.map(_snis)]
         base = sub[sub.press.isin(baselines)]
-        if ours.empty or base.empty:
+        if ours_rows.empty or base.empty:
             continue
-        o, b = ours.loc[ours[column].idxmax()], base.loc[base[column].idxmax()]
+        o, b = ours_rows.loc[ours_rows[column].idxmax()], base.loc[base[column].idxmax()]
         ok &= float(o[column]) >= float(b[column])
         vals.append(Value(f"cr {ratio:g}", f"{o.press} {float(o[column]):.3f} vs {b.press} {float(b[column]):.3f}",
                           float(o[column]) - float(b[column])))
@@ -760,9 +791,10 @@ def snis_vs_baselines(root: Path, file: str, baselines: list[str], column: str =
 
 
 @derived
-def win_rank(root: Path, file: str, press: str):
-    """Rank of ``press`` by win score at every ratio (1 = best)."""
-    df = _read_csv(root, file)
+def win_rank(root: Path, file: str, press: str, among: list[str] | None = None):
+    """Rank of ``press`` by win score at every ratio (1 = best); ``among``: scores among those presses only
+    (:func:`_wins`)."""
+    df = _wins(root, file, among)
     vals, ok = [], True
     for ratio, sub in sorted(df.groupby("ratio")):
         if press not in set(sub.press):
@@ -776,9 +808,10 @@ def win_rank(root: Path, file: str, press: str):
 
 
 @derived
-def snis_best_rank(root: Path, file: str, press: str):
-    """Rank of ``press`` among the probabilistic-eviction presses by win score, at every ratio."""
-    df = _read_csv(root, file)
+def snis_best_rank(root: Path, file: str, press: str, among: list[str] | None = None):
+    """Rank of ``press`` among the probabilistic-eviction presses by win score, at every ratio; ``among``: win
+    scores among those presses only (:func:`_wins`), ranked among their ``snis_*`` members."""
+    df = _wins(root, file, among)
     df = df[df.press.map(_snis)]
     vals, ok = [], True
     for ratio, sub in sorted(df.groupby("ratio")):
@@ -794,9 +827,10 @@ def snis_best_rank(root: Path, file: str, press: str):
 
 
 @derived
-def win_rising(root: Path, file: str):
-    """Share of presses whose win score at the highest ratio is at least that at the lowest ratio."""
-    df = _read_csv(root, file)
+def win_rising(root: Path, file: str, among: list[str] | None = None):
+    """Share of presses whose win score at the highest ratio is at least that at the lowest ratio; ``among``:
+    scores among those presses only (:func:`_wins`)."""
+    df = _wins(root, file, among)
     ratios = sorted(df.ratio.unique())
     if len(ratios) < 2:
         raise Missing(f"{file}: one ratio only")

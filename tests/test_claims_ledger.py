@@ -192,3 +192,36 @@ def test_a_sweep_still_running_counts_as_missing(tmp_path):
     (tables / "d__m__summary.csv").write_text(summary.format("True"))
     vals, ok = L.task_rank(tmp_path, "results/tables/d__m__per_task.csv", "knorm", {"cwe": "last"})
     assert ok and "rank 3 of 3" in vals[0].text
+
+
+def test_win_scores_among_a_subset_are_recomputed_from_the_runs(tmp_path):
+    """Paper 003 ranks its own 9 methods; our grid holds more presses, and a win score depends on which presses
+    are ranked together. ``among`` recomputes the scores from the runs: here snis_x ranks 2nd of 3 in the full
+    table but 1st against A alone; a press of ``among`` without a run is missing, not skipped."""
+    import json
+
+    import pandas as pd
+
+    from evaluation.report import scan, win_table
+
+    scores = {"A": [1, 0, 0], "B": [1, 1, 1], "snis_x": [0, 1, 1]}
+    for press, values in scores.items():
+        run = tmp_path / "results" / "d" / "m" / press / "cr0.5"
+        run.mkdir(parents=True)
+        (run / "predictions.jsonl").write_text(
+            "".join(json.dumps({"id": f"e{i}", "task": "t", "score": v}) + "\n" for i, v in enumerate(values)))
+        (run / "metrics.json").write_text("{}")
+    tables = tmp_path / "results" / "tables"
+    tables.mkdir()
+    pd.DataFrame(win_table(scan(tmp_path / "results"))).to_csv(tables / "d__m__win.csv", index=False)
+    (tables / "d__m__summary.csv").write_text("press,ratio,complete\nA,0.5,True\nB,0.5,True\nsnis_x,0.5,True\n")
+    file = "results/tables/d__m__win.csv"
+    full, ok = L.win_rank(tmp_path, file, "snis_x")
+    assert not ok and full[0].number == 2 and "best: B" in full[0].text
+    sub, ok = L.win_rank(tmp_path, file, "snis_x", among=["A", "snis_x"])
+    assert ok and sub[0].number == 1 and sub[0].text.startswith("1 of 2")
+    with pytest.raises(L.Missing, match="C"):
+        L.win_rank(tmp_path, file, "snis_x", among=["A", "C", "snis_x"])
+    vals, ok = L.snis_vs_baselines(tmp_path, "results/tables/d__m__win.csv", ["A"], column="win_score",
+                                   ours=["snis_x"])
+    assert "snis_x" in vals[0].text and "vs A" in vals[0].text
