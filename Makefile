@@ -47,7 +47,8 @@ entroprefill-bench: install  # EntroPrefill vs full prefill on keyfacts (the com
 	$(PY) scripts/entroprefill_bench.py --model $(MODEL) --dataset keyfacts --lengths 2048 4096 8000 --n 40 --threads 1 --seed 0 --resume --out results/entroprefill/keyfacts$(if $(filter-out smollm2-135m,$(MODEL)),-$(MODEL))
 
 # Paper 003 section 7's grid: RULER 2k in kvpress's protocol, its baselines (H2O = observed_attention reads eager
-# weights, so it runs through evaluation.run) and the four proposals corrected (tau 1, 2) and uncorrected.
+# weights, so it gets its own sweep on an eager prefill) and the four proposals corrected (tau 1, 2) and
+# uncorrected, with pi_min and pi_min-h also over pages.
 # The 11 offline tasks; add qa_1 and qa_2 with P003_TASKS=[...,qa_1,qa_2] P003_EXTRA=dataset.qa_data_dir=<dir>
 # (docs/methods.md, RULER); P003_EXTRA passes any other Hydra override too (e.g. device=cuda:0).
 # Resumable; SHARD=i/n runs one share (e.g. make paper003-grid SHARD=0/2 & make paper003-grid SHARD=1/2).
@@ -57,7 +58,7 @@ P003_EXTRA ?=
 P003_ARGS = model=$(MODEL) dataset=ruler_paper003 "dataset.context_lengths=[2048]" "dataset.tasks=$(P003_TASKS)" output_dir=$(RESULTS) $(if $(SHARD),shard=$(SHARD)) $(P003_EXTRA)
 paper003-grid: install       # -> results/ruler_paper003/; then make report claims
 	$(PY) -m evaluation.fused $(P003_ARGS) "presses=[no_press,streaming_llm,snapkv,tova,knorm,$(P003_SNIS)]" "ratios=[0.25,0.5,0.75]"
-	$(PY) -m evaluation.run -m $(P003_ARGS) press=observed_attention compression_ratio=0.25,0.5,0.75
+	$(PY) -m evaluation.fused $(P003_ARGS) "presses=[observed_attention]" "ratios=[0.25,0.5,0.75]"
 
 bench-kernels: install       # Triton kernels vs references on a CUDA GPU -> results/kernels/
 	$(PY) scripts/bench_kernels.py

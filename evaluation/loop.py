@@ -42,6 +42,7 @@ from evaluation import guards, harness, inputs
 from evaluation.pipeline import TextGenerationPipeline
 from evaluation.registry import capabilities, export_decode_state
 from evaluation.replay import (
+    MAX_EAGER_CAPTURE_BYTES,
     PrefillCapture,
     check_shareable,
     generate_answers,
@@ -97,12 +98,15 @@ def _tokenise(pipe, tokenizer, ex) -> dict:
         return pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
 
 
-def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens) -> dict[str, dict]:
+def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens,
+                  eager_capture: bool = False) -> dict[str, dict]:
     """Every example against the model's positions and vocabulary and every press's limits, before any directory
     is made. Returns each example's :func:`_tokenise` output by example id (the loop reuses it).
 
     Raises:
-        ValueError: an example id that repeats, or what :mod:`evaluation.guards` raises.
+        ValueError: an example id that repeats; with ``eager_capture`` (a shared prefill on eager attention), an
+            example whose attention weights would exceed :data:`evaluation.replay.MAX_EAGER_CAPTURE_BYTES`; or
+            what :mod:`evaluation.guards` raises.
     """
     tokens = {}
     for ex in examples:
@@ -114,6 +118,13 @@ def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_n
         guards.check_model_input(model, T, n_question, max_new_tokens or ex.max_new_tokens or 32, ex.id, top)
         for run in runs:
             guards.check_press_input(run.press, model, T, multi_token_forward=True)  # the question forward follows
+        if eager_capture:  # a shared eager prefill records every layer's attention weights (evaluation.replay)
+            c = model.config.get_text_config()
+            need = 4 * c.num_hidden_layers * c.num_attention_heads * T * T
+            if need > MAX_EAGER_CAPTURE_BYTES:
+                raise ValueError(f"example {ex.id!r}: a shared eager prefill of {T} tokens would hold {need / 2**30:.1f} "
+                                 f"GiB of attention weights, above the limit of {MAX_EAGER_CAPTURE_BYTES / 2**30:.0f} "
+                                 "GiB: run the presses that need eager attention with python -m evaluation.run")
     return tokens
 
 
@@ -225,7 +236,7 @@ def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared
     guards.check_model(model, tokenizer)
     pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
     examples = harness.run_examples(first, dataset, tokenizer)
-    tokens = _check_inputs(examples, runs, pipe, model, tokenizer, first.max_new_tokens)
+    tokens = _check_inputs(examples, runs, pipe, model, tokenizer, first.max_new_tokens, shared_prefill and eager)
     with harness.claim_runs([cfgs[run.index] for run in runs]) as claimed:  # held until metrics.json
         for run, (out, done) in zip(runs, claimed):
             run.out = out

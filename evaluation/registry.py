@@ -38,10 +38,11 @@ __all__ = ["KVPRESS", "MOVED_TARGETS", "UNKNOWN", "capabilities", "inner_press",
 
 #: kvpress presses by class, most specific first. Scorer presses compress in their forward hooks after the
 #: attention output is computed, so one recorded uncompressed prefill can be replayed for them
-#: (``evaluation.fused``); ObservedAttention reads eager attention weights and PyramidKV keeps per-layer
-#: lengths that kvpress's question forward cannot follow, so neither shares one.
+#: (``evaluation.fused``). ObservedAttention (H2O) reads the eager attention weights its hook receives: a shared
+#: prefill run on eager attention records them and replays them exactly. PyramidKV keeps per-layer lengths that
+#: kvpress's question forward cannot follow, so it shares none.
 KVPRESS: tuple[tuple[type, Capabilities], ...] = (
-    (ObservedAttentionPress, Capabilities(shares_prefill=False, needs_eager=True)),
+    (ObservedAttentionPress, Capabilities(needs_eager=True)),
     (PyramidKVPress, Capabilities(shares_prefill=False)),
     (ScorerPress, Capabilities()),
 )

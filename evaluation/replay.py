@@ -11,7 +11,10 @@ values layer by layer (:func:`replay_prefill`). Which presses qualify is a capab
 predictions against separate runs. (The probabilistic-eviction presses are equal to float32 round-off, with the
 same kept entries: in a direct prefill their attention computes the proposal statistics
 (:mod:`presses.probabilistic.prefill_attention`), while a replay has only the recorded prefill and recomputes them.) The question may sit inside the compressed context (``query_aware``) or
-come after it: the replay does not care.
+come after it: the replay does not care. A press that reads attention weights (H2O-style; the
+capability ``needs_eager``) shares a prefill run on eager attention: the recorded attention
+output holds the weights its hook reads, so it too is rebuilt bit for bit, at a memory cost of the weights of
+every layer (``4 L H T^2`` bytes in float32; the sweep refuses more than :data:`MAX_EAGER_CAPTURE_BYTES`).
 
 Decoding: :func:`generate_answers` decodes caches of equal per-layer lengths as one batch (kvpress's greedy
 decode, batched); :func:`pad_to_common_lengths` pads the caches of one compression ratio to common lengths,
@@ -35,7 +38,11 @@ from presses.attention_bias import AttentionBias, clear_attention_bias, select_b
 
 logger = logging.getLogger("evaluation.replay")
 
-__all__ = ["PrefillCapture", "replay_prefill", "generate_answers", "pad_to_common_lengths", "round_robin_by_task"]
+#: The most memory a captured eager prefill's attention weights may take (float32 bytes, all layers): SmolLM2's
+#: 30 layers x 9 heads at 2k tokens take 4.5 GiB, at 4k 18 GiB.
+MAX_EAGER_CAPTURE_BYTES = 8 * 2**30
+
+__all__ = ["MAX_EAGER_CAPTURE_BYTES", "PrefillCapture", "replay_prefill", "generate_answers", "pad_to_common_lengths", "round_robin_by_task"]
 
 
 def check_shareable(press, name: str = "") -> None:
@@ -46,10 +53,10 @@ def check_shareable(press, name: str = "") -> None:
         ValueError: naming the press and what to use instead.
     """
     caps = capabilities(press)
-    if not caps.shares_prefill or caps.needs_eager:
+    if not caps.shares_prefill:
         raise ValueError(f"press {name or type(press).__name__} ({type(press).__name__}) cannot share a prefill "
-                         "(it changes the prefill, reads eager attention weights, or is not known to compress in "
-                         "its forward hooks only): run it with python -m evaluation.run")
+                         "(it changes the prefill, or is not known to compress in its forward hooks only): run it "
+                         "with python -m evaluation.run")
 
 
 def _language_model(model):
@@ -145,10 +152,13 @@ def replay_prefill(model, press, capture: PrefillCapture):
         The press's cache, as the pipeline's prefill would have left it.
 
     Raises:
-        ValueError: for a press that cannot share a prefill, or hooks outside the attention modules and
-            the language model.
+        ValueError: for a press that cannot share a prefill, a press that reads attention weights (H2O) on a
+            capture without them (not eager), or hooks outside the attention modules and the language model.
     """
     check_shareable(press)
+    if capabilities(press).needs_eager and any(layer[2][1] is None for layer in capture.layers):
+        raise ValueError(f"press {type(press).__name__} reads attention weights, and the captured prefill has none: "
+                         "run the shared prefill on eager attention (attn_implementation='eager')")
     lm = _language_model(model)
     cache = DynamicCache()
     clear_attention_bias(model)  # what the bias attention wrapper does at every new prefill

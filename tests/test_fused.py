@@ -17,7 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from transformers import DynamicCache
 
-from evaluation import fused, replay
+from evaluation import fused, loop, replay
 from presses.attention_bias import install_biases, take_biases
 from evaluation import harness
 from evaluation import run as entry
@@ -211,7 +211,7 @@ def test_fused_query_aware_equals_separate_runs_and_lives_apart(tiny, tmp_path):
     assert "query_aware: true" in config
 
 
-@pytest.mark.parametrize("press_name", ["entroprefill", "observed_attention"])
+@pytest.mark.parametrize("press_name", ["entroprefill", "pyramidkv"])
 def test_presses_that_change_the_prefill_are_rejected(tiny, tmp_path, press_name):
     runs = _runs(["snapkv", press_name], [0.5], tmp_path)
     with pytest.raises(ValueError, match=f"{press_name}.*cannot share a prefill"):
@@ -471,3 +471,61 @@ def test_shared_observers_compute_once_and_change_nothing(tiny, monkeypatch):
     assert len({tuple(k[0].shape) for k in alone}) > 1  # the presses keep different entries
     for a, b in zip(alone, shared):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture
+def tiny_eager(monkeypatch):
+    model = make_tiny_llama(num_heads=4, num_kv_heads=2, num_layers=3, hidden=64, attn_implementation="eager",
+                            seed=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(5.0)
+    tok = char_tokenizer()
+    monkeypatch.setattr(harness, "get_model", lambda *args, **kwargs: (model, tok))
+    return model, tok
+
+
+def test_h2o_replays_exactly_from_an_eager_capture(tiny_eager, tiny):
+    """H2O (ObservedAttentionPress) reads the attention weights its hook receives: a prefill captured on eager
+    attention holds them, so the replay rebuilds its cache bit for bit; a capture without them (sdpa) is refused."""
+    press = instantiate(composed("press=observed_attention", "compression_ratio=0.6").press)
+    ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(2))
+    for model, exact in ((tiny_eager[0], True), (tiny[0], False)):
+        with torch.inference_mode():
+            with replay.PrefillCapture(model) as capture:
+                model.model(input_ids=ids, past_key_values=DynamicCache())
+            if not exact:
+                with pytest.raises(ValueError, match="eager"):
+                    replay.replay_prefill(model, press, capture)
+                continue
+            direct = DynamicCache()
+            with press(model):
+                model.model(input_ids=ids, past_key_values=direct)
+            replayed = replay.replay_prefill(model, press, capture)
+        for i in range(3):
+            assert replayed.layers[i].keys.shape[2] == 120  # it did compress: 300 x (1 - 0.6)
+            assert torch.equal(replayed.layers[i].keys, direct.layers[i].keys)
+            assert torch.equal(replayed.layers[i].values, direct.layers[i].values)
+
+
+def test_fused_h2o_equals_separate_runs(tiny_eager, tmp_path, monkeypatch):
+    """The sweep runs H2O from one eager prefill per example with the predictions of separate pipeline runs, and
+    refuses an example whose captured attention weights would exceed the memory limit."""
+    ratios = [0.5, 0.75]
+    for cfg, names in _runs(["observed_attention"], ratios, tmp_path / "separate"):
+        entry.run(cfg, names)
+    fused.run_fused(_runs(["observed_attention", "snapkv"], ratios, tmp_path / "fused"), "test")
+    predictions = set()
+    for ratio in ratios:
+        sep, fus = _rows(tmp_path / "separate", "observed_attention", ratio), _rows(tmp_path / "fused",
+                                                                                    "observed_attention", ratio)
+        assert sorted(sep) == sorted(fus) and len(sep) == 2
+        for i in sep:
+            assert fus[i]["prediction"] == sep[i]["prediction"], (ratio, i)
+            assert fus[i]["effective_compression"] == pytest.approx(sep[i]["effective_compression"])
+            assert fus[i]["shared_prefill"] and fus[i]["effective_compression"] > 0.4
+            predictions.add(fus[i]["prediction"])
+    assert len(predictions) > 1
+    monkeypatch.setattr(loop, "MAX_EAGER_CAPTURE_BYTES", 1000)
+    with pytest.raises(ValueError, match="GiB of attention weights, above the limit"):
+        fused.run_fused(_runs(["observed_attention"], [0.6], tmp_path / "limit"), "test")
+    assert not (tmp_path / "limit").exists()  # refused before any run directory

@@ -36,7 +36,7 @@ def test_capabilities():
     assert capabilities(None).shares_prefill
     assert capabilities(KnormPress(0.5)).shares_prefill and not capabilities(KnormPress(0.5)).decode_state
     assert capabilities(ObservedAttentionPress(0.5)).needs_eager
-    assert not capabilities(ObservedAttentionPress(0.5)).shares_prefill
+    assert capabilities(ObservedAttentionPress(0.5)).shares_prefill  # on an eager capture (evaluation.replay)
     assert not capabilities(PyramidKVPress(0.5)).shares_prefill
     assert capabilities(PageEntroKVPress(0.5)).shares_prefill
     snis = capabilities(ProbabilisticEvictionPress(0.5))
