@@ -277,12 +277,13 @@ def test_attention_weight_scorer_needs_eager(tiny_llama, captured):
 # ---------------------------------------------------------------------------------- the press contract
 @pytest.mark.parametrize("name", NAMES)
 def test_capabilities_follow_the_scorer_as_the_registry_states_it(name):
-    """A scorer that reads attention weights makes the press need eager attention and stop sharing a prefill, as the
-    registry says of that scorer alone; every other scorer leaves the press's own capabilities."""
+    """A scorer that reads attention weights makes the press need eager attention, as the registry says of that
+    scorer alone, and stop sharing a prefill (the scorer alone replays from an eager capture; the press with it is
+    not tested to); every other scorer leaves the press's own capabilities."""
     scorer = scorers()[name]
     caps = capabilities(ProbabilisticEvictionPress(0.5, proposal=scorer))
     assert caps.decode_state and caps.needs_eager == capabilities(scorer).needs_eager
-    assert caps.shares_prefill == capabilities(scorer).shares_prefill
+    assert capabilities(scorer).shares_prefill
     assert caps.shares_prefill == (name != "observed_attention")
     if caps.needs_eager:
         with pytest.raises(ValueError, match="cannot share a prefill"):

@@ -142,7 +142,8 @@ class ProbabilisticEvictionPress(ResearchPress):
     def capabilities(self) -> Capabilities:
         """The press contract (:mod:`presses.base`): decode-time state always; with a scorer proposal that reads the
         layers' attention weights (:data:`presses.probabilistic.proposals.ATTENTION_WEIGHT_SCORERS`) also eager
-        attention, and then no shared prefill (as for that scorer alone, :mod:`evaluation.registry`)."""
+        attention, and then no shared prefill (the scorer alone replays from an eager capture, :mod:`evaluation.replay`;
+        this press with it is not tested to, so it runs through kvpress's pipeline)."""
         if needs_attention_weights(self.scorer):
             return Capabilities(shares_prefill=False, decode_state=True, needs_eager=True)
         return Capabilities(decode_state=True)
