@@ -36,15 +36,24 @@ RUN_PRESSES = ["no_press", "snapkv", "page_entrokv", "snis_min"]
 SETTINGS = ["n_samples=2", "dataset.context_length=512", "dataset.max_new_tokens=6", "dataset.depths=[0,50]"]
 
 
-@pytest.fixture
-def tiny(monkeypatch):
-    model = make_tiny_llama(num_heads=4, num_kv_heads=2, num_layers=3, hidden=64, attn_implementation="sdpa",
-                            seed=4)
+def _tiny(monkeypatch, attn_implementation: str):
+    model = make_tiny_llama(num_heads=4, num_kv_heads=2, num_layers=3, hidden=64,
+                            attn_implementation=attn_implementation, seed=4)
     with torch.no_grad():  # sharper logits: greedy answers then depend on what the cache kept
         model.lm_head.weight.mul_(5.0)
     tok = char_tokenizer()
     monkeypatch.setattr(harness, "get_model", lambda *args, **kwargs: (model, tok))
     return model, tok
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    return _tiny(monkeypatch, "sdpa")
+
+
+@pytest.fixture
+def tiny_eager(monkeypatch):
+    return _tiny(monkeypatch, "eager")
 
 
 def _runs(presses, ratios, out, *extra):
@@ -473,38 +482,27 @@ def test_shared_observers_compute_once_and_change_nothing(tiny, monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.fixture
-def tiny_eager(monkeypatch):
-    model = make_tiny_llama(num_heads=4, num_kv_heads=2, num_layers=3, hidden=64, attn_implementation="eager",
-                            seed=4)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(5.0)
-    tok = char_tokenizer()
-    monkeypatch.setattr(harness, "get_model", lambda *args, **kwargs: (model, tok))
-    return model, tok
-
-
 def test_h2o_replays_exactly_from_an_eager_capture(tiny_eager, tiny):
     """H2O (ObservedAttentionPress) reads the attention weights its hook receives: a prefill captured on eager
     attention holds them, so the replay rebuilds its cache bit for bit; a capture without them (sdpa) is refused."""
     press = instantiate(composed("press=observed_attention", "compression_ratio=0.6").press)
     ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(2))
-    for model, exact in ((tiny_eager[0], True), (tiny[0], False)):
-        with torch.inference_mode():
-            with replay.PrefillCapture(model) as capture:
-                model.model(input_ids=ids, past_key_values=DynamicCache())
-            if not exact:
-                with pytest.raises(ValueError, match="eager"):
-                    replay.replay_prefill(model, press, capture)
-                continue
-            direct = DynamicCache()
-            with press(model):
-                model.model(input_ids=ids, past_key_values=direct)
-            replayed = replay.replay_prefill(model, press, capture)
-        for i in range(3):
-            assert replayed.layers[i].keys.shape[2] == 120  # it did compress: 300 x (1 - 0.6)
-            assert torch.equal(replayed.layers[i].keys, direct.layers[i].keys)
-            assert torch.equal(replayed.layers[i].values, direct.layers[i].values)
+    with torch.inference_mode():
+        with replay.PrefillCapture(tiny[0]) as sdpa_capture:
+            tiny[0].model(input_ids=ids, past_key_values=DynamicCache())
+        with pytest.raises(ValueError, match="eager"):
+            replay.replay_prefill(tiny[0], press, sdpa_capture)
+        model = tiny_eager[0]
+        with replay.PrefillCapture(model) as capture:
+            model.model(input_ids=ids, past_key_values=DynamicCache())
+        direct = DynamicCache()
+        with press(model):
+            model.model(input_ids=ids, past_key_values=direct)
+        replayed = replay.replay_prefill(model, press, capture)
+    for i in range(3):
+        assert replayed.layers[i].keys.shape[2] == 120  # it did compress: 300 x (1 - 0.6)
+        assert torch.equal(replayed.layers[i].keys, direct.layers[i].keys)
+        assert torch.equal(replayed.layers[i].values, direct.layers[i].values)
 
 
 def test_fused_h2o_equals_separate_runs(tiny_eager, tmp_path, monkeypatch):
