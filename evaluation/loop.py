@@ -42,8 +42,8 @@ from evaluation import guards, harness, inputs
 from evaluation.pipeline import TextGenerationPipeline
 from evaluation.registry import capabilities, export_decode_state
 from evaluation.replay import (
-    MAX_EAGER_CAPTURE_BYTES,
     PrefillCapture,
+    check_capture_memory,
     check_shareable,
     generate_answers,
     pad_to_common_lengths,
@@ -105,7 +105,7 @@ def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_n
 
     Raises:
         ValueError: an example id that repeats; with ``eager_capture`` (a shared prefill on eager attention), an
-            example whose attention weights would exceed :data:`evaluation.replay.MAX_EAGER_CAPTURE_BYTES`; or
+            example whose attention weights would exceed :func:`evaluation.replay.check_capture_memory`'s limit; or
             what :mod:`evaluation.guards` raises.
     """
     tokens = {}
@@ -118,13 +118,8 @@ def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_n
         guards.check_model_input(model, T, n_question, max_new_tokens or ex.max_new_tokens or 32, ex.id, top)
         for run in runs:
             guards.check_press_input(run.press, model, T, multi_token_forward=True)  # the question forward follows
-        if eager_capture:  # a shared eager prefill records every layer's attention weights (evaluation.replay)
-            c = model.config.get_text_config()
-            need = 4 * c.num_hidden_layers * c.num_attention_heads * T * T
-            if need > MAX_EAGER_CAPTURE_BYTES:
-                raise ValueError(f"example {ex.id!r}: a shared eager prefill of {T} tokens would hold {need / 2**30:.1f} "
-                                 f"GiB of attention weights, above the limit of {MAX_EAGER_CAPTURE_BYTES / 2**30:.0f} "
-                                 "GiB: run the presses that need eager attention with python -m evaluation.run")
+        if eager_capture:  # a shared eager prefill records every layer's attention weights
+            check_capture_memory(model, T, ex.id)
     return tokens
 
 

@@ -42,7 +42,22 @@ logger = logging.getLogger("evaluation.replay")
 #: 30 layers x 9 heads at 2k tokens take 4.5 GiB, at 4k 18 GiB.
 MAX_EAGER_CAPTURE_BYTES = 8 * 2**30
 
-__all__ = ["MAX_EAGER_CAPTURE_BYTES", "PrefillCapture", "replay_prefill", "generate_answers", "pad_to_common_lengths", "round_robin_by_task"]
+__all__ = ["MAX_EAGER_CAPTURE_BYTES", "PrefillCapture", "check_capture_memory", "replay_prefill", "generate_answers", "pad_to_common_lengths", "round_robin_by_task"]
+
+
+def check_capture_memory(model, T: int, name: str = "") -> None:
+    """Raise if a shared eager prefill of ``T`` tokens would record more attention weights than
+    :data:`MAX_EAGER_CAPTURE_BYTES` (``4 L H T^2`` bytes, float32, every layer held until the replays end).
+
+    Raises:
+        ValueError: naming the example, the size and the limit, and what to use instead.
+    """
+    c = model.config.get_text_config()
+    need = 4 * c.num_hidden_layers * c.num_attention_heads * T * T
+    if need > MAX_EAGER_CAPTURE_BYTES:
+        raise ValueError(f"example {name!r}: a shared eager prefill of {T} tokens would hold {need / 2**30:.1f} GiB "
+                         f"of attention weights, above the limit of {MAX_EAGER_CAPTURE_BYTES / 2**30:.0f} GiB: run "
+                         "the presses that need eager attention with python -m evaluation.run")
 
 
 def check_shareable(press, name: str = "") -> None:

@@ -17,7 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from transformers import DynamicCache
 
-from evaluation import fused, loop, replay
+from evaluation import fused, replay
 from presses.attention_bias import install_biases, take_biases
 from evaluation import harness
 from evaluation import run as entry
@@ -523,7 +523,7 @@ def test_fused_h2o_equals_separate_runs(tiny_eager, tmp_path, monkeypatch):
             assert fus[i]["shared_prefill"] and fus[i]["effective_compression"] > 0.4
             predictions.add(fus[i]["prediction"])
     assert len(predictions) > 1
-    monkeypatch.setattr(loop, "MAX_EAGER_CAPTURE_BYTES", 1000)
+    monkeypatch.setattr(replay, "MAX_EAGER_CAPTURE_BYTES", 1000)
     with pytest.raises(ValueError, match="GiB of attention weights, above the limit"):
         fused.run_fused(_runs(["observed_attention"], [0.6], tmp_path / "limit"), "test")
     assert not (tmp_path / "limit").exists()  # refused before any run directory
