@@ -15,7 +15,7 @@ RESULTS ?= results
 SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean,snis_min,snis_min_uncorrected,snis_min_h,snis_min_h_uncorrected,snis_h2o,snis_h2o_uncorrected,snis_h2o_h,snis_h2o_h_uncorrected
 SWEEP_RATIOS ?= 0.5,0.75
 
-.PHONY: install eval sweep report test clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check claims paper003-grid
+.PHONY: install eval sweep report test lint clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check claims paper003-grid
 
 install: $(VENV)/.installed
 
@@ -72,8 +72,12 @@ bench-speed: install         # speed and memory of every press at T in {1k,2k,4k
 claims: install              # the claims ledger -> results/claims.md (from results/claims/claims.yaml and the artifacts)
 	$(PY) scripts/claims_ledger.py
 
-test: install                # two pytest workers (pytest-xdist), one per core; files stay whole on a worker
+test: install lint           # lint, then two pytest workers (pytest-xdist), one per core; files stay whole on a worker
 	$(PY) -m pytest -q -x -n 2 --dist loadfile tests
+
+lint: install                # ruff (pyproject.toml [tool.ruff]): lint and format check of the whole tree
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(OUTPUT) outputs multirun .pytest_cache

@@ -22,7 +22,7 @@ __all__ = ["INPUT_ERRORS", "one_line_errors", "input_error", "check_group_choice
 
 
 def _input_errors() -> tuple[type, ...]:
-    from evaluation.datasets.base import DataUnavailableError  # noqa: PLC0415
+    from evaluation.datasets.base import DataUnavailableError
 
     return (ValueError, OSError, ImportError, DataUnavailableError)
 
@@ -34,7 +34,7 @@ INPUT_ERRORS = _input_errors()
 def input_error(err: BaseException) -> BaseException | None:
     """The input error behind ``err`` (itself, or the cause Hydra wrapped while instantiating a config), or
     None for any other error."""
-    from hydra.errors import InstantiationException  # noqa: PLC0415
+    from hydra.errors import InstantiationException
 
     outer = err
     while isinstance(err, InstantiationException) and err.__cause__ is not None:
@@ -49,8 +49,8 @@ def input_error(err: BaseException) -> BaseException | None:
 def _remove_job_dir() -> None:
     """Remove this Hydra job's output directory (a single run's ``<output_dir>/.hydra/<time>/``), then the
     directories above it that it leaves empty, up to the run's ``output_dir``."""
-    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
-    from hydra.types import RunMode  # noqa: PLC0415
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     try:
         hydra_cfg = HydraConfig.get()
@@ -73,7 +73,7 @@ def one_line_errors():
     module docstring)."""
     try:
         yield
-    except Exception as err:  # noqa: BLE001 - filtered just below
+    except Exception as err:  # filtered just below
         cause = input_error(err)
         if cause is None:
             raise
@@ -91,7 +91,7 @@ def check_group_choices(argv: list[str], groups: tuple[str, ...] = ("press", "da
     Plain choices and comma-separated sweeps (``press=a,b``) are checked; anything else (Hydra's sweep
     functions, interpolations, ``+group=...``) is left to Hydra.
     """
-    from evaluation.harness import config_choices  # noqa: PLC0415
+    from evaluation.harness import config_choices
 
     for arg in argv:
         group, sep, value = arg.partition("=")

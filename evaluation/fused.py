@@ -29,8 +29,9 @@ from evaluation.cli import check_group_choices, one_line_errors
 __all__ = ["run_fused", "compose_runs", "main"]
 
 
-def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch_decode: bool = True,
-              pad_decode: bool = True) -> list[dict]:
+def run_fused(
+    cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch_decode: bool = True, pad_decode: bool = True
+) -> list[dict]:
     """Run several (press, ratio) configs of ONE model and dataset from shared prefills
     (:func:`evaluation.loop.evaluate` with ``shared_prefill=True``).
 
@@ -49,10 +50,11 @@ def run_fused(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, batch
         FileNotFoundError, OSError, ImportError, DataUnavailableError: a model or data that cannot be found.
     """
     prepared = inputs.prepare(cfgs)  # bad input fails before torch and kvpress are imported
-    from evaluation.loop import evaluate  # noqa: PLC0415
+    from evaluation.loop import evaluate
 
-    return evaluate(cfgs, command, shared_prefill=True, batch_decode=batch_decode, pad_decode=pad_decode,
-                    prepared=prepared)
+    return evaluate(
+        cfgs, command, shared_prefill=True, batch_decode=batch_decode, pad_decode=pad_decode, prepared=prepared
+    )
 
 
 def compose_runs(cfg: DictConfig, overrides: list[str]) -> list[tuple[DictConfig, dict[str, str]]]:
@@ -63,16 +65,19 @@ def compose_runs(cfg: DictConfig, overrides: list[str]) -> list[tuple[DictConfig
         ValueError: for an unknown press name or a ratio outside ``[0, 1)``.
     """
     choices = harness.config_choices("press")
-    base = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~") in ("presses", "ratios")]
+    base = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("presses", "ratios")]
     runs = []
     for press in cfg.presses:
         if press not in choices:
             raise ValueError(f"unknown press '{press}'; valid: {', '.join(choices)}")
-        for ratio in ([0.0] if press == "no_press" else cfg.ratios):
+        for ratio in [0.0] if press == "no_press" else cfg.ratios:
             harness.check_ratio(ratio)
             run_cfg = compose(config_name="config", overrides=[*base, f"press={press}", f"compression_ratio={ratio}"])
-            names = {"press": press, "dataset": HydraConfig.get().runtime.choices["dataset"],
-                     "model": HydraConfig.get().runtime.choices["model"]}
+            names = {
+                "press": press,
+                "dataset": HydraConfig.get().runtime.choices["dataset"],
+                "model": HydraConfig.get().runtime.choices["model"],
+            }
             runs.append((run_cfg, names))
     return runs
 
@@ -83,8 +88,12 @@ def main(cfg: DictConfig) -> None:
     exit status 1 (:mod:`evaluation.cli`)."""
     with one_line_errors():
         overrides = list(HydraConfig.get().overrides.task)
-        run_fused(compose_runs(cfg, overrides), harness.command_line("python -m evaluation.fused"),
-                  cfg.batch_decode, cfg.get("pad_decode", True))
+        run_fused(
+            compose_runs(cfg, overrides),
+            harness.command_line("python -m evaluation.fused"),
+            cfg.batch_decode,
+            cfg.get("pad_decode", True),
+        )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,16 @@ each with its test).
 
 from __future__ import annotations
 
-__all__ = ["check_settings", "check_dataset", "check_examples", "check_model", "check_model_layout",
-           "check_model_input", "check_press_input", "max_positions"]
+__all__ = [
+    "check_settings",
+    "check_dataset",
+    "check_examples",
+    "check_model",
+    "check_model_layout",
+    "check_model_input",
+    "check_press_input",
+    "max_positions",
+]
 
 
 def _decoder_layers(model):
@@ -48,12 +56,14 @@ def check_settings(cfg) -> None:
             raise ValueError(f"{key}={value!r} must be an integer >= 1 (or null for the dataset's default)")
     device = str(cfg.get("device", "cpu"))
     if device.startswith("cuda"):
-        import torch  # noqa: PLC0415
+        import torch
 
         index = int(device.split(":")[1]) if ":" in device else 0
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            raise ValueError(f"device={device} but torch sees {torch.cuda.device_count()} CUDA device(s): use "
-                             "device=cpu or an existing GPU")
+            raise ValueError(
+                f"device={device} but torch sees {torch.cuda.device_count()} CUDA device(s): use "
+                "device=cpu or an existing GPU"
+            )
 
 
 def check_dataset(dataset, n_samples: int | None) -> None:
@@ -66,8 +76,10 @@ def check_dataset(dataset, n_samples: int | None) -> None:
     limit = getattr(dataset, "sample_limit", None)
     limit = limit() if callable(limit) and n_samples is not None else None
     if limit is not None and n_samples > limit[0]:
-        raise ValueError(f"n_samples={n_samples} is more than the dataset can give: {limit[1]} number "
-                         f"{limit[0]}; use n_samples<={limit[0]} (or n_samples=null for the dataset's default)")
+        raise ValueError(
+            f"n_samples={n_samples} is more than the dataset can give: {limit[1]} number "
+            f"{limit[0]}; use n_samples<={limit[0]} (or n_samples=null for the dataset's default)"
+        )
 
 
 def check_examples(examples: list, cfg, n_total: int) -> None:
@@ -85,10 +97,12 @@ def check_examples(examples: list, cfg, n_total: int) -> None:
         return
     shard = cfg.get("shard")
     if shard and n_total:
-        raise ValueError(f"shard={shard} is empty: the dataset gives {n_total} example(s), so shard i/n needs "
-                         f"i < {n_total}")
-    raise ValueError("the dataset gives no example for these settings (its filters, e.g. skip_longer_than, drop "
-                     "every prompt)")
+        raise ValueError(
+            f"shard={shard} is empty: the dataset gives {n_total} example(s), so shard i/n needs i < {n_total}"
+        )
+    raise ValueError(
+        "the dataset gives no example for these settings (its filters, e.g. skip_longer_than, drop every prompt)"
+    )
 
 
 def check_model_layout(model) -> None:
@@ -104,13 +118,17 @@ def check_model_layout(model) -> None:
     name = type(model).__name__
     layers = _decoder_layers(model)
     if layers is None or len(layers) == 0:
-        raise ValueError(f"model class {name} is not supported by the presses: they need a decoder-only causal "
-                         "LM with its layers at model.model.layers (Llama, Mistral, Qwen2/3, Phi-3, Gemma3)")
+        raise ValueError(
+            f"model class {name} is not supported by the presses: they need a decoder-only causal "
+            "LM with its layers at model.model.layers (Llama, Mistral, Qwen2/3, Phi-3, Gemma3)"
+        )
     attn = getattr(layers[0], "self_attn", None)
     if attn is None or not (hasattr(attn, "q_proj") or hasattr(attn, "qkv_proj")) or not hasattr(attn, "layer_idx"):
-        raise ValueError(f"model class {name} is not supported by the presses: its decoder layers need a "
-                         "Llama-style self_attn with q_proj (or qkv_proj) and layer_idx, got "
-                         f"{type(attn).__name__ if attn is not None else 'no self_attn'}")
+        raise ValueError(
+            f"model class {name} is not supported by the presses: its decoder layers need a "
+            "Llama-style self_attn with q_proj (or qkv_proj) and layer_idx, got "
+            f"{type(attn).__name__ if attn is not None else 'no self_attn'}"
+        )
     if not hasattr(_text_config(model), "num_attention_heads"):
         raise ValueError(f"model class {name} is not supported by the presses: config.num_attention_heads is missing")
 
@@ -139,8 +157,14 @@ def max_positions(model) -> int | None:
     return int(limit) if limit else None
 
 
-def check_model_input(model, context_length: int, question_length: int, max_new_tokens: int,
-                      example_id: str = "", max_token_id: int | None = None) -> None:
+def check_model_input(
+    model,
+    context_length: int,
+    question_length: int,
+    max_new_tokens: int,
+    example_id: str = "",
+    max_token_id: int | None = None,
+) -> None:
     """Raise when an example does not fit the model: its positions (:func:`max_positions`) or its vocabulary.
 
     The context (with its chat template), the question and the generated answer all take positions
@@ -153,15 +177,19 @@ def check_model_input(model, context_length: int, question_length: int, max_new_
     """
     rows = model.get_input_embeddings().num_embeddings
     if max_token_id is not None and max_token_id >= rows:
-        raise ValueError(f"example {example_id}: token id {max_token_id} is not below the model's vocab_size={rows} "
-                         "(its embedding rows): the tokenizer does not fit the model; use the model's own tokenizer")
+        raise ValueError(
+            f"example {example_id}: token id {max_token_id} is not below the model's vocab_size={rows} "
+            "(its embedding rows): the tokenizer does not fit the model; use the model's own tokenizer"
+        )
     limit = max_positions(model)
     total = int(context_length) + int(question_length) + int(max_new_tokens)
     if limit is not None and total > limit:
-        raise ValueError(f"example {example_id}: context {context_length} + question {question_length} + "
-                         f"max_new_tokens {max_new_tokens} = {total} positions, more than the model's "
-                         f"max_position_embeddings={limit}: use a shorter context (e.g. dataset.context_length, "
-                         "dataset.max_context_length)")
+        raise ValueError(
+            f"example {example_id}: context {context_length} + question {question_length} + "
+            f"max_new_tokens {max_new_tokens} = {total} positions, more than the model's "
+            f"max_position_embeddings={limit}: use a shorter context (e.g. dataset.context_length, "
+            "dataset.max_context_length)"
+        )
 
 
 def check_press_input(press, model, context_length: int, multi_token_forward: bool = False) -> None:
@@ -183,7 +211,7 @@ def check_press_input(press, model, context_length: int, multi_token_forward: bo
     """
     if press is None:
         return
-    from evaluation.registry import press_input_problem  # noqa: PLC0415 - kvpress only when a press is checked
+    from evaluation.registry import press_input_problem  # kvpress only when a press is checked
 
     check_model_layout(model)
     problem = press_input_problem(press, model, context_length, multi_token_forward)

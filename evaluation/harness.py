@@ -157,8 +157,13 @@ def get_model(model_cfg: DictConfig, device: str, attn_implementation: str):
     key = (model_cfg.name, model_cfg.get("path"), device, str(model_cfg.get("dtype")), attn_implementation)
     if key not in _MODEL_CACHE:
         _MODEL_CACHE.clear()
-        _MODEL_CACHE[key] = load_model(model_cfg.name, device=device, dtype=model_cfg.get("dtype"),
-                                       attn_implementation=attn_implementation, path=model_cfg.get("path"))
+        _MODEL_CACHE[key] = load_model(
+            model_cfg.name,
+            device=device,
+            dtype=model_cfg.get("dtype"),
+            attn_implementation=attn_implementation,
+            path=model_cfg.get("path"),
+        )
     return _MODEL_CACHE[key]
 
 
@@ -206,19 +211,24 @@ def config_changes(saved, cfg) -> list[str]:
     ``RESUME_FREE_KEYS`` are ignored, and a ``_target_`` that merely moved (:data:`MOVED_TARGETS`), on either
     side, counts as its new path.
     """
+
     def flat(node, prefix=""):
         if isinstance(node, dict):
             return {k: v for key, val in node.items() for k, v in flat(val, f"{prefix}{key}.").items()}
         return {prefix[:-1]: node}
 
-    from evaluation.registry import MOVED_TARGETS  # noqa: PLC0415 - kvpress is imported only when needed
+    from evaluation.registry import MOVED_TARGETS  # kvpress is imported only when needed
 
     old = flat(OmegaConf.to_container(OmegaConf.create(saved), resolve=True))
     new = flat(OmegaConf.to_container(OmegaConf.create(cfg), resolve=True))
-    old, new = ({k: MOVED_TARGETS.get(v, v) if k.endswith("_target_") else v for k, v in side.items()}
-                for side in (old, new))  # either side may be the older config (the report compares shards)
-    return [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in sorted(set(old) | set(new))
-            if k.split(".")[0] not in RESUME_FREE_KEYS and old.get(k, "<unset>") != new.get(k, "<unset>")]
+    old, new = (
+        {k: MOVED_TARGETS.get(v, v) if k.endswith("_target_") else v for k, v in side.items()} for side in (old, new)
+    )  # either side may be the older config (the report compares shards)
+    return [
+        f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
+        for k in sorted(set(old) | set(new))
+        if k.split(".")[0] not in RESUME_FREE_KEYS and old.get(k, "<unset>") != new.get(k, "<unset>")
+    ]
 
 
 def check_names(names: dict[str, str]) -> None:
@@ -246,9 +256,11 @@ def _settings_problem(out: Path, cfg: DictConfig, why: str) -> str | None:
     changed = config_changes(OmegaConf.load(out / "config.yaml"), cfg)
     if not changed:
         return None
-    return (f"{out} {why} other settings ({'; '.join(changed)}); writing it would mix them: choose another "
-            "output_dir for these settings (the run directory names only dataset, model, press and ratio), or "
-            "pass overwrite=true to redo the run")
+    return (
+        f"{out} {why} other settings ({'; '.join(changed)}); writing it would mix them: choose another "
+        "output_dir for these settings (the run directory names only dataset, model, press and ratio), or "
+        "pass overwrite=true to redo the run"
+    )
 
 
 def _has_rows(out: Path) -> bool:
@@ -285,7 +297,7 @@ def check_existing_run(cfg: DictConfig, names: dict[str, str]) -> dict | None:
 def run_in_progress(out: Path) -> bool:
     """Whether another process holds ``out``'s lock (writes that run now). A directory without a lock file, or
     one this process cannot lock (read-only), is not in progress."""
-    from filelock import FileLock, Timeout  # noqa: PLC0415
+    from filelock import FileLock, Timeout
 
     path = Path(out) / LOCK_NAME
     if not path.exists():
@@ -303,7 +315,7 @@ def _claim(cfg: DictConfig, names: dict[str, str], made: list[Path]):
     """Lock one run directory (waiting for another process with the same settings), check and write its
     settings. Returns ``(out, lock, metrics)``: ``metrics`` of a finished run (the lock is then released and
     None), else None with the lock held. Directories this call creates are appended to ``made``."""
-    from filelock import FileLock, Timeout  # noqa: PLC0415
+    from filelock import FileLock, Timeout
 
     check_names(names)
     check_ratio(cfg.compression_ratio)
@@ -327,8 +339,11 @@ def _claim(cfg: DictConfig, names: dict[str, str], made: list[Path]):
             if problem:
                 raise ValueError(problem) from None
             if not waiting:
-                logger.warning("%s is being written by another process with the same settings: waiting for it "
-                               "(its finished rows will be skipped)", out)
+                logger.warning(
+                    "%s is being written by another process with the same settings: waiting for it "
+                    "(its finished rows will be skipped)",
+                    out,
+                )
                 waiting = True
     try:
         finished = (out / "metrics.json").exists()
@@ -413,26 +428,44 @@ def run_examples(cfg: DictConfig, dataset, tokenizer) -> list:
     Raises:
         ValueError: when no example is left (:func:`evaluation.guards.check_examples`).
     """
-    from evaluation.guards import check_examples  # noqa: PLC0415
+    from evaluation.guards import check_examples
 
     examples = dataset.examples(tokenizer, cfg.n_samples, cfg.seed, cfg.query_aware)
     shard = parse_shard(cfg.get("shard"))
-    mine = examples[shard[0]::shard[1]] if shard else examples
+    mine = examples[shard[0] :: shard[1]] if shard else examples
     check_examples(mine, cfg, len(examples))
     return mine
 
 
-def prediction_row(ex, names: dict[str, str], dataset, prediction: str, cache, model, context_length: int,
-                   seconds: float, press, **extra) -> dict:
+def prediction_row(
+    ex,
+    names: dict[str, str],
+    dataset,
+    prediction: str,
+    cache,
+    model,
+    context_length: int,
+    seconds: float,
+    press,
+    **extra,
+) -> dict:
     """One ``predictions.jsonl`` row: the example, the prediction and its score, the effective compression
     (:func:`row_effective_compression`) and the cache's physical one (:func:`cache_stats`), seconds, and
     ``press.summary()`` when the press has one."""
-    row = {"id": ex.id, "task": ex.task or names["dataset"], "context_length": context_length,
-           "depth": ex.metadata.get("depth"), "answers": ex.answers, "prediction": prediction,
-           "score": float(dataset.score(prediction, ex)), **cache_stats(cache, model, context_length),
-           "seconds": seconds,
-           "press_stats": press.summary() if press is not None and hasattr(press, "summary") else None,
-           **extra, "metadata": ex.metadata}
+    row = {
+        "id": ex.id,
+        "task": ex.task or names["dataset"],
+        "context_length": context_length,
+        "depth": ex.metadata.get("depth"),
+        "answers": ex.answers,
+        "prediction": prediction,
+        "score": float(dataset.score(prediction, ex)),
+        **cache_stats(cache, model, context_length),
+        "seconds": seconds,
+        "press_stats": press.summary() if press is not None and hasattr(press, "summary") else None,
+        **extra,
+        "metadata": ex.metadata,
+    }
     row["effective_compression"] = row_effective_compression(row)  # kept entries, not padding
     return row
 
@@ -442,9 +475,16 @@ def finish_run(out: Path, examples: list, names: dict[str, str], cfg: DictConfig
     ids = {e.id for e in examples}
     rows = [r for r in read_predictions(out / "predictions.jsonl") if r["id"] in ids]
     metrics = summarize(rows)
-    metrics.update({"press": run_label(names), "dataset": names["dataset"], "model": names["model"],
-                    "compression_ratio": 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio),
-                    "shard": cfg.get("shard"), "command": command})
+    metrics.update(
+        {
+            "press": run_label(names),
+            "dataset": names["dataset"],
+            "model": names["model"],
+            "compression_ratio": 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio),
+            "shard": cfg.get("shard"),
+            "command": command,
+        }
+    )
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=2))
     logger.info("wrote %s: score %.3f over %d examples", out / "metrics.json", metrics["score"], metrics["n"])
     return metrics
@@ -468,7 +508,10 @@ def chat_template(tokenizer, enabled: bool):
 def summarize(rows: list[dict]) -> dict:
     """Mean score, per-task means, mean effective compression and timing of prediction rows."""
     n = len(rows)
-    mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else math.nan
+
     tasks = sorted({r["task"] for r in rows})
     return {
         "n": n,

@@ -29,14 +29,14 @@ _REACHABLE: dict[str, bool] = {}  # endpoint -> answer, once per process
 
 
 def _endpoint() -> str:
-    from huggingface_hub import constants  # noqa: PLC0415
+    from huggingface_hub import constants
 
     return constants.ENDPOINT
 
 
 def is_offline() -> bool:
     """True when ``huggingface_hub`` is in offline mode (``HF_HUB_OFFLINE=1`` or :func:`go_offline`)."""
-    from huggingface_hub import constants  # noqa: PLC0415
+    from huggingface_hub import constants
 
     return bool(constants.is_offline_mode())
 
@@ -47,7 +47,7 @@ def _probe(url: str, timeout: float, answer: list) -> None:
         answer.append(True)
     except urllib.error.HTTPError:  # the hub answered (4xx/5xx): it is reachable
         answer.append(True)
-    except Exception:  # noqa: BLE001 - DNS, connection, TLS, timeout: unreachable
+    except Exception:  # DNS, connection, TLS, timeout: unreachable
         answer.append(False)
 
 
@@ -67,8 +67,12 @@ def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
         probe.join(timeout + 0.5)  # a DNS lookup ignores the socket timeout: bound it here
         _REACHABLE[url] = bool(answer and answer[0])
         if not _REACHABLE[url]:
-            logger.warning("the Hugging Face hub (%s) is unreachable (no answer within %g s): running offline, from "
-                           "the local cache only", url, timeout)
+            logger.warning(
+                "the Hugging Face hub (%s) is unreachable (no answer within %g s): running offline, from "
+                "the local cache only",
+                url,
+                timeout,
+            )
             go_offline()
     return _REACHABLE[url]
 
@@ -76,7 +80,7 @@ def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
 def go_offline() -> None:
     """Put ``huggingface_hub`` (hence ``transformers``) and ``datasets`` in offline mode for this process and
     its children, as ``HF_HUB_OFFLINE=1`` at start would."""
-    from huggingface_hub import constants  # noqa: PLC0415
+    from huggingface_hub import constants
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     constants.HF_HUB_OFFLINE = True

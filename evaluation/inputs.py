@@ -60,8 +60,10 @@ def prepare(cfgs: list[tuple[DictConfig, dict[str, str]]]) -> Prepared:
     for cfg, names in cfgs[1:]:
         for key in SHARED_KEYS:
             if cfg.get(key) != first.get(key):
-                raise ValueError(f"runs of one sweep must share {key}: {names['press']} has {cfg.get(key)!r}, "
-                                 f"{first_names['press']} has {first.get(key)!r}")
+                raise ValueError(
+                    f"runs of one sweep must share {key}: {names['press']} has {cfg.get(key)!r}, "
+                    f"{first_names['press']} has {first.get(key)!r}"
+                )
     prepared = Prepared()
     for k, (cfg, names) in enumerate(cfgs):
         metrics = harness.check_existing_run(cfg, names)

@@ -85,8 +85,9 @@ def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
         if shared_prefill:
             check_shareable(press, names["press"])
         if caps.needs_question and not cfg.query_aware:
-            raise ValueError(f"press {names['press']} needs the question inside the compressed context: set "
-                             "query_aware=true")
+            raise ValueError(
+                f"press {names['press']} needs the question inside the compressed context: set query_aware=true"
+            )
         runs.append(Run(k, cfg, names, None, press, caps))
     return runs
 
@@ -98,8 +99,9 @@ def _tokenise(pipe, tokenizer, ex) -> dict:
         return pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
 
 
-def _check_inputs(examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens,
-                  eager_capture: bool = False) -> dict[str, dict]:
+def _check_inputs(
+    examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens, eager_capture: bool = False
+) -> dict[str, dict]:
     """Every example against the model's positions and vocabulary and every press's limits, before any directory
     is made. Returns each example's :func:`_tokenise` output by example id (the loop reuses it).
 
@@ -128,14 +130,31 @@ def _pipeline_row(run: Run, ex, pipe, dataset, model, tokenizer, T: int, max_new
     cache = DynamicCache()
     start = time.perf_counter()
     with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)), torch.inference_mode():
-        prediction = pipe(ex.context, question=ex.question, answer_prefix=ex.answer_prefix, press=run.press,
-                          max_new_tokens=max_new, cache=cache)["answer"]
+        prediction = pipe(
+            ex.context,
+            question=ex.question,
+            answer_prefix=ex.answer_prefix,
+            press=run.press,
+            max_new_tokens=max_new,
+            cache=cache,
+        )["answer"]
     elapsed = time.perf_counter() - start
     return harness.prediction_row(ex, run.names, dataset, prediction, cache, model, T, elapsed, run.press)
 
 
-def _shared_rows(pending: list[Run], ex, pipe, dataset, model, context_ids, question_ids, T: int, max_new: int,
-                 batch_decode: bool, pad_decode: bool) -> list[tuple[Run, dict]]:
+def _shared_rows(
+    pending: list[Run],
+    ex,
+    pipe,
+    dataset,
+    model,
+    context_ids,
+    question_ids,
+    T: int,
+    max_new: int,
+    batch_decode: bool,
+    pad_decode: bool,
+) -> list[tuple[Run, dict]]:
     """One uncompressed prefill, every pending press replayed on it, the runs decoded in batches."""
     start = time.perf_counter()
     with torch.inference_mode(), PrefillCapture(model) as capture:
@@ -155,21 +174,28 @@ def _shared_rows(pending: list[Run], ex, pipe, dataset, model, context_ids, ques
             clear_attention_bias(model)  # a press without decode-time state leaves none behind
             replayed.append((run, cache, time.perf_counter() - start, state))
             if not batch_decode:
-                rows += _decode_group([replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model,
-                                      prefill_seconds)
+                rows += _decode_group(
+                    [replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds
+                )
     groups: dict = {}
     for item in replayed:  # one ratio (padded) or equal per-layer cache lengths (and bias layers): one batch
-        key = (item[0].cfg.compression_ratio if pad_decode else
-               (tuple(item[1].get_seq_length(i) for i in range(len(item[1]))),
-                tuple(state is not None for state in item[3])))
+        key = (
+            item[0].cfg.compression_ratio
+            if pad_decode
+            else (
+                tuple(item[1].get_seq_length(i) for i in range(len(item[1]))),
+                tuple(state is not None for state in item[3]),
+            )
+        )
         groups.setdefault(key, []).append(item)
     for group in groups.values():
         rows += _decode_group(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
     return rows
 
 
-def _decode_group(group: list, pipe, question_ids, T: int, max_new: int, ex, dataset, model,
-                  prefill_seconds: float) -> list[tuple[Run, dict]]:
+def _decode_group(
+    group: list, pipe, question_ids, T: int, max_new: int, ex, dataset, model, prefill_seconds: float
+) -> list[tuple[Run, dict]]:
     """Decode replayed runs as one batch (padded to common per-layer lengths where they differ, their decode-time
     biases stacked) and build each run's prediction row (with its own, unpadded cache)."""
     start = time.perf_counter()
@@ -184,14 +210,36 @@ def _decode_group(group: list, pipe, question_ids, T: int, max_new: int, ex, dat
     rows = []
     for (run, cache, replay_s, _), prediction in zip(group, predictions):
         seconds = prefill_seconds + replay_s + decode_s
-        rows.append((run, harness.prediction_row(ex, run.names, dataset, prediction, cache, model, T, seconds,
-                                                 run.press, prefill_seconds=prefill_seconds, shared_prefill=True,
-                                                 decode_batch=len(group))))
+        rows.append(
+            (
+                run,
+                harness.prediction_row(
+                    ex,
+                    run.names,
+                    dataset,
+                    prediction,
+                    cache,
+                    model,
+                    T,
+                    seconds,
+                    run.press,
+                    prefill_seconds=prefill_seconds,
+                    shared_prefill=True,
+                    decode_batch=len(group),
+                ),
+            )
+        )
     return rows
 
 
-def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared_prefill: bool = False,
-             batch_decode: bool = True, pad_decode: bool = True, prepared: inputs.Prepared | None = None) -> list[dict]:
+def evaluate(
+    cfgs: list[tuple[DictConfig, dict[str, str]]],
+    command: str,
+    shared_prefill: bool = False,
+    batch_decode: bool = True,
+    pad_decode: bool = True,
+    prepared: inputs.Prepared | None = None,
+) -> list[dict]:
     """Run (or resume) several runs of ONE model and dataset, example by example (see the module docstring).
 
     Args:
@@ -226,8 +274,9 @@ def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared
     first = cfgs[pending[0]][0]
     dataset = prepared.dataset
     eager = any(run.caps.needs_eager for run in runs)
-    model, tokenizer = harness.get_model(first.model, first.device,
-                                         "eager" if eager else first.model.get("attn_implementation", "sdpa"))
+    model, tokenizer = harness.get_model(
+        first.model, first.device, "eager" if eager else first.model.get("attn_implementation", "sdpa")
+    )
     guards.check_model(model, tokenizer)
     pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
     examples = harness.run_examples(first, dataset, tokenizer)
@@ -241,15 +290,27 @@ def evaluate(cfgs: list[tuple[DictConfig, dict[str, str]]], command: str, shared
         for run in runs:
             harness.note_command(run.out, command)
         if runs:
-            _run_examples(runs, examples, tokens, pipe, dataset, model, tokenizer, first, shared_prefill,
-                          batch_decode, pad_decode)
+            _run_examples(
+                runs, examples, tokens, pipe, dataset, model, tokenizer, first, shared_prefill, batch_decode, pad_decode
+            )
         for run in runs:
             metrics[run.index] = harness.finish_run(run.out, examples, run.names, run.cfg, command)
     return [metrics[k] for k in range(len(cfgs))]
 
 
-def _run_examples(runs: list[Run], examples: list, tokens: dict[str, dict], pipe, dataset, model, tokenizer, first,
-                  shared_prefill: bool, batch_decode: bool, pad_decode: bool) -> None:
+def _run_examples(
+    runs: list[Run],
+    examples: list,
+    tokens: dict[str, dict],
+    pipe,
+    dataset,
+    model,
+    tokenizer,
+    first,
+    shared_prefill: bool,
+    batch_decode: bool,
+    pad_decode: bool,
+) -> None:
     """Append one row per held run and example it still lacks (``tokens``: :func:`_check_inputs`'s)."""
     done_ids = {run.index: {r["id"] for r in harness.read_predictions(run.out / "predictions.jsonl")} for run in runs}
     todo = round_robin_by_task([e for e in examples if any(e.id not in done_ids[r.index] for r in runs)])
@@ -263,8 +324,9 @@ def _run_examples(runs: list[Run], examples: list, tokens: dict[str, dict], pipe
         T = int(context_ids.shape[1])
         pending = [run for run in runs if ex.id not in done_ids[run.index]]
         if shared_prefill:
-            rows = _shared_rows(pending, ex, pipe, dataset, model, context_ids, question_ids, T, max_new,
-                                batch_decode, pad_decode)
+            rows = _shared_rows(
+                pending, ex, pipe, dataset, model, context_ids, question_ids, T, max_new, batch_decode, pad_decode
+            )
         else:
             rows = [(run, _pipeline_row(run, ex, pipe, dataset, model, tokenizer, T, max_new)) for run in pending]
         for run, row in rows:

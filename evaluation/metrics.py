@@ -75,7 +75,8 @@ def string_match_part(prediction: str, references: Sequence[str]) -> float:
 # --------------------------------------------------------------------------------------------------
 
 _CN_PUNCTUATION = (
-    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿"
+    "–—‘’‛“”„‟…‧﹏."
 )
 _ALL_PUNCTUATION = frozenset(string.punctuation + _CN_PUNCTUATION)
 _EN_PUNCTUATION = frozenset(string.punctuation)
@@ -116,13 +117,16 @@ _CJK_OR_WORD = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]|[^\s\u3400-\u9fff\uf900
 @lru_cache(maxsize=1)
 def _jieba():
     try:
-        import jieba  # noqa: PLC0415
+        import jieba
 
         jieba.setLogLevel(60)
         return jieba
     except ImportError:
-        warnings.warn("jieba is not installed: Chinese LongBench metrics segment text into single CJK characters "
-                      "(official LongBench uses jieba words; `pip install jieba` to match it)", stacklevel=3)
+        warnings.warn(
+            "jieba is not installed: Chinese LongBench metrics segment text into single CJK characters "
+            "(official LongBench uses jieba words; `pip install jieba` to match it)",
+            stacklevel=3,
+        )
         return None
 
 
@@ -159,7 +163,7 @@ class _WhitespaceTokenizer:
 
 @lru_cache(maxsize=2)
 def _rouge_scorer(whitespace: bool):
-    from rouge_score import rouge_scorer  # noqa: PLC0415
+    from rouge_score import rouge_scorer
 
     return rouge_scorer.RougeScorer(["rougeL"], tokenizer=_WhitespaceTokenizer() if whitespace else None)
 
@@ -232,13 +236,12 @@ def code_sim_score(prediction: str, ground_truth: str, **_) -> float:
     fuzzywuzzy's ``ratio`` (LongBench) is ``round(100 * (1 - indel_distance / (len(a) + len(b))))``;
     rapidfuzz computes the same normalised indel similarity, rounded here the same way.
     """
-    from rapidfuzz import fuzz  # noqa: PLC0415
+    from rapidfuzz import fuzz
 
     return int(round(fuzz.ratio(first_code_line(prediction), ground_truth))) / 100
 
 
-def classification_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None,
-                         **_) -> float:
+def classification_score(prediction: str, ground_truth: str, all_classes: Sequence[str] | None = None, **_) -> float:
     """LongBench ``classification_score``: credit ``1 / m`` when the reference is among the ``m`` labels named.
 
     Labels of ``all_classes`` found in ``prediction`` are collected; those that are proper substrings of
@@ -249,8 +252,7 @@ def classification_score(prediction: str, ground_truth: str, all_classes: Sequen
         ValueError: ``all_classes`` is missing or empty.
     """
     if not all_classes:
-        raise ValueError("classification_score needs all_classes (the task's label set), got "
-                         f"{all_classes!r}")
+        raise ValueError(f"classification_score needs all_classes (the task's label set), got {all_classes!r}")
     matches = [c for c in all_classes if c in prediction]
     matches = [c for c in matches if not (c in ground_truth and c != ground_truth)]
     return 1.0 / len(matches) if ground_truth in matches else 0.0
@@ -285,8 +287,9 @@ LONGBENCH_FIRST_LINE_TASKS = frozenset({"trec", "triviaqa", "samsum", "lsht"})
 """Few-shot tasks whose prediction is cut to its first line before scoring (LongBench ``eval.py``)."""
 
 
-def longbench_score(task: str, prediction: str, answers: Sequence[str],
-                    all_classes: Sequence[str] | None = None) -> float:
+def longbench_score(
+    task: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None
+) -> float:
     """Score of one LongBench prediction: the task's metric, maximised over the reference ``answers``.
 
     Applies ``eval.py``'s rule: for trec, triviaqa, samsum and lsht only the first line of the prediction
@@ -382,7 +385,7 @@ def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple
     Raises:
         ValueError: ``n < 1``, ``successes`` outside ``[0, n]`` or ``confidence`` outside (0, 1).
     """
-    from scipy.stats import norm  # noqa: PLC0415
+    from scipy.stats import norm
 
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
@@ -404,7 +407,7 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float
     Raises:
         ValueError: ``values`` is empty or ``confidence`` outside (0, 1).
     """
-    from scipy.stats import t  # noqa: PLC0415
+    from scipy.stats import t
 
     n = len(values)
     if n == 0:

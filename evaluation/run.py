@@ -39,7 +39,7 @@ def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
     """
     names = names or {g: HydraConfig.get().runtime.choices[g] for g in ("press", "dataset", "model")}
     prepared = inputs.prepare([(cfg, names)])
-    from evaluation.loop import evaluate  # noqa: PLC0415 - torch and kvpress only once the inputs are resolved
+    from evaluation.loop import evaluate  # torch and kvpress only once the inputs are resolved
 
     return evaluate([(cfg, names)], command_line(), prepared=prepared)[0]
 

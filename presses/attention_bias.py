@@ -17,7 +17,8 @@ float32 on every path, so the log-weights are never rounded to a half-precision 
 eager wrappers upcast that layer's query, keys and values (a transient float32 copy of the layer's cache) and
 cast the output back; the Triton decode kernel reads the float32 bias and accumulates in float32. On CUDA a
 one-token decode step goes through the dispatch point :func:`presses.kernels.biased_decode_attention`
-(split-K Triton flash decoding with the bias of :func:`decode_bias`) instead. :func:`take_biases` and :func:`install_biases` move
+(split-K Triton flash decoding with the bias of :func:`decode_bias`) instead. :func:`take_biases` and
+:func:`install_biases` move
 the states of a model off and back on (the press contract's decode-state export and import).
 """
 
@@ -30,8 +31,18 @@ import torch
 
 from presses.kernels import biased_decode_attention, use_triton
 
-__all__ = ["AttentionBias", "bias_mask", "decode_bias", "grouped_sdpa", "install_bias_attention",
-           "clear_attention_bias", "take_biases", "install_biases", "select_bias_rows", "SUPPORTED_ATTENTION"]
+__all__ = [
+    "AttentionBias",
+    "bias_mask",
+    "decode_bias",
+    "grouped_sdpa",
+    "install_bias_attention",
+    "clear_attention_bias",
+    "take_biases",
+    "install_biases",
+    "select_bias_rows",
+    "SUPPORTED_ATTENTION",
+]
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -61,8 +72,9 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
-def bias_mask(state: AttentionBias, query: torch.Tensor, key: torch.Tensor,
-              attention_mask: torch.Tensor | None) -> torch.Tensor:
+def bias_mask(
+    state: AttentionBias, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
     """Float attention mask for a layer with a corrected, padded prompt prefix.
 
     The first ``P`` key slots get ``state.bias`` (shared by all query heads of a group); the
@@ -87,8 +99,10 @@ def bias_mask(state: AttentionBias, query: torch.Tensor, key: torch.Tensor,
     bias = state.bias
     P = state.prefix_len
     if K < P or bias.shape[0] != B or bias.shape[1] != G:
-        raise ValueError(f"SNIS state (B={bias.shape[0]}, G={bias.shape[1]}, P={P}) does not match the "
-                         f"layer's cache (B={B}, G={G}, K={K}): was the cache replaced without a prefill?")
+        raise ValueError(
+            f"SNIS state (B={bias.shape[0]}, G={bias.shape[1]}, P={P}) does not match the "
+            f"layer's cache (B={B}, G={G}, K={K}): was the cache replaced without a prefill?"
+        )
     n_after = K - P
     dtype = query.dtype
     prefix = bias.to(device=query.device, dtype=dtype).repeat_interleave(HQ // G, dim=1).unsqueeze(2)
@@ -113,7 +127,8 @@ def clear_attention_bias(model) -> None:
 
 
 def decode_bias(state: AttentionBias, key: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Per-group logit bias ``(B, G, K)`` float32 of a one-token decode step (paper 003 eq. 10; docs/methods.md §3 item 5).
+    """Per-group logit bias ``(B, G, K)`` float32 of a one-token decode step (paper 003 eq. 10; docs/methods.md §3 item
+    5).
 
     The ``P`` prompt slots get ``state.bias``; the ``K - P`` slots written after eviction get ``0``, or the
     model's own additive mask there (padding) when it passed one that all heads share.
@@ -135,7 +150,7 @@ def decode_bias(state: AttentionBias, key: torch.Tensor, attention_mask: torch.T
         raise ValueError(f"SNIS state has P={P} prompt slots but the layer's cache has K={K}")
     post = torch.zeros(B, G, K - P, device=key.device, dtype=torch.float32)
     if attention_mask is not None and K > P:
-        post = post + _additive(attention_mask[..., -(K - P):], torch.float32).reshape(-1, 1, K - P)
+        post = post + _additive(attention_mask[..., -(K - P) :], torch.float32).reshape(-1, 1, K - P)
     return torch.cat([state.bias.to(device=key.device, dtype=torch.float32), post], dim=-1)
 
 
@@ -151,8 +166,9 @@ def _kernel_decode(module, query, key, value, attention_mask, state, kwargs):
     return out.transpose(1, 2).contiguous(), None  # transformers' (B, q, H_Q, d), no weights
 
 
-def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                 scaling: float | None) -> tuple[torch.Tensor, None]:
+def grouped_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float | None
+) -> tuple[torch.Tensor, None]:
     """sdpa with a float mask under GQA, without copying keys and values to every query head.
 
     The ``r = H_Q / G`` query heads of a group become extra query rows against the group's own keys:
@@ -171,7 +187,8 @@ def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     G, K = key.shape[1], key.shape[2]
     rows = (H // G) * q  # query head h = g r + j (repeat_kv's order) -> group g, rows j q .. j q + q - 1
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(B, G, rows, d), key, value, attn_mask=mask.reshape(B, G, rows, K), scale=scaling)
+        query.reshape(B, G, rows, d), key, value, attn_mask=mask.reshape(B, G, rows, K), scale=scaling
+    )
     return out.reshape(B, H, q, d).transpose(1, 2).contiguous(), None
 
 
@@ -201,12 +218,19 @@ def _wrap(func, name: str):
                     query, key, value = query.float(), key.float(), value.float()
                 attention_mask = bias_mask(state, query, key, attention_mask)
                 dropout = args[0] if args else kwargs.get("dropout", 0.0)  # kvpress's patch passes it positionally
-                if (name == "sdpa" and len(args) <= 1 and not dropout and not kwargs.get("sliding_window")
-                        and not kwargs.get("softcap") and not kwargs.get("output_attentions")
-                        and getattr(module, "masked_key_indices", None) is None  # kvpress's AdaKV masking
-                        and query.shape[1] % key.shape[1] == 0):
-                    return _in_dtype(grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling")),
-                                     model_dtype)
+                if (
+                    name == "sdpa"
+                    and len(args) <= 1
+                    and not dropout
+                    and not kwargs.get("sliding_window")
+                    and not kwargs.get("softcap")
+                    and not kwargs.get("output_attentions")
+                    and getattr(module, "masked_key_indices", None) is None  # kvpress's AdaKV masking
+                    and query.shape[1] % key.shape[1] == 0
+                ):
+                    return _in_dtype(
+                        grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling")), model_dtype
+                    )
         inner = func
         if inner is None:  # eager: the model file's own eager function
             inner = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
@@ -274,8 +298,10 @@ def install_biases(model, states_per_run: list) -> None:
             layer.self_attn._attention_bias = None
             continue
         if not all(present) or len({s.prefix_len for s in layer_states}) != 1:
-            raise ValueError(f"layer {i}: runs decoded in one batch need attention biases of equal padded length "
-                             f"(present={present}, lengths={[s.prefix_len if s else None for s in layer_states]})")
+            raise ValueError(
+                f"layer {i}: runs decoded in one batch need attention biases of equal padded length "
+                f"(present={present}, lengths={[s.prefix_len if s else None for s in layer_states]})"
+            )
         layer.self_attn._attention_bias = AttentionBias(torch.cat([s.bias for s in layer_states], dim=0))
 
 

@@ -28,16 +28,24 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from kvpress.presses.base_press import BasePress
 
 from presses.attention_bias import install_biases, take_biases
 
-__all__ = ["Capabilities", "ResearchPress", "press_in_use", "active_hook", "wrapper_path", "decoder_layers",
-           "language_model"]
+__all__ = [
+    "Capabilities",
+    "ResearchPress",
+    "press_in_use",
+    "active_hook",
+    "wrapper_path",
+    "decoder_layers",
+    "language_model",
+]
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,8 @@ class Capabilities:
 
 
 def language_model(model):
-    """The decoder stack of a causal LM (``model.model.language_model`` for multimodal wrappers, else ``model.model``)."""
+    """The decoder stack of a causal LM (``model.model.language_model`` for multimodal wrappers, else
+    ``model.model``)."""
     return model.model.language_model if hasattr(model.model, "language_model") else model.model
 
 

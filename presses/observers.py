@@ -9,8 +9,8 @@ paper 000 section 3; paper 001 eq. 2 and appendix C (rows are averaged before an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Callable
 
 import torch
 
@@ -28,7 +28,8 @@ def shared_observers() -> AbstractContextManager[None]:
 
     Inside the block, :func:`memoized_observers` returns what it already computed for the same attention module,
     the same ``hidden_states`` tensor object, keys of the same shape and the same observer count (the harness's
-    replays rebuild each layer's keys from the recorded ones, so their tensor objects differ). The observer attention does
+    replays rebuild each layer's keys from the recorded ones, so their tensor objects differ). The observer attention
+    does
     not depend on the compression ratio, the protection or the group selection, so e.g. Page-EntroKV at three
     ratios computes it once per layer. Used by the harness's shared-prefill loop (``evaluation.loop``), whose
     replays pass the recorded, never modified tensors of one prefill; keep the block to one prefill. The memo is
@@ -37,8 +38,9 @@ def shared_observers() -> AbstractContextManager[None]:
     return _memo.scope()
 
 
-def memoized_observers(module, hidden_states: torch.Tensor, keys: torch.Tensor, observers: int,
-                       compute: Callable[[], torch.Tensor], *extra) -> torch.Tensor:
+def memoized_observers(
+    module, hidden_states: torch.Tensor, keys: torch.Tensor, observers: int, compute: Callable[[], torch.Tensor], *extra
+) -> torch.Tensor:
     """``compute()``, memoised inside a :func:`shared_observers` block (see there), else computed each time.
 
     Args:
@@ -51,8 +53,14 @@ def memoized_observers(module, hidden_states: torch.Tensor, keys: torch.Tensor, 
     return _memo.get(key, compute, module, hidden_states, extra)
 
 
-def observer_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,
-                       position_embeddings, attentions: torch.Tensor | None = None) -> torch.Tensor:
+def observer_attention(
+    module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    window_size: int,
+    position_embeddings,
+    attentions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Observer-averaged attention of the last ``window_size`` prefill queries (docs/methods.md §1 step 1).
 
     Uses the layer's eager attention weights when kvpress passes them, and otherwise recomputes the

@@ -40,12 +40,30 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # device peak bandwidths (bytes/s) when the driver does not report memory clock and bus width
-PEAK_BW_BY_NAME = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12,
-                   "A100 80GB PCIe": 1.935e12, "A100": 1.555e12, "L40S": 8.64e11, "L4": 3.0e11, "4090": 1.008e12}
+PEAK_BW_BY_NAME = {
+    "H200": 4.8e12,
+    "H100 SXM": 3.35e12,
+    "H100 PCIe": 2.0e12,
+    "H100": 3.35e12,
+    "A100-SXM4-80GB": 2.039e12,
+    "A100 80GB PCIe": 1.935e12,
+    "A100": 1.555e12,
+    "L40S": 8.64e11,
+    "L4": 3.0e11,
+    "4090": 1.008e12,
+}
 
 
-KERNELS = ("window_attention", "column_sums_h2o_h", "pooled_page_scores", "expected_unique_many", "biased_decode",
-           "biased_decode_vs_sdpa_mask", "row_chunk_masses_proposal", "row_chunk_masses_audit")
+KERNELS = (
+    "window_attention",
+    "column_sums_h2o_h",
+    "pooled_page_scores",
+    "expected_unique_many",
+    "biased_decode",
+    "biased_decode_vs_sdpa_mask",
+    "row_chunk_masses_proposal",
+    "row_chunk_masses_audit",
+)
 
 
 @dataclass
@@ -92,7 +110,7 @@ def peak_bandwidth(torch, device, override_gbps):
         clock_mhz = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)
         bus_bits = pynvml.nvmlDeviceGetMemoryBusWidth(h)
         return 2.0 * clock_mhz * 1e6 * bus_bits / 8, "nvml"
-    except Exception:  # noqa: BLE001 - any NVML failure falls back to the table
+    except Exception:  # any NVML failure falls back to the table
         pass
     for key, bw in PEAK_BW_BY_NAME.items():
         if key in props.name:
@@ -122,8 +140,11 @@ def copy_bandwidth(torch, device, n_bytes: int = 1 << 30) -> float:
 
 
 def build_cases(torch, device, lengths, dry, only):
-    from presses.kernels.biased_decode import biased_decode_triton
+    from presses.core.columns import column_sums as column_sums_reference
+    from presses.core.observer import observer_attention_reference
+    from presses.core.row_masses import chunk_ids, row_chunk_masses_reference
     from presses.kernels.attention_columns import column_sums_triton, window_attention_triton
+    from presses.kernels.biased_decode import biased_decode_triton
     from presses.kernels.expected_unique import expected_unique_many_triton
     from presses.kernels.references import (
         biased_decode_reference,
@@ -131,9 +152,6 @@ def build_cases(torch, device, lengths, dry, only):
         pooled_page_scores_reference,
     )
     from presses.kernels.renyi_pages import pooled_page_scores_triton
-    from presses.core.observer import observer_attention_reference
-    from presses.core.columns import column_sums as column_sums_reference
-    from presses.core.row_masses import chunk_ids, row_chunk_masses_reference
     from presses.kernels.row_masses import row_chunk_masses_triton
     from presses.probabilistic.proposals import harmonic_prior
 
@@ -156,12 +174,18 @@ def build_cases(torch, device, lengths, dry, only):
         keys = randn(B, G, T, d)
         if want("window_attention"):
             q = randn(B, HQ, W, d)
-            yield Case("window_attention", T, f"B={B} H_Q={HQ} G={G} W={W} d={d}", dname,
-                       keys.numel() * e + q.numel() * e + B * HQ * T * 4,
-                       4.0 * B * HQ * W * T * d,  # two passes over K, one W x T x d product each
-                       "compute",  # ~480 FLOP/byte at W=64, r=4, d=128: above any GPU's bf16 ridge point
-                       lambda q=q, k=keys: observer_attention_reference(q, k),
-                       lambda q=q, k=keys: window_attention_triton(q, k), 1.0)
+            yield Case(
+                "window_attention",
+                T,
+                f"B={B} H_Q={HQ} G={G} W={W} d={d}",
+                dname,
+                keys.numel() * e + q.numel() * e + B * HQ * T * 4,
+                4.0 * B * HQ * W * T * d,  # two passes over K, one W x T x d product each
+                "compute",  # ~480 FLOP/byte at W=64, r=4, d=128: above any GPU's bf16 ridge point
+                lambda q=q, k=keys: observer_attention_reference(q, k),
+                lambda q=q, k=keys: window_attention_triton(q, k),
+                1.0,
+            )
         if want("column_sums_h2o_h"):
             qa = randn(B, HQ, T, d)
             prior = harmonic_prior(T, device)
@@ -170,35 +194,54 @@ def build_cases(torch, device, lengths, dry, only):
                 out = None
                 for s in range(0, T, qblock):
                     rows = torch.arange(s, min(s + qblock, T), device=device)
-                    part = column_sums_reference(qa[:, :, s:s + qblock], k, prior[s:s + qblock], rows)
+                    part = column_sums_reference(qa[:, :, s : s + qblock], k, prior[s : s + qblock], rows)
                     out = part if out is None else out + part
                 return out
 
-            yield Case("column_sums_h2o_h", T, f"B={B} H_Q={HQ} G={G} rows=T d={d} (query blocks of {qblock})",
-                       dname, keys.numel() * e + qa.numel() * e + B * HQ * T * 4,
-                       2.0 * B * HQ * T * T * d,  # two passes, each ~T^2/2 causal q.k products of 2d FLOPs
-                       "compute",  # O(T^2 d) work on O(T d) bytes
-                       ref_cs,
-                       lambda qa=qa, k=keys, prior=prior, T=T: column_sums_triton(
-                           qa, k, prior, torch.arange(T, device=device)), 2.0)
+            yield Case(
+                "column_sums_h2o_h",
+                T,
+                f"B={B} H_Q={HQ} G={G} rows=T d={d} (query blocks of {qblock})",
+                dname,
+                keys.numel() * e + qa.numel() * e + B * HQ * T * 4,
+                2.0 * B * HQ * T * T * d,  # two passes, each ~T^2/2 causal q.k products of 2d FLOPs
+                "compute",  # O(T^2 d) work on O(T d) bytes
+                ref_cs,
+                lambda qa=qa, k=keys, prior=prior, T=T: column_sums_triton(
+                    qa, k, prior, torch.arange(T, device=device)
+                ),
+                2.0,
+            )
         if want("pooled_page_scores"):
             attn = torch.softmax(randn(B, HQ, T, dt=torch.float32) * 4, -1)
             P = -(-T // page)
-            yield Case("pooled_page_scores", T, f"B={B} H_Q={HQ} G={G} page_size={page} alpha=2 entropy", "float32",
-                       3 * attn.numel() * 4 + B * G * (T + P) * 4,
-                       20.0 * attn.numel(),  # a few elementwise passes (powers, logs, pooling, page max)
-                       "memory",  # ~1.5 FLOP/byte
-                       lambda a=attn: pooled_page_scores_reference(a, G, 4, 2.0, 0.5, "entropy", page)[1],
-                       lambda a=attn: pooled_page_scores_triton(a, G, 4, 2.0, 0.5, "entropy", page)[1], 1.0)
+            yield Case(
+                "pooled_page_scores",
+                T,
+                f"B={B} H_Q={HQ} G={G} page_size={page} alpha=2 entropy",
+                "float32",
+                3 * attn.numel() * 4 + B * G * (T + P) * 4,
+                20.0 * attn.numel(),  # a few elementwise passes (powers, logs, pooling, page max)
+                "memory",  # ~1.5 FLOP/byte
+                lambda a=attn: pooled_page_scores_reference(a, G, 4, 2.0, 0.5, "entropy", page)[1],
+                lambda a=attn: pooled_page_scores_triton(a, G, 4, 2.0, 0.5, "entropy", page)[1],
+                1.0,
+            )
         if want("expected_unique_many"):
             pi = torch.softmax(randn(L * G, T, dt=torch.float64) * 3, -1)
             m = torch.logspace(0, 12, M, device=device, dtype=torch.float64).round()
-            yield Case("expected_unique_many", T, f"rows=L*G={L * G} M={M} candidates", "float64",
-                       pi.numel() * 8 + L * G * M * 8,
-                       4.0 * pi.numel() * M,  # one float64 log1p + exp + multiply-add per (row, key, m)
-                       "compute",  # ~30 float64 FLOP/byte (transcendentals), above the float64 ridge (~14 on H100/H200)
-                       lambda pi=pi, m=m: expected_unique_many_reference(pi, m),
-                       lambda pi=pi, m=m: expected_unique_many_triton(pi, m), 1.0)
+            yield Case(
+                "expected_unique_many",
+                T,
+                f"rows=L*G={L * G} M={M} candidates",
+                "float64",
+                pi.numel() * 8 + L * G * M * 8,
+                4.0 * pi.numel() * M,  # one float64 log1p + exp + multiply-add per (row, key, m)
+                "compute",  # ~30 float64 FLOP/byte (transcendentals), above the float64 ridge (~14 on H100/H200)
+                lambda pi=pi, m=m: expected_unique_many_reference(pi, m),
+                lambda pi=pi, m=m: expected_unique_many_triton(pi, m),
+                1.0,
+            )
         for name, n_rows, average in (("row_chunk_masses_proposal", 8, True), ("row_chunk_masses_audit", 256, False)):
             if not want(name):
                 continue
@@ -209,44 +252,73 @@ def build_cases(torch, device, lengths, dry, only):
             k = int(ids.max()) + 1
             n_rows = n_rows if average else min(n_rows, T - hi)  # audit rows: distinct question positions
             qr = randn(B, HQ, n_rows, d)
-            rows = (torch.arange(T - n_rows, T, device=device) if average
-                    else torch.randperm(T - hi, generator=gen, device=device)[:n_rows] + hi)
+            rows = (
+                torch.arange(T - n_rows, T, device=device)
+                if average
+                else torch.randperm(T - hi, generator=gen, device=device)[:n_rows] + hi
+            )
             w = torch.full((n_rows,), 1.0 / n_rows, device=device) if average else None
 
             def flat(out):
                 return out[0].flatten() if out[1] is None else torch.cat([out[0].flatten(), out[1].flatten()])
 
-            yield Case(name, T, f"B={B} H_Q={HQ} G={G} rows={n_rows} chunks={k} d={d}" + (" +average" if average else ""),
-                       dname, keys.numel() * e + qr.numel() * e + T * 4 + B * HQ * n_rows * k * 4
-                       + (B * HQ * T * 4 if average else 0),
-                       # q.k and the one-hot chunk product (fp32, ieee) in one pass; the average: a second q.k pass
-                       2.0 * B * HQ * n_rows * T * (d + min(128, k)) + (4.0 * B * HQ * n_rows * T * d if average else 0),
-                       "compute",  # the fp32 one-hot product runs at the non-tensor-core fp32 rate
-                       lambda q=qr, k_=keys, rows=rows, ids=ids, k=k, w=w: flat(
-                           row_chunk_masses_reference(q, k_, rows, ids, k, w)),
-                       lambda q=qr, k_=keys, rows=rows, ids=ids, k=k, w=w: flat(
-                           row_chunk_masses_triton(q, k_, rows, ids, k, w)), 1.0)
+            yield Case(
+                name,
+                T,
+                f"B={B} H_Q={HQ} G={G} rows={n_rows} chunks={k} d={d}" + (" +average" if average else ""),
+                dname,
+                keys.numel() * e
+                + qr.numel() * e
+                + T * 4
+                + B * HQ * n_rows * k * 4
+                + (B * HQ * T * 4 if average else 0),
+                # q.k and the one-hot chunk product (fp32, ieee) in one pass; the average: a second q.k pass
+                2.0 * B * HQ * n_rows * T * (d + min(128, k)) + (4.0 * B * HQ * n_rows * T * d if average else 0),
+                "compute",  # the fp32 one-hot product runs at the non-tensor-core fp32 rate
+                lambda q=qr, k_=keys, rows=rows, ids=ids, k=k, w=w: flat(
+                    row_chunk_masses_reference(q, k_, rows, ids, k, w)
+                ),
+                lambda q=qr, k_=keys, rows=rows, ids=ids, k=k, w=w: flat(
+                    row_chunk_masses_triton(q, k_, rows, ids, k, w)
+                ),
+                1.0,
+            )
         if want("biased_decode") or want("biased_decode_vs_sdpa_mask"):
             qd, vals = randn(B, HQ, 1, d), randn(B, G, T, d)
             bias = randn(B, G, T, dt=torch.float32)
-            bias[..., T - T // 10:] = float("-inf")  # padded tail
+            bias[..., T - T // 10 :] = float("-inf")  # padded tail
         if want("biased_decode"):
-            yield Case("biased_decode", T, f"B={B} H_Q={HQ} G={G} K=T d={d} (10% padding)", dname,
-                       2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
-                       4.0 * B * HQ * T * d,  # q.k and p.v
-                       "memory",  # ~4 FLOP/byte
-
-                       lambda q=qd, k=keys, v=vals, b=bias: biased_decode_reference(q, k, v, b),
-                       lambda q=qd, k=keys, v=vals, b=bias: biased_decode_triton(q, k, v, b), 1.0)
+            yield Case(
+                "biased_decode",
+                T,
+                f"B={B} H_Q={HQ} G={G} K=T d={d} (10% padding)",
+                dname,
+                2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
+                4.0 * B * HQ * T * d,  # q.k and p.v
+                "memory",  # ~4 FLOP/byte
+                lambda q=qd, k=keys, v=vals, b=bias: biased_decode_reference(q, k, v, b),
+                lambda q=qd, k=keys, v=vals, b=bias: biased_decode_triton(q, k, v, b),
+                1.0,
+            )
         if want("biased_decode_vs_sdpa_mask"):
             # the path the SNIS press takes today: sdpa with a (B, H_Q, 1, K) float mask (bias_mask)
-            yield Case("biased_decode_vs_sdpa_mask", T, f"B={B} H_Q={HQ} G={G} K=T d={d}", dname,
-                       2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
-                       4.0 * B * HQ * T * d, "memory",
-                       lambda q=qd, k=keys, v=vals, b=bias: torch.nn.functional.scaled_dot_product_attention(
-                           q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1),
-                           attn_mask=b.to(dtype).repeat_interleave(r, 1).unsqueeze(2)),
-                       lambda q=qd, k=keys, v=vals, b=bias: biased_decode_triton(q, k, v, b), 1.0)
+            yield Case(
+                "biased_decode_vs_sdpa_mask",
+                T,
+                f"B={B} H_Q={HQ} G={G} K=T d={d}",
+                dname,
+                2 * keys.numel() * e + bias.numel() * 4 + 2 * qd.numel() * e,
+                4.0 * B * HQ * T * d,
+                "memory",
+                lambda q=qd, k=keys, v=vals, b=bias: torch.nn.functional.scaled_dot_product_attention(
+                    q,
+                    k.repeat_interleave(r, 1),
+                    v.repeat_interleave(r, 1),
+                    attn_mask=b.to(dtype).repeat_interleave(r, 1).unsqueeze(2),
+                ),
+                lambda q=qd, k=keys, v=vals, b=bias: biased_decode_triton(q, k, v, b),
+                1.0,
+            )
 
 
 def timed(torch, device, fn, max_reps, max_s):
@@ -291,8 +363,11 @@ def main() -> int:
     import triton
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else ([96, 200] if args.dry_run
-                                                                              else [4096, 16384, 65536])
+    lengths = (
+        [int(x) for x in args.lengths.split(",")]
+        if args.lengths
+        else ([96, 200] if args.dry_run else [4096, 16384, 65536])
+    )
     only = set(args.kernels.split(",")) if args.kernels else None
     if only and not only <= set(KERNELS):
         print(f"--kernels {sorted(only - set(KERNELS))} not among {KERNELS}", file=sys.stderr)
@@ -302,11 +377,13 @@ def main() -> int:
     peak_bw, peak_src = peak_bandwidth(torch, device, args.peak_gbps)
     copy_bw = copy_bandwidth(torch, device)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
-    label = "PLUMBING CHECK (dry run, Triton interpreter on CPU): times are meaningless" if args.dry_run \
-        else "measured"
-    print(f"device: {dev_name}; peak bandwidth {peak_bw / 1e9:.0f} GB/s ({peak_src}), measured device copy "
-          f"{copy_bw / 1e9:.0f} GB/s; torch {torch.__version__}, "
-          f"triton {triton.__version__}; {label}", flush=True)
+    label = "PLUMBING CHECK (dry run, Triton interpreter on CPU): times are meaningless" if args.dry_run else "measured"
+    print(
+        f"device: {dev_name}; peak bandwidth {peak_bw / 1e9:.0f} GB/s ({peak_src}), measured device copy "
+        f"{copy_bw / 1e9:.0f} GB/s; torch {torch.__version__}, "
+        f"triton {triton.__version__}; {label}",
+        flush=True,
+    )
 
     t_start = time.perf_counter()
     rows: dict[str, list[dict]] = {}
@@ -323,29 +400,45 @@ def main() -> int:
         if predicted * 3 > left * 0.5:  # warm-up + 2 reps must fit in half of what is left
             note = f"reference skipped: predicted {predicted:.1f} s per call, {left:.0f} s left"
         else:
-            ref_ms, ref_out, ref_mb = timed(torch, device, case.reference, 2 if predicted > 1 else reps,
-                                            min(10.0, max(0.5, left / 10)))
+            ref_ms, ref_out, ref_mb = timed(
+                torch, device, case.reference, 2 if predicted > 1 else reps, min(10.0, max(0.5, left / 10))
+            )
             last_ref[case.kernel] = (case.T, ref_ms)
             err = float((tri_out.float() - ref_out.float()).abs().nan_to_num(0.0).max())
         achieved = case.ideal_bytes / (tri_ms / 1e3)
         intensity = case.flops / case.ideal_bytes
         row = {
-            "kernel": case.kernel, "T": case.T, "shape": case.shape, "dtype": case.dtype,
-            "reference_ms": f"{ref_ms:.4f}", "triton_ms": f"{tri_ms:.4f}",
+            "kernel": case.kernel,
+            "T": case.T,
+            "shape": case.shape,
+            "dtype": case.dtype,
+            "reference_ms": f"{ref_ms:.4f}",
+            "triton_ms": f"{tri_ms:.4f}",
             "speedup_ref_over_triton": f"{ref_ms / tri_ms:.3f}" if not math.isnan(ref_ms) else "nan",
-            "ideal_bytes": case.ideal_bytes, "triton_GBps": f"{achieved / 1e9:.1f}",
-            "peak_GBps": f"{peak_bw / 1e9:.0f}", "bandwidth_fraction": f"{achieved / peak_bw:.3f}",
-            "peak_source": peak_src, "copy_GBps": f"{copy_bw / 1e9:.0f}",
+            "ideal_bytes": case.ideal_bytes,
+            "triton_GBps": f"{achieved / 1e9:.1f}",
+            "peak_GBps": f"{peak_bw / 1e9:.0f}",
+            "bandwidth_fraction": f"{achieved / peak_bw:.3f}",
+            "peak_source": peak_src,
+            "copy_GBps": f"{copy_bw / 1e9:.0f}",
             "fraction_of_copy": f"{achieved / copy_bw:.3f}",
-            "flop_per_byte": f"{intensity:.1f}", "bound": case.bound,
-            "reference_peak_extra_MB": f"{ref_mb:.1f}", "triton_peak_extra_MB": f"{tri_mb:.1f}",
-            "max_abs_diff": f"{err:.3g}", "device": dev_name, "status": label, "note": note,
+            "flop_per_byte": f"{intensity:.1f}",
+            "bound": case.bound,
+            "reference_peak_extra_MB": f"{ref_mb:.1f}",
+            "triton_peak_extra_MB": f"{tri_mb:.1f}",
+            "max_abs_diff": f"{err:.3g}",
+            "device": dev_name,
+            "status": label,
+            "note": note,
         }
         rows.setdefault(case.kernel, []).append(row)
-        print(f"{case.kernel:28s} T={case.T:6d}  ref {ref_ms:10.3f} ms  triton {tri_ms:9.3f} ms  "
-              f"x{row['speedup_ref_over_triton']:>8s}  {row['triton_GBps']:>8s} GB/s "
-              f"({row['bandwidth_fraction']} of peak)  mem ref/tri {ref_mb:.0f}/{tri_mb:.0f} MB  "
-              f"diff {err:.2g} {note}", flush=True)
+        print(
+            f"{case.kernel:28s} T={case.T:6d}  ref {ref_ms:10.3f} ms  triton {tri_ms:9.3f} ms  "
+            f"x{row['speedup_ref_over_triton']:>8s}  {row['triton_GBps']:>8s} GB/s "
+            f"({row['bandwidth_fraction']} of peak)  mem ref/tri {ref_mb:.0f}/{tri_mb:.0f} MB  "
+            f"diff {err:.2g} {note}",
+            flush=True,
+        )
         del tri_out
         if device.type == "cuda":
             torch.cuda.empty_cache()

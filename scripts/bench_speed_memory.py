@@ -68,11 +68,18 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from evaluation.harness import (  # noqa: E402
-    CONFIG_DIR, cache_stats, check_ratio, command_line, compose_config, config_choices, write_atomic,
+    CONFIG_DIR,
+    cache_stats,
+    check_ratio,
+    command_line,
+    compose_config,
+    config_choices,
+    write_atomic,
 )
 from evaluation.registry import capabilities  # noqa: E402
 
 logger = logging.getLogger("bench_speed_memory")
+
 
 def _threads_summary(rows: list[dict]) -> str:
     """torch intra-op threads of the rows, e.g. ``"1 torch thread(s): 24 rows; not recorded: 56 rows"`` (rows
@@ -89,11 +96,38 @@ def _threads_summary(rows: list[dict]) -> str:
 
 
 #: Columns of speed_memory.csv, in order.
-COLUMNS = ["model", "device", "dtype", "press", "compression_ratio", "T", "context_length", "context",
-           "repeats", "prefill_s", "full_prefill_s", "prefill_ratio_vs_full", "press_s", "snapkv_press_s",
-           "overhead_ratio", "decode_tokens", "decode_s", "decode_tok_s", "kv_full_bytes", "kv_physical_bytes",
-           "kv_logical_bytes", "physical_vs_full", "logical_vs_full", "peak_mem_mb", "peak_mem_delta_mb",
-           "mem_method", "press_stats", "error", "timestamp", "threads"]
+COLUMNS = [
+    "model",
+    "device",
+    "dtype",
+    "press",
+    "compression_ratio",
+    "T",
+    "context_length",
+    "context",
+    "repeats",
+    "prefill_s",
+    "full_prefill_s",
+    "prefill_ratio_vs_full",
+    "press_s",
+    "snapkv_press_s",
+    "overhead_ratio",
+    "decode_tokens",
+    "decode_s",
+    "decode_tok_s",
+    "kv_full_bytes",
+    "kv_physical_bytes",
+    "kv_logical_bytes",
+    "physical_vs_full",
+    "logical_vs_full",
+    "peak_mem_mb",
+    "peak_mem_delta_mb",
+    "mem_method",
+    "press_stats",
+    "error",
+    "timestamp",
+    "threads",
+]
 REFERENCE = "snapkv"
 NO_PRESS = "no_press"
 GPU_TIME_LIMIT_S = 480.0
@@ -148,7 +182,7 @@ class HookTimer:
 
         return timed
 
-    def __enter__(self) -> "HookTimer":
+    def __enter__(self) -> HookTimer:
         if self.press is not None:
             self.press.forward_hook = self._wrap(self.press.forward_hook)
             self._patched.append("forward_hook")
@@ -253,7 +287,11 @@ def make_press(name: str, compression_ratio: float, seed: int, tokenizer=None, o
     root = OmegaConf.create({"compression_ratio": ratio, "seed": int(seed), "press": node})
     extra = {}
     cls = get_class(root.press._target_)
-    if tokenizer is not None and dataclasses.is_dataclass(cls) and "tokenizer" in {f.name for f in dataclasses.fields(cls)}:
+    if (
+        tokenizer is not None
+        and dataclasses.is_dataclass(cls)
+        and "tokenizer" in {f.name for f in dataclasses.fields(cls)}
+    ):
         extra["tokenizer"] = tokenizer
     return instantiate(root.press, **extra)
 
@@ -287,9 +325,11 @@ def build_context(ds_cfg: DictConfig, pipe, tokenizer, T: int, seed: int, query_
     example = dataset.examples(tokenizer, 1, seed, query_aware)[0]
     inputs = pipe.preprocess(example.context, [example.question], example.answer_prefix, int(1e10))
     if inputs["context_ids"].shape[1] < MIN_CONTEXT_FRACTION * T:
-        raise ValueError(f"{ds_cfg._target_} built a context of {inputs['context_ids'].shape[1]} tokens for T={T}, "
-                         f"below {MIN_CONTEXT_FRACTION:.0%} of T: the dataset stops short of T (multi-document contexts "
-                         "add whole passages, at most 40 with fact_kinds=[city] and 200 with [code])")
+        raise ValueError(
+            f"{ds_cfg._target_} built a context of {inputs['context_ids'].shape[1]} tokens for T={T}, "
+            f"below {MIN_CONTEXT_FRACTION:.0%} of T: the dataset stops short of T (multi-document contexts "
+            "add whole passages, at most 40 with fact_kinds=[city] and 200 with [code])"
+        )
     return inputs["context_ids"], inputs["questions_ids"][0]
 
 
@@ -322,15 +362,13 @@ def greedy_decode(model, cache, question_ids, context_length: int, n_tokens: int
     sync()
     start = time.perf_counter()
     for i in range(n_tokens):
-        out = model(input_ids=token, past_key_values=cache,
-                    position_ids=torch.tensor([[next_pos + i]], device=device))
+        out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[next_pos + i]], device=device))
         token = out.logits[:, -1].argmax(-1, keepdim=True)
     sync()
     return time.perf_counter() - start
 
 
-def measure_row(model, press, context_ids, question_ids, decode_tokens: int, device: str,
-                repeats: int = 1) -> dict:
+def measure_row(model, press, context_ids, question_ids, decode_tokens: int, device: str, repeats: int = 1) -> dict:
     """Prefill (``repeats`` times, each on a fresh cache), decode, and measure; see the module docstring.
 
     Args:
@@ -361,7 +399,7 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
         with torch.inference_mode():
             sync()
             start = time.perf_counter()
-            with timer, (press(model) if press is not None else contextlib.nullcontext()):
+            with timer, press(model) if press is not None else contextlib.nullcontext():
                 model.model(input_ids=ids, past_key_values=cache)
             sync()
             prefill.append(time.perf_counter() - start)
@@ -380,12 +418,21 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
         clear_attention_bias(model)
     decode_s = statistics.median(decode)
     return {
-        "context_length": T, "repeats": len(prefill), "prefill_s": statistics.median(prefill),
-        "press_s": statistics.median(press_s), "decode_tokens": int(decode_tokens), "decode_s": decode_s,
+        "context_length": T,
+        "repeats": len(prefill),
+        "prefill_s": statistics.median(prefill),
+        "press_s": statistics.median(press_s),
+        "decode_tokens": int(decode_tokens),
+        "decode_s": decode_s,
         "decode_tok_s": decode_tokens / decode_s if decode_s and math.isfinite(decode_s) else math.nan,
-        "kv_full_bytes": int(full), "kv_physical_bytes": int(physical), "kv_logical_bytes": int(round(logical)),
-        "physical_vs_full": physical / full, "logical_vs_full": logical / full,
-        "peak_mem_mb": max(peaks), "peak_mem_delta_mb": max(deltas), "mem_method": mem.method,
+        "kv_full_bytes": int(full),
+        "kv_physical_bytes": int(physical),
+        "kv_logical_bytes": int(round(logical)),
+        "physical_vs_full": physical / full,
+        "logical_vs_full": logical / full,
+        "peak_mem_mb": max(peaks),
+        "peak_mem_delta_mb": max(deltas),
+        "mem_method": mem.method,
         "press_stats": json.dumps(stats, default=str, sort_keys=True),
     }
 
@@ -406,8 +453,9 @@ def read_rows(path: Path) -> list[dict]:
 
 def write_rows(path: Path, rows: list[dict]) -> None:
     """Rewrite the csv atomically, rows sorted by model, T, ratio, press."""
-    rows = sorted(rows, key=lambda r: (str(r["model"]), int(float(r["T"])), float(r["compression_ratio"]),
-                                       str(r["press"])))
+    rows = sorted(
+        rows, key=lambda r: (str(r["model"]), int(float(r["T"])), float(r["compression_ratio"]), str(r["press"]))
+    )
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
     w.writeheader()
@@ -465,8 +513,16 @@ def validate(cfg: DictConfig) -> tuple[list[str], list[float], list[int]]:
     return presses, ratios, lengths
 
 
-def run_bench(cfg: DictConfig, model, tokenizer, model_name: str, device: str, command: str = "",
-              time_limit_s: float = math.inf, notes: list[str] | None = None) -> list[dict]:
+def run_bench(
+    cfg: DictConfig,
+    model,
+    tokenizer,
+    model_name: str,
+    device: str,
+    command: str = "",
+    time_limit_s: float = math.inf,
+    notes: list[str] | None = None,
+) -> list[dict]:
     """Run the sweep of ``cfg`` on an already loaded model and write the csv, README and plots.
 
     Args:
@@ -508,8 +564,7 @@ def run_bench(cfg: DictConfig, model, tokenizer, model_name: str, device: str, c
 
     for T in lengths:
         # what this T needs: press rows not yet done, per ratio (no_press only at ratio 0)
-        todo = {r: [p for p in presses if p != NO_PRESS and (model_name, p, f"{r:g}", T) not in done]
-                for r in ratios}
+        todo = {r: [p for p in presses if p != NO_PRESS and (model_name, p, f"{r:g}", T) not in done] for r in ratios}
         need_full = (model_name, NO_PRESS, "0", T) not in done  # the full-prefill row is always saved
         if not need_full and not any(todo.values()):
             continue
@@ -518,8 +573,9 @@ def run_bench(cfg: DictConfig, model, tokenizer, model_name: str, device: str, c
 
         def context(kind: str):
             if kind not in contexts:
-                contexts[kind] = build_context(cfg.contexts[kind], pipe, tokenizer, T, int(cfg.seed),
-                                               kind == "query_aware")
+                contexts[kind] = build_context(
+                    cfg.contexts[kind], pipe, tokenizer, T, int(cfg.seed), kind == "query_aware"
+                )
             return contexts[kind]
 
         def measure(name: str, ratio: float, kind: str) -> dict:
@@ -541,20 +597,44 @@ def run_bench(cfg: DictConfig, model, tokenizer, model_name: str, device: str, c
             return full_ref[kind]
 
         def save(name, ratio, kind, res, full_s, snap_s, error=""):
-            row = {"model": model_name, "device": device, "dtype": dtype, "press": name,
-                   "compression_ratio": ratio, "T": T, "context": kind, **res, "full_prefill_s": full_s,
-                   "snapkv_press_s": snap_s, "error": error,
-                   "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "threads": torch.get_num_threads()}
+            row = {
+                "model": model_name,
+                "device": device,
+                "dtype": dtype,
+                "press": name,
+                "compression_ratio": ratio,
+                "T": T,
+                "context": kind,
+                **res,
+                "full_prefill_s": full_s,
+                "snapkv_press_s": snap_s,
+                "error": error,
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "threads": torch.get_num_threads(),
+            }
             if not error:
                 row["prefill_ratio_vs_full"] = res["prefill_s"] / full_s if full_s else math.nan
-                row["overhead_ratio"] = (0.0 if name == NO_PRESS
-                                         else res["press_s"] / snap_s if snap_s and snap_s > 0 else math.nan)
+                row["overhead_ratio"] = (
+                    0.0 if name == NO_PRESS else res["press_s"] / snap_s if snap_s and snap_s > 0 else math.nan
+                )
             rows[:] = [r for r in rows if row_key(r) != row_key(row)] + [row]
             write_rows(csv_path, rows)
             if not error:
                 done.add(row_key(row))
-            logger.info("  -> %s", {k: row.get(k) for k in ("prefill_s", "press_s", "overhead_ratio",
-                                                           "decode_tok_s", "physical_vs_full", "peak_mem_mb")})
+            logger.info(
+                "  -> %s",
+                {
+                    k: row.get(k)
+                    for k in (
+                        "prefill_s",
+                        "press_s",
+                        "overhead_ratio",
+                        "decode_tok_s",
+                        "physical_vs_full",
+                        "peak_mem_mb",
+                    )
+                },
+            )
 
         try:
             if over_time():
@@ -590,13 +670,17 @@ def run_bench(cfg: DictConfig, model, tokenizer, model_name: str, device: str, c
         if stopped:
             break
     if stopped:
-        logger.warning("time_limit_s=%g reached after %.0f s: wrote the rows done so far; rerun to resume",
-                       time_limit_s, time.perf_counter() - t_start)
+        logger.warning(
+            "time_limit_s=%g reached after %.0f s: wrote the rows done so far; rerun to resume",
+            time_limit_s,
+            time.perf_counter() - t_start,
+        )
     rows = read_rows(csv_path)
     lines = list(notes or [])
     if stopped:
-        lines.append(f"**Incomplete**: the time limit ({time_limit_s:g} s) stopped the sweep; rerun the command "
-                     "to resume.")
+        lines.append(
+            f"**Incomplete**: the time limit ({time_limit_s:g} s) stopped the sweep; rerun the command to resume."
+        )
     write_report(out, rows, cfg, command, device, lines, time.perf_counter() - t_start)
     return rows
 
@@ -631,32 +715,50 @@ def comparison_tables(out: Path, rows: list[dict], cfg: DictConfig) -> list[str]
             lines += [f"Comparison file `{name}` (compare_with) not found.", ""]
             continue
         before = {row_key(r): r for r in read_rows(path) if not r.get("error")}
-        pairs = [(r, before[row_key(r)]) for r in rows if row_key(r) in before and r["press"] != NO_PRESS
-                 and before[row_key(r)].get("timestamp") != r.get("timestamp")]
-        pairs.sort(key=lambda p: (p[0]["model"], order.index(p[0]["press"]) if p[0]["press"] in order
-                                  else len(order), p[0]["press"], float(p[0]["compression_ratio"]),
-                                  int(float(p[0]["T"]))))
+        pairs = [
+            (r, before[row_key(r)])
+            for r in rows
+            if row_key(r) in before
+            and r["press"] != NO_PRESS
+            and before[row_key(r)].get("timestamp") != r.get("timestamp")
+        ]
+        pairs.sort(
+            key=lambda p: (
+                p[0]["model"],
+                order.index(p[0]["press"]) if p[0]["press"] in order else len(order),
+                p[0]["press"],
+                float(p[0]["compression_ratio"]),
+                int(float(p[0]["T"])),
+            )
+        )
         stamps = sorted(str(old.get("timestamp", "")) for _, old in pairs)
         when = f" (measured {stamps[0]} to {stamps[-1]})" if stamps else ""
-        lines += [f"## Before and after: rows measured again vs `{name}`{when}", "",
-                  "Each side's ratios are taken within its own run (its own uncompressed prefill and SnapKV "
-                  "reference at the same T).", "",
-                  "| model | press | ratio | T | vs full before | vs full after | press ms before | press ms after | "
-                  "overhead before | overhead after |", "|" + "---|" * 10]
+        lines += [
+            f"## Before and after: rows measured again vs `{name}`{when}",
+            "",
+            "Each side's ratios are taken within its own run (its own uncompressed prefill and SnapKV "
+            "reference at the same T).",
+            "",
+            "| model | press | ratio | T | vs full before | vs full after | press ms before | press ms after | "
+            "overhead before | overhead after |",
+            "|" + "---|" * 10,
+        ]
         for new, old in pairs:
             lines.append(
                 f"| {new['model']} | {new['press']} | {float(new['compression_ratio']):g} | {int(float(new['T']))} | "
                 f"{_fmt(old['prefill_ratio_vs_full'], '.2f')} | {_fmt(new['prefill_ratio_vs_full'], '.2f')} | "
                 f"{_fmt(_num(old['press_s']) * 1e3, '.1f')} | {_fmt(_num(new['press_s']) * 1e3, '.1f')} | "
-                f"{_fmt(old['overhead_ratio'], '.2f')} | {_fmt(new['overhead_ratio'], '.2f')} |")
+                f"{_fmt(old['overhead_ratio'], '.2f')} | {_fmt(new['overhead_ratio'], '.2f')} |"
+            )
         if not pairs:
             lines.append("| - | no row measured again | | | | | | | | |")
         lines.append("")
     return lines
 
 
-def write_report(out: Path, rows: list[dict], cfg: DictConfig, command: str, device: str, notes: list[str],
-                 seconds: float) -> None:
+def write_report(
+    out: Path, rows: list[dict], cfg: DictConfig, command: str, device: str, notes: list[str], seconds: float
+) -> None:
     """Write ``README.md`` (tables per T, summary tables, the command) and the plots from the csv rows."""
     import torch
 
@@ -699,32 +801,51 @@ def write_report(out: Path, rows: list[dict], cfg: DictConfig, command: str, dev
         order = [NO_PRESS, REFERENCE, *[str(p) for p in cfg.presses]]
         presses = sorted({r["press"] for r in mrows}, key=lambda p: (order.index(p) if p in order else len(order), p))
         ratios = sorted({float(r["compression_ratio"]) for r in mrows if r["press"] != NO_PRESS})
-        lines += [f"## {model}: summary", "",
-                  "Overhead ratio vs SnapKV (press time / SnapKV press time, same T and ratio, same run) and "
-                  "physical KV bytes vs full, per press:", ""]
-        header = "| press | ratio | " + " | ".join(f"overhead T={t}" for t in Ts) + " | " + \
-                 " | ".join(f"physical T={t}" for t in Ts) + " |"
+        lines += [
+            f"## {model}: summary",
+            "",
+            "Overhead ratio vs SnapKV (press time / SnapKV press time, same T and ratio, same run) and "
+            "physical KV bytes vs full, per press:",
+            "",
+        ]
+        header = (
+            "| press | ratio | "
+            + " | ".join(f"overhead T={t}" for t in Ts)
+            + " | "
+            + " | ".join(f"physical T={t}" for t in Ts)
+            + " |"
+        )
         lines += [header, "|" + "---|" * (2 + 2 * len(Ts))]
         for p in presses:
-            for ratio in ([0.0] if p == NO_PRESS else ratios):
-                cell = {int(float(r["T"])): r for r in mrows if r["press"] == p
-                        and abs(float(r["compression_ratio"]) - ratio) < 1e-9}
+            for ratio in [0.0] if p == NO_PRESS else ratios:
+                cell = {
+                    int(float(r["T"])): r
+                    for r in mrows
+                    if r["press"] == p and abs(float(r["compression_ratio"]) - ratio) < 1e-9
+                }
                 if not cell:
                     continue
-                lines.append(f"| {p} | {ratio:g} | "
-                             + " | ".join(_fmt(cell[t]["overhead_ratio"], ".2f") if t in cell else "-" for t in Ts)
-                             + " | "
-                             + " | ".join(_fmt(cell[t]["physical_vs_full"], ".3f") if t in cell else "-" for t in Ts)
-                             + " |")
+                lines.append(
+                    f"| {p} | {ratio:g} | "
+                    + " | ".join(_fmt(cell[t]["overhead_ratio"], ".2f") if t in cell else "-" for t in Ts)
+                    + " | "
+                    + " | ".join(_fmt(cell[t]["physical_vs_full"], ".3f") if t in cell else "-" for t in Ts)
+                    + " |"
+                )
         lines.append("")
         for t in Ts:
-            trows = sorted([r for r in mrows if int(float(r["T"])) == t],
-                           key=lambda r: (float(r["compression_ratio"]), presses.index(r["press"])))
+            trows = sorted(
+                [r for r in mrows if int(float(r["T"])) == t],
+                key=lambda r: (float(r["compression_ratio"]), presses.index(r["press"])),
+            )
             n_ctx = sorted({r["context_length"] for r in trows})
-            lines += [f"## {model}, T = {t} (context tokens: {', '.join(n_ctx)})", "",
-                      "| press | ratio | prefill s | vs full | press ms | overhead vs SnapKV | decode tok/s | "
-                      "KV full MiB | physical | logical | peak MiB | +MiB |",
-                      "|" + "---|" * 12]
+            lines += [
+                f"## {model}, T = {t} (context tokens: {', '.join(n_ctx)})",
+                "",
+                "| press | ratio | prefill s | vs full | press ms | overhead vs SnapKV | decode tok/s | "
+                "KV full MiB | physical | logical | peak MiB | +MiB |",
+                "|" + "---|" * 12,
+            ]
             for r in trows:
                 lines.append(
                     f"| {r['press']} | {float(r['compression_ratio']):g} | {_fmt(r['prefill_s'], '.3f')} | "
@@ -732,15 +853,21 @@ def write_report(out: Path, rows: list[dict], cfg: DictConfig, command: str, dev
                     f"{_fmt(r['overhead_ratio'], '.2f')} | {_fmt(r['decode_tok_s'], '.1f')} | "
                     f"{_fmt(_num(r['kv_full_bytes']) / 2**20, '.2f')} | {_fmt(r['physical_vs_full'], '.3f')} | "
                     f"{_fmt(r['logical_vs_full'], '.3f')} | {_fmt(r['peak_mem_mb'], '.0f')} | "
-                    f"{_fmt(r['peak_mem_delta_mb'], '.0f')} |")
+                    f"{_fmt(r['peak_mem_delta_mb'], '.0f')} |"
+                )
             lines.append("")
     if failed:
         lines += ["## Failed rows", "", "| model | press | ratio | T | error |", "|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['press']} | {r['compression_ratio']} | {r['T']} | {r['error']} |" for r in failed]
+        lines += [
+            f"| {r['model']} | {r['press']} | {r['compression_ratio']} | {r['T']} | {r['error']} |" for r in failed
+        ]
         lines.append("")
     methods = sorted({r["mem_method"] for r in ok if r.get("mem_method")})
-    lines += [f"Memory method: {'; '.join(methods) or '-'}. Rows: `{CSV_NAME}`. Plots: `overhead_ratio.png`, "
-              "`kv_bytes.png`, `prefill.png`.", ""]
+    lines += [
+        f"Memory method: {'; '.join(methods) or '-'}. Rows: `{CSV_NAME}`. Plots: `overhead_ratio.png`, "
+        "`kv_bytes.png`, `prefill.png`.",
+        "",
+    ]
     write_atomic(out / "README.md", "\n".join(lines))
     if ok:
         write_plots(out, ok)
@@ -761,14 +888,23 @@ def write_plots(out: Path, rows: list[dict]) -> None:
     colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(presses)}
 
     def series(press, ratio, col):
-        pts = sorted((int(float(r["T"])), _num(r[col])) for r in rows if r["press"] == press
-                     and (press == NO_PRESS or abs(float(r["compression_ratio"]) - ratio) < 1e-9))
+        pts = sorted(
+            (int(float(r["T"])), _num(r[col]))
+            for r in rows
+            if r["press"] == press and (press == NO_PRESS or abs(float(r["compression_ratio"]) - ratio) < 1e-9)
+        )
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    for fname, cols, ylabel, logy in (("overhead_ratio.png", [("overhead_ratio", "-")], "press time / SnapKV", True),
-                                      ("kv_bytes.png", [("physical_vs_full", "-"), ("logical_vs_full", "--")],
-                                       "KV bytes / full (solid physical, dashed logical)", False),
-                                      ("prefill.png", [("prefill_s", "-")], "prefill seconds", True)):
+    for fname, cols, ylabel, logy in (
+        ("overhead_ratio.png", [("overhead_ratio", "-")], "press time / SnapKV", True),
+        (
+            "kv_bytes.png",
+            [("physical_vs_full", "-"), ("logical_vs_full", "--")],
+            "KV bytes / full (solid physical, dashed logical)",
+            False,
+        ),
+        ("prefill.png", [("prefill_s", "-")], "prefill seconds", True),
+    ):
         fig, axes = plt.subplots(1, len(ratios), figsize=(5.5 * len(ratios), 4), squeeze=False)
         for ax, ratio in zip(axes[0], ratios):
             for p in presses:
@@ -810,7 +946,9 @@ def load_bench_model(cfg: DictConfig, device: str, attn_implementation: str | No
 
     notes = []
     if str(cfg.model) == "auto":
-        names = [str(cfg.gpu_model), str(cfg.fallback_model)] if device.startswith("cuda") else [str(cfg.fallback_model)]
+        names = (
+            [str(cfg.gpu_model), str(cfg.fallback_model)] if device.startswith("cuda") else [str(cfg.fallback_model)]
+        )
     else:
         names = [str(cfg.model)]
     for i, name in enumerate(names):
@@ -818,15 +956,21 @@ def load_bench_model(cfg: DictConfig, device: str, attn_implementation: str | No
             raise ValueError(f"unknown model '{name}'; valid: {', '.join(config_choices('model'))}")
         mcfg = OmegaConf.load(CONFIG_DIR / "model" / f"{name}.yaml")
         try:
-            model, tok = load_model(mcfg.name, device=device, dtype=mcfg.get("dtype"),
-                                    attn_implementation=attn_implementation or mcfg.get("attn_implementation", "sdpa"),
-                                    path=mcfg.get("path"))
+            model, tok = load_model(
+                mcfg.name,
+                device=device,
+                dtype=mcfg.get("dtype"),
+                attn_implementation=attn_implementation or mcfg.get("attn_implementation", "sdpa"),
+                path=mcfg.get("path"),
+            )
             return model, tok, name, notes
         except (OSError, ValueError, ImportError) as err:
             if i == len(names) - 1:
                 raise
-            notes.append(f"Model `{name}` could not be loaded ({type(err).__name__}: {str(err)[:200]}); "
-                         f"fell back to `{names[i + 1]}`.")
+            notes.append(
+                f"Model `{name}` could not be loaded ({type(err).__name__}: {str(err)[:200]}); "
+                f"fell back to `{names[i + 1]}`."
+            )
             logger.warning(notes[-1])
     raise AssertionError("unreachable")
 

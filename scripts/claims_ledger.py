@@ -57,9 +57,9 @@ DEFAULT_OUT = "results/claims.md"
 
 PAPERS = {
     "000": "Page-EntroKV: Hardware-Aligned, Entropy-Weighted KV-Cache Eviction under Grouped-Query Attention "
-           "(Inbasekaran S, 2026)",
+    "(Inbasekaran S, 2026)",
     "001": "EntroPrefill: Rényi-Guided Context Pruning with Conditional Stability Guarantees for "
-           "Retrieval-Augmented Generation (arXiv 2610.09757, 2026)",
+    "Retrieval-Augmented Generation (arXiv 2610.09757, 2026)",
     "003": "A Probabilistic Interpretation of KV Cache Eviction (Geh, Chen, Israel, Grover, Van den Broeck)",
 }
 SHORT = {"000": "Page-EntroKV", "001": "EntroPrefill", "003": "Probabilistic eviction (SNIS)"}
@@ -69,7 +69,12 @@ KINDS = ("csv", "json", "jsonl", "derived", "analytic", "test", "none")
 MEASURED_KINDS = ("csv", "json", "jsonl", "derived")
 
 MEASURED, COMPUTED, TESTED, PENDING, OUT_OF_REACH = (
-    "measured", "computed", "tested", "not measured yet", "out of reach here")
+    "measured",
+    "computed",
+    "tested",
+    "not measured yet",
+    "out of reach here",
+)
 STATUSES = (MEASURED, COMPUTED, TESTED, PENDING, OUT_OF_REACH)
 
 
@@ -158,7 +163,7 @@ def _read_csv(root: Path, rel: str):
             of a sweep still running: its ``__summary.csv`` marks a run incomplete, and numbers over part of the
             examples are not the claim's (a fallback stands in until the sweep is complete).
     """
-    import pandas as pd  # noqa: PLC0415
+    import pandas as pd
 
     df = pd.read_csv(_path(root, rel))
     if rel.startswith("results/tables/") and rel.count("__") == 2:
@@ -185,7 +190,7 @@ def _dig(obj: Any, key: str) -> Any:
 
 
 def _filter(df, flt: dict | None, rel: str):
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     for col, want in (flt or {}).items():
         if col not in df.columns:
@@ -293,7 +298,7 @@ def _jsonl_rows(root: Path, pattern: str) -> list[tuple[str, dict]]:
 
 
 def _jsonl_values(src: dict, root: Path) -> list[Value]:
-    import pandas as pd  # noqa: PLC0415
+    import pandas as pd
 
     rows = _jsonl_rows(root, src["files"])
     vals = []
@@ -337,12 +342,21 @@ def _check(values: list[Value], spec: dict | None) -> bool | None:
 def resolve_pointer(src: dict, root: Path) -> Outcome:
     """Resolve one pointer; raises :class:`Missing` when its artifact is absent."""
     kind = src["kind"]
-    base = {"setting": src.get("setting", ""), "command": src.get("command", ""), "note": src.get("note", ""),
-            "needs": src.get("needs", "")}
+    base = {
+        "setting": src.get("setting", ""),
+        "command": src.get("command", ""),
+        "note": src.get("note", ""),
+        "needs": src.get("needs", ""),
+    }
     if kind == "none":
         status = OUT_OF_REACH if src.get("needs") else PENDING
-        return Outcome(status, [Value(None, "–")], None, note=src.get("reason", ""), **{
-            k: v for k, v in base.items() if k != "note"})
+        return Outcome(
+            status,
+            [Value(None, "–")],
+            None,
+            note=src.get("reason", ""),
+            **{k: v for k, v in base.items() if k != "note"},
+        )
     if kind == "test":
         path = _path(root, src["file"])
         if not re.search(rf"^def {re.escape(src['name'])}\(", path.read_text(), re.MULTILINE):
@@ -362,8 +376,14 @@ def resolve_pointer(src: dict, root: Path) -> Outcome:
 
 def _artifact(src: dict) -> str:
     args = src.get("args") or {}
-    return (src.get("artifact") or src.get("file") or src.get("files") or args.get("file") or args.get("files")
-            or f"({src.get('kind')} pointer)")
+    return (
+        src.get("artifact")
+        or src.get("file")
+        or src.get("files")
+        or args.get("file")
+        or args.get("files")
+        or f"({src.get('kind')} pointer)"
+    )
 
 
 def evaluate_claim(claim: dict, root: Path) -> Outcome:
@@ -385,9 +405,16 @@ def evaluate_claim(claim: dict, root: Path) -> Outcome:
         out.pending = pending
         return out
     first = claim["ours"][0]
-    return Outcome(PENDING, [Value(None, "not measured yet")], None, setting=first.get("setting", ""),
-                   command=first.get("command", ""), note="missing: " + "; ".join(missing_notes),
-                   needs=first.get("needs", ""), pending=pending)
+    return Outcome(
+        PENDING,
+        [Value(None, "not measured yet")],
+        None,
+        setting=first.get("setting", ""),
+        command=first.get("command", ""),
+        note="missing: " + "; ".join(missing_notes),
+        needs=first.get("needs", ""),
+        pending=pending,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -427,8 +454,12 @@ def uor_ceiling(root: Path, file: str):
     ceiling = (hi["T"] / hi["s"]).clip(upper=r)
     inside = ((hi.uor >= 1 - 1e-9) & (hi.uor <= ceiling + 1e-9)).mean()
     mx = float(hi.uor.max())
-    return [Value("max UOR", f"{mx:.3f}", mx), Value("r", str(r), r), Value("max UOR / r", f"{mx / r:.2f}"),
-            Value("cells in [1, min(r, T/s)]", f"{inside:.3f} of {len(hi):,}")], bool(inside == 1.0 and mx <= r)
+    return [
+        Value("max UOR", f"{mx:.3f}", mx),
+        Value("r", str(r), r),
+        Value("max UOR / r", f"{mx / r:.2f}"),
+        Value("cells in [1, min(r, T/s)]", f"{inside:.3f} of {len(hi):,}"),
+    ], bool(inside == 1.0 and mx <= r)
 
 
 @derived
@@ -441,9 +472,12 @@ def uor_max_at(root: Path, file: str, k_over_t: float):
     r = _model_shape(root)["r"]
     row = df.loc[df.uor_max.idxmax()]
     mx = float(row.uor_max)
-    return [Value("max UOR", f"{mx:.3f}", mx), Value("scorer", str(row.scorer)),
-            Value("max UOR / r", f"{mx / r:.2f} (r = {r})", mx / r),
-            Value("cells", f"{int(df.cells.sum()):,}")], None
+    return [
+        Value("max UOR", f"{mx:.3f}", mx),
+        Value("scorer", str(row.scorer)),
+        Value("max UOR / r", f"{mx / r:.2f} (r = {r})", mx / r),
+        Value("cells", f"{int(df.cells.sum()):,}"),
+    ], None
 
 
 @derived
@@ -453,8 +487,11 @@ def census_sink_weight(root: Path, file: str):
     if "sink" not in df.index or "contextual" not in df.index:
         raise Missing(f"{file}: no sink/contextual class")
     raw, iso = float(df.loc["sink", "raw_weight"]), float(df.loc["sink", "isolated_weight"])
-    return [Value("sink weight raw", f"{raw:.3f}", raw), Value("isolated", f"{iso:.3f}", iso),
-            Value("raw / isolated", f"{raw / iso:.2f}x", raw / iso)], iso < raw
+    return [
+        Value("sink weight raw", f"{raw:.3f}", raw),
+        Value("isolated", f"{iso:.3f}", iso),
+        Value("raw / isolated", f"{raw / iso:.2f}x", raw / iso),
+    ], iso < raw
 
 
 @derived
@@ -473,14 +510,16 @@ def census_ceiling(root: Path, file: str):
     """Share of sink-isolated entropies below the uniform-residual ceiling ln(T - |S|) (Fig. 7)."""
     df = _read_csv(root, file)
     n_sink = _model_shape(root)["config"].get("presses", {}).get("page_entrokv", {}).get("n_sink", 4)
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     ceiling = np.log(df["T"].astype(float) - n_sink)
     below = float((df.isolated_entropy <= ceiling + 1e-9).mean())
     gap = float((ceiling - df.isolated_entropy).min())
-    return [Value("below ln(T - |S|)", f"{below:.3f} of {len(df):,}", below),
-            Value("ceiling", f"ln(T - {n_sink}) = {ceiling.min():.2f}..{ceiling.max():.2f}"),
-            Value("closest approach", f"{gap:.3f} nats", gap)], below == 1.0
+    return [
+        Value("below ln(T - |S|)", f"{below:.3f} of {len(df):,}", below),
+        Value("ceiling", f"ln(T - {n_sink}) = {ceiling.min():.2f}..{ceiling.max():.2f}"),
+        Value("closest approach", f"{gap:.3f} nats", gap),
+    ], below == 1.0
 
 
 @derived
@@ -505,10 +544,14 @@ def cert_counts(root: Path, file: str):
     run = _read_json(root, UOR_RUN)
     b, s = int(df.cert_bonferroni.sum()), int(df.cert_sandwich.sum())
     th = run.get("thresholds", {})
-    return [Value("Bonferroni certifies", f"{b:,} cells", b), Value("sandwich certifies", f"{s:,} cells", s),
-            Value(f"thresholds (r = {run['r']})",
-                  f"J_bar <= {th.get('bonferroni', float('nan')):.4f} vs <= {th.get('sandwich', float('nan')):.4f}")
-            ], s >= b
+    return [
+        Value("Bonferroni certifies", f"{b:,} cells", b),
+        Value("sandwich certifies", f"{s:,} cells", s),
+        Value(
+            f"thresholds (r = {run['r']})",
+            f"J_bar <= {th.get('bonferroni', float('nan')):.4f} vs <= {th.get('sandwich', float('nan')):.4f}",
+        ),
+    ], s >= b
 
 
 @derived
@@ -519,8 +562,11 @@ def sandwich_holds(root: Path, file: str):
     if df.empty:
         raise Missing(f"{file}: no finite cells")
     tol = 1e-4  # the CSV stores 6 significant digits
-    ok = ((df.uor >= df.bonferroni_lower - tol) & (df.uor >= df.sandwich_lower - tol)
-          & (df.uor <= df.sandwich_upper + tol)).mean()
+    ok = (
+        (df.uor >= df.bonferroni_lower - tol)
+        & (df.uor >= df.sandwich_lower - tol)
+        & (df.uor <= df.sandwich_upper + tol)
+    ).mean()
     return [Value("cells inside both bounds", f"{ok:.3f} of {len(df):,}", float(ok))], bool(ok == 1.0)
 
 
@@ -535,8 +581,10 @@ def envelope_tail(root: Path, file: str, quantile: float = 0.1):
     lo, hi = df.j_bar.quantile(quantile), df.j_bar.quantile(1 - quantile)
     tail = float(ratio[df.j_bar <= lo].median())
     head = float(ratio[df.j_bar >= hi].median())
-    return [Value("UOR / envelope, most disagreeing 10 %", f"{tail:.3f}", tail),
-            Value("least disagreeing 10 %", f"{head:.3f}", head)], tail < head
+    return [
+        Value("UOR / envelope, most disagreeing 10 %", f"{tail:.3f}", tail),
+        Value("least disagreeing 10 %", f"{head:.3f}", head),
+    ], tail < head
 
 
 @derived
@@ -560,11 +608,13 @@ def kv_footprint(root: Path, file: str):
     ratios = []
     for _, row in df.iterrows():
         e = DTYPE_BYTES[str(row["dtype"])]
-        ratios.append(float(row.kv_full_bytes) / (2 * e * shape["L"] * shape["G"] * shape["head_dim"]
-                                                  * float(row.context_length)))
+        ratios.append(
+            float(row.kv_full_bytes) / (2 * e * shape["L"] * shape["G"] * shape["head_dim"] * float(row.context_length))
+        )
     lo, hi = min(ratios), max(ratios)
-    return [Value("measured / formula", f"{lo:.4f}..{hi:.4f} over {len(ratios)} rows", lo)], \
-        bool(abs(lo - 1) < 1e-9 and abs(hi - 1) < 1e-9)
+    return [Value("measured / formula", f"{lo:.4f}..{hi:.4f} over {len(ratios)} rows", lo)], bool(
+        abs(lo - 1) < 1e-9 and abs(hi - 1) < 1e-9
+    )
 
 
 @derived
@@ -583,8 +633,9 @@ def transfer_payload(root: Path, file: str):
     if not ratios:
         raise Missing(f"{file}: no pruned EntroPrefill row")
     lo, hi = min(ratios), max(ratios)
-    return [Value("measured / formula", f"{lo:.4f}..{hi:.4f} over {len(ratios)} pruned rows", lo)], \
-        bool(abs(lo - 1) < 1e-9 and abs(hi - 1) < 1e-9)
+    return [Value("measured / formula", f"{lo:.4f}..{hi:.4f} over {len(ratios)} pruned rows", lo)], bool(
+        abs(lo - 1) < 1e-9 and abs(hi - 1) < 1e-9
+    )
 
 
 @derived
@@ -595,8 +646,10 @@ def union_bounds(root: Path, file: str):
     n_p = (df["T"] + page - 1) // page
     k, u, g = df.pages_per_group, df.union_pages, df.groups
     ok = float(((k <= u + 1e-9) & (u <= (g * k).clip(upper=n_p) + 1e-9)).mean())
-    return [Value("layers inside the bounds", f"{ok:.3f} of {len(df):,}", ok),
-            Value("mean U_l / K", f"{float((u / k).mean()):.3f}")], ok == 1.0
+    return [
+        Value("layers inside the bounds", f"{ok:.3f} of {len(df):,}", ok),
+        Value("mean U_l / K", f"{float((u / k).mean()):.3f}"),
+    ], ok == 1.0
 
 
 @derived
@@ -608,16 +661,18 @@ def dual_certificate(root: Path, file: str):
         raise Missing(f"{file}: no EntroPrefill row with D_l and U_l")
     ok = float((df.D_l <= df.U_l + 1e-6).mean())
     gap = float((df.U_l - df.D_l).mean())
-    return [Value("rows with D_l <= U_l", f"{ok:.3f} of {len(df)}", ok),
-            Value("mean U_l - D_l", f"{gap:.0f} tokens", gap),
-            Value("mean D_l / U_l", f"{float((df.D_l / df.U_l).mean()):.3f}")], ok == 1.0
+    return [
+        Value("rows with D_l <= U_l", f"{ok:.3f} of {len(df)}", ok),
+        Value("mean U_l - D_l", f"{gap:.0f} tokens", gap),
+        Value("mean D_l / U_l", f"{float((df.D_l / df.U_l).mean()):.3f}"),
+    ], ok == 1.0
 
 
 @derived
 def audit_radius(root: Path, file: str, config: str = "configs/press/entroprefill.yaml"):
     """Theorem 5.1: the recorded audit radius equals eq. 17 with the configured J, H_Q, delta, m_a; accepted
     layers satisfy eta_hat + b <= eps_audit."""
-    from presses.entroprefill.equations import hoeffding_radius  # noqa: PLC0415
+    from presses.entroprefill.equations import hoeffding_radius
 
     cfg = yaml.safe_load(_path(root, config).read_text())
     shape = _model_shape(root)
@@ -631,14 +686,21 @@ def audit_radius(root: Path, file: str, config: str = "configs/press/entroprefil
         raise Missing(f"{file}: no audited row")
     recorded = df.audit_bound.astype(float)
     acc = df[df.accepted_layer.notna() & df.eta_hat_max.notna()]
-    passed = float(((acc.eta_hat_max + acc.audit_bound) <= float(cfg["epsilon_audit"]) + 1e-9).mean()) \
-        if len(acc) else float("nan")
+    passed = (
+        float(((acc.eta_hat_max + acc.audit_bound) <= float(cfg["epsilon_audit"]) + 1e-9).mean())
+        if len(acc)
+        else float("nan")
+    )
     same = bool((recorded - b).abs().max() < 1e-9)
-    return [Value("b (eq. 17)", f"{b:.4f} (J = {J}, H_Q = {shape['H_Q']}, delta = {cfg['delta']}, "
-                  f"m_a = {cfg['audit_size']})", b),
-            Value("recorded b", f"{recorded.min():.4f}..{recorded.max():.4f}"),
-            Value("accepted with eta_hat + b <= eps_audit", f"{passed:.3f} of {len(acc)}", passed)], \
-        same and passed == 1.0
+    return [
+        Value(
+            "b (eq. 17)",
+            f"{b:.4f} (J = {J}, H_Q = {shape['H_Q']}, delta = {cfg['delta']}, m_a = {cfg['audit_size']})",
+            b,
+        ),
+        Value("recorded b", f"{recorded.min():.4f}..{recorded.max():.4f}"),
+        Value("accepted with eta_hat + b <= eps_audit", f"{passed:.3f} of {len(acc)}", passed),
+    ], same and passed == 1.0
 
 
 @derived
@@ -656,9 +718,11 @@ def bypass_is_full_prefill(root: Path, file: str):
     same = float((bypassed.cache_len.to_numpy() == full.reindex(bypassed.id).to_numpy()).mean())
     shorter = float((pruned.cache_len.to_numpy() < full.reindex(pruned.id).to_numpy()).mean()) if len(pruned) else 1.0
     reasons = sorted(set(";".join(bypassed.bypass_reason.astype(str)).split(";")))
-    return [Value("bypassed requests with the full cache", f"{same:.3f} of {len(bypassed)}", same),
-            Value("pruned requests with a shorter cache", f"{shorter:.3f} of {len(pruned)}", shorter),
-            Value("reasons", ", ".join(reasons))], same == 1.0 and shorter == 1.0
+    return [
+        Value("bypassed requests with the full cache", f"{same:.3f} of {len(bypassed)}", same),
+        Value("pruned requests with a shorter cache", f"{shorter:.3f} of {len(pruned)}", shorter),
+        Value("reasons", ", ".join(reasons)),
+    ], same == 1.0 and shorter == 1.0
 
 
 @derived
@@ -683,8 +747,10 @@ def eq6_on_census(root: Path, file: str):
         worst = min(worst, w[i] - bound)
     if not n:
         raise Missing(f"{file}: no group")
-    return [Value("groups meeting eq. 6", f"{n_ok} of {n}", n_ok / n),
-            Value("smallest margin w - bound", f"{worst:.2e}", worst)], n_ok == n
+    return [
+        Value("groups meeting eq. 6", f"{n_ok} of {n}", n_ok / n),
+        Value("smallest margin w - bound", f"{worst:.2e}", worst),
+    ], n_ok == n
 
 
 def _bv(root: Path, file: str):
@@ -707,9 +773,14 @@ def bv_monotone(root: Path, file: str, estimators: list[str]):
         mae = sub.mae.astype(float).to_numpy()
         mono = bool((mae[1:] >= mae[:-1]).all())
         ok &= mono
-        vals.append(Value(est, f"{mae[0]:.4f} (cr {sub.compression_ratio.iloc[0]:g}) -> {mae[-1]:.4f} "
-                               f"(cr {sub.compression_ratio.iloc[-1]:g}), {'monotone' if mono else 'not monotone'}",
-                          float(mae[-1] / mae[0])))
+        vals.append(
+            Value(
+                est,
+                f"{mae[0]:.4f} (cr {sub.compression_ratio.iloc[0]:g}) -> {mae[-1]:.4f} "
+                f"(cr {sub.compression_ratio.iloc[-1]:g}), {'monotone' if mono else 'not monotone'}",
+                float(mae[-1] / mae[0]),
+            )
+        )
     return vals, ok
 
 
@@ -729,8 +800,7 @@ def bv_compare(root: Path, file: str, left: str | list, right: str, ratios: list
             v = float(sub.loc[x, "mae"])
             ok &= v < r if expect == "<" else v > r
             parts.append(f"{x} {v:.4f}")
-        vals.append(Value(f"cr {cr:g}", ", ".join(parts) + f" vs {right} {r:.4f}",
-                          float(sub.loc[lefts[0], "mae"]) / r))
+        vals.append(Value(f"cr {cr:g}", ", ".join(parts) + f" vs {right} {r:.4f}", float(sub.loc[lefts[0], "mae"]) / r))
     return vals, ok
 
 
@@ -750,9 +820,9 @@ def _wins(root: Path, file: str, among: list[str] | None = None):
         Missing: the table is absent or its sweep incomplete (:func:`_read_csv`), or a press of ``among`` has no
             complete run at some ratio of the table.
     """
-    import pandas as pd  # noqa: PLC0415
+    import pandas as pd
 
-    from evaluation.report import scan, win_table  # noqa: PLC0415
+    from evaluation.report import scan, win_table
 
     df = _read_csv(root, file)
     if not among:
@@ -768,8 +838,9 @@ def _wins(root: Path, file: str, among: list[str] | None = None):
 
 
 @derived
-def snis_vs_baselines(root: Path, file: str, baselines: list[str], column: str = "score",
-                      ours: list[str] | None = None):
+def snis_vs_baselines(
+    root: Path, file: str, baselines: list[str], column: str = "score", ours: list[str] | None = None
+):
     """Per ratio, the best probabilistic-eviction press (every ``snis_*`` row, or only ``ours``) against the best
     kvpress baseline."""
     df = _read_csv(root, file)
@@ -783,8 +854,13 @@ def snis_vs_baselines(root: Path, file: str, baselines: list[str], column: str =
             continue
         o, b = ours_rows.loc[ours_rows[column].idxmax()], base.loc[base[column].idxmax()]
         ok &= float(o[column]) >= float(b[column])
-        vals.append(Value(f"cr {ratio:g}", f"{o.press} {float(o[column]):.3f} vs {b.press} {float(b[column]):.3f}",
-                          float(o[column]) - float(b[column])))
+        vals.append(
+            Value(
+                f"cr {ratio:g}",
+                f"{o.press} {float(o[column]):.3f} vs {b.press} {float(b[column]):.3f}",
+                float(o[column]) - float(b[column]),
+            )
+        )
     if not vals:
         raise Missing(f"{file}: no ratio with both a snis_* press and a baseline")
     return vals, ok
@@ -838,9 +914,14 @@ def win_rising(root: Path, file: str, among: list[str] | None = None):
     hi = df[df.ratio == ratios[-1]].set_index("press").win_score
     common = lo.index.intersection(hi.index)
     share = float((hi[common] >= lo[common]).mean())
-    return [Value(f"presses with win(cr {ratios[-1]:g}) >= win(cr {ratios[0]:g})",
-                  f"{int((hi[common] >= lo[common]).sum())} of {len(common)}", share),
-            Value("mean win", f"{float(lo[common].mean()):.3f} -> {float(hi[common].mean()):.3f}")], share > 0.5
+    return [
+        Value(
+            f"presses with win(cr {ratios[-1]:g}) >= win(cr {ratios[0]:g})",
+            f"{int((hi[common] >= lo[common]).sum())} of {len(common)}",
+            share,
+        ),
+        Value("mean win", f"{float(lo[common].mean()):.3f} -> {float(hi[common].mean()):.3f}"),
+    ], share > 0.5
 
 
 @derived
@@ -891,23 +972,27 @@ def _snis_runs(root: Path, pattern: str, budget: str = "global"):
 @derived
 def layer_budget(root: Path, files: str):
     """Global budget: mean logical compression of the first and last third of the layers (App. I.3, Fig. 9)."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
-    per_layer = np.array([[float(x) for x in s["logical_compression_per_layer"].split(",")]
-                          for _, _, s in _snis_runs(root, files)])
+    per_layer = np.array(
+        [[float(x) for x in s["logical_compression_per_layer"].split(",")] for _, _, s in _snis_runs(root, files)]
+    )
     mean = per_layer.mean(0)
     third = max(1, len(mean) // 3)
     lo, hi = float(mean[:third].mean()), float(mean[-third:].mean())
     rho = float(np.corrcoef(np.arange(len(mean)), mean.argsort().argsort())[0, 1])
-    return [Value("first third of layers", f"{lo:.3f}", lo), Value("last third", f"{hi:.3f}", hi),
-            Value("Spearman(layer, compression)", f"{rho:+.2f}", rho),
-            Value("requests", f"{len(per_layer)}")], lo < hi
+    return [
+        Value("first third of layers", f"{lo:.3f}", lo),
+        Value("last third", f"{hi:.3f}", hi),
+        Value("Spearman(layer, compression)", f"{rho:+.2f}", rho),
+        Value("requests", f"{len(per_layer)}"),
+    ], lo < hi
 
 
 @derived
 def layer_budget_by_proposal(root: Path, files: str, conservative: str = "min_h", spiky: str = "h2o"):
     """Spread of per-layer compression across layers for two proposals (Fig. 9)."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     by = {}
     for _, _, s in _snis_runs(root, files):
@@ -929,14 +1014,16 @@ def logical_vs_target(root: Path, files: str):
     for press, ratio, stats in _snis_runs(root, files):
         runs.setdefault((press, ratio), []).append(stats)
     worst_l = worst_p = 0.0
-    for (press, ratio), stats in runs.items():
+    for (_press, ratio), stats in runs.items():
         logical = sum(s["logical_compression"] for s in stats) / len(stats)
         physical = sum(s["physical_compression"] for s in stats) / len(stats)
         worst_l = max(worst_l, abs(logical - ratio))
         worst_p = max(worst_p, abs(physical - ratio))
-    return [Value("max |logical - target|", f"{worst_l:.4f}", worst_l),
-            Value("max |physical - target|", f"{worst_p:.4f}", worst_p),
-            Value("runs", f"{len(runs)} (press, ratio) cells")], worst_l <= 0.01
+    return [
+        Value("max |logical - target|", f"{worst_l:.4f}", worst_l),
+        Value("max |physical - target|", f"{worst_p:.4f}", worst_p),
+        Value("runs", f"{len(runs)} (press, ratio) cells"),
+    ], worst_l <= 0.01
 
 
 @derived
@@ -949,9 +1036,10 @@ def correction_memory(root: Path, file: str):
         raise Missing(f"{file}: no probabilistic-eviction row")
     d = _model_shape(root)["head_dim"]
     pad = (df.physical_vs_full / df.logical_vs_full - 1).astype(float)
-    return [Value("bias / kept K,V bytes", f"1/(2d) = {1 / (2 * d):.2%}", 1 / (2 * d)),
-            Value("padding (physical / logical - 1)", f"{pad.min():.1%}..{pad.max():.1%}", float(pad.max()))], \
-        True
+    return [
+        Value("bias / kept K,V bytes", f"1/(2d) = {1 / (2 * d):.2%}", 1 / (2 * d)),
+        Value("padding (physical / logical - 1)", f"{pad.min():.1%}..{pad.max():.1%}", float(pad.max())),
+    ], True
 
 
 @derived
@@ -963,9 +1051,14 @@ def fig9b_masses(root: Path, file: str):
     out, ok = [], True
     for protocol, sub in df.groupby("protocol"):
         ratio = (sub.pooled / sub["mean"].where(sub["mean"] > 0)).fillna(1.0)
-        out.append(Value(str(protocol), f"best head median {sub.best_head.median():.3f}, pooled / mean median "
-                                        f"{ratio.median():.3f} (90th pct {ratio.quantile(0.9):.3f})",
-                         float(ratio.median())))
+        out.append(
+            Value(
+                str(protocol),
+                f"best head median {sub.best_head.median():.3f}, pooled / mean median "
+                f"{ratio.median():.3f} (90th pct {ratio.quantile(0.9):.3f})",
+                float(ratio.median()),
+            )
+        )
         ok &= float(ratio.median()) <= 1.06
     return out, ok
 
@@ -975,7 +1068,7 @@ def corrected_vs_uncorrected(root: Path, file: str):
     """Win score of every corrected probabilistic press against its ``_uncorrected`` twin, per ratio."""
     df = _read_csv(root, file)
     better = worse = ties = 0
-    for ratio, sub in df.groupby("ratio"):
+    for _ratio, sub in df.groupby("ratio"):
         s = sub.set_index("press").win_score
         for p in s.index:
             twin = f"{p}_uncorrected"
@@ -986,8 +1079,13 @@ def corrected_vs_uncorrected(root: Path, file: str):
     total = better + worse + ties
     if not total:
         raise Missing(f"{file}: no corrected/uncorrected pair")
-    return [Value("corrected wins / ties / loses", f"{better} / {ties} / {worse} of {total} (press, ratio) cells",
-                  better / total)], better > worse
+    return [
+        Value(
+            "corrected wins / ties / loses",
+            f"{better} / {ties} / {worse} of {total} (press, ratio) cells",
+            better / total,
+        )
+    ], better > worse
 
 
 @derived
@@ -1000,15 +1098,16 @@ def tau2_task_level(root: Path, file: str):
     better = total = 0
     for p in tau2:
         twin = p.replace("_tau2", "")
-        for ratio, sub in df.groupby("ratio"):
+        for _ratio, sub in df.groupby("ratio"):
             s = sub.set_index("press").win_score
             if p in s.index and twin in s.index:
                 total += 1
                 better += s[p] > s[twin]
     if not total:
         raise Missing(f"{file}: no tau-1 twin of {tau2}")
-    return [Value("tau 2 beats tau 1", f"{better} of {total} (press, ratio) cells", better / total)], \
-        better / total < 0.5
+    return [
+        Value("tau 2 beats tau 1", f"{better} of {total} (press, ratio) cells", better / total)
+    ], better / total < 0.5
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1024,18 +1123,19 @@ def _frac(x: float, limit: int = 1000) -> str:
 @analytic
 def table2_thresholds(root: Path, r: int, paper_bonferroni: float, paper_sandwich: float, digits: int = 3):
     """Largest J_bar each certificate certifies UOR >= 2 at (paper 000 Table 2)."""
-    from evaluation.uor.replay import bonferroni_threshold, sandwich_threshold  # noqa: PLC0415
+    from evaluation.uor.replay import bonferroni_threshold, sandwich_threshold
 
     b, s = bonferroni_threshold(r), sandwich_threshold(r)
-    tol = 0.5 * 10 ** -digits
-    return [Value("Bonferroni", f"{_frac(b)} = {b:.4f}", b), Value("sandwich", f"{_frac(s)} = {s:.4f}", s)], \
-        abs(b - paper_bonferroni) <= tol and abs(s - paper_sandwich) <= tol
+    tol = 0.5 * 10**-digits
+    return [Value("Bonferroni", f"{_frac(b)} = {b:.4f}", b), Value("sandwich", f"{_frac(s)} = {s:.4f}", s)], abs(
+        b - paper_bonferroni
+    ) <= tol and abs(s - paper_sandwich) <= tol
 
 
 @analytic
 def table2_extremes(root: Path, rs: list[int]):
     """Both certificates at J_bar = 0 (disjoint heads) and J_bar = 1 (consensus)."""
-    from evaluation.uor.replay import bonferroni_bound, sandwich_bounds  # noqa: PLC0415
+    from evaluation.uor.replay import bonferroni_bound, sandwich_bounds
 
     vals, ok = [], True
     for r in rs:
@@ -1050,20 +1150,22 @@ def table2_extremes(root: Path, rs: list[int]):
 @analytic
 def sandwich_crossover(root: Path, r: int):
     """At which group ratios the sandwich threshold exceeds the Bonferroni one."""
-    from evaluation.uor.replay import bonferroni_threshold, sandwich_threshold  # noqa: PLC0415
+    from evaluation.uor.replay import bonferroni_threshold, sandwich_threshold
 
     wider = [q for q in range(3, 17) if sandwich_threshold(q) > bonferroni_threshold(q)]
     b, s = bonferroni_threshold(r), sandwich_threshold(r)
-    return [Value(f"r = {r}", f"Bonferroni {_frac(b)} vs sandwich {_frac(s)}", s - b),
-            Value("sandwich wider for", f"r >= {min(wider)} (r > 2 + sqrt 2)")], s > b
+    return [
+        Value(f"r = {r}", f"Bonferroni {_frac(b)} vs sandwich {_frac(s)}", s - b),
+        Value("sandwich wider for", f"r >= {min(wider)} (r > 2 + sqrt 2)"),
+    ], s > b
 
 
 @analytic
 def r2_identity(root: Path, trials: int = 200, T: int = 64):
     """``UOR = 2 / (2 - D) = 2 / (1 + J)`` for two equal-size sets, on random pairs (paper 000 Remark 1)."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from evaluation.uor.replay import r2_identity as ident  # noqa: PLC0415
+    from evaluation.uor.replay import r2_identity as ident
     from evaluation.uor.replay import set_statistics
 
     g = torch.Generator().manual_seed(0)
@@ -1074,8 +1176,11 @@ def r2_identity(root: Path, trials: int = 200, T: int = 64):
         for h in range(2):
             masks[h, torch.randperm(T, generator=g)[:s]] = True
         st = set_statistics(masks)
-        worst = max(worst, abs(float(st["uor"]) - float(ident(st["j_bar"]))),
-                    abs(float(st["uor"]) - 2.0 / (2.0 - (1.0 - float(st["j_bar"])))))
+        worst = max(
+            worst,
+            abs(float(st["uor"]) - float(ident(st["j_bar"]))),
+            abs(float(st["uor"]) - 2.0 / (2.0 - (1.0 - float(st["j_bar"])))),
+        )
     return [Value("max |UOR - 2/(2-D)|", f"{worst:.1e} over {trials} random pairs", worst)], worst < 1e-12
 
 
@@ -1096,8 +1201,8 @@ def peak_fraction(root: Path, intensity: float, ridge: float, paper_bound: float
 
 
 def _table10_rows(Ts, r, tau, eps):
-    from presses.core.needle_group import needle_group_attention  # noqa: PLC0415
-    from presses.core.pooling import pooled_group_scores  # noqa: PLC0415
+    from presses.core.needle_group import needle_group_attention
+    from presses.core.pooling import pooled_group_scores
 
     rows = []
     for T in Ts:
@@ -1105,10 +1210,17 @@ def _table10_rows(Ts, r, tau, eps):
         pooled, _ = pooled_group_scores(attn, num_groups=1, n_sink=4, alpha=2.0, tau=tau, pooling="entropy")
         mean, _ = pooled_group_scores(attn, num_groups=1, n_sink=4, alpha=2.0, tau=tau, pooling="mean")
         N = T - 4
-        c0, cs = (1 - eps) ** 2 + eps ** 2 / (N - 1), 1.0 / (N - 1)
+        c0, cs = (1 - eps) ** 2 + eps**2 / (N - 1), 1.0 / (N - 1)
         exact = (1 - eps) * c0 ** (1 / tau) / (c0 ** (1 / tau) + (r - 1) * cs ** (1 / tau))
-        rows.append({"T": T, "pooled": float(pooled[0, 0, needle]), "mean": float(mean[0, 0, needle]),
-                     "exact": exact, "D": (r - 1) * cs ** (1 / tau)})
+        rows.append(
+            {
+                "T": T,
+                "pooled": float(pooled[0, 0, needle]),
+                "mean": float(mean[0, 0, needle]),
+                "exact": exact,
+                "D": (r - 1) * cs ** (1 / tau),
+            }
+        )
     return rows
 
 
@@ -1117,8 +1229,9 @@ def _k(T: int) -> str:
 
 
 @analytic
-def table10_pooled(root: Path, Ts: list[int], paper: list[float], r: int = 8, tau: float = 0.5, eps: float = 0.05,
-                   tol: float = 2e-6):
+def table10_pooled(
+    root: Path, Ts: list[int], paper: list[float], r: int = 8, tau: float = 0.5, eps: float = 0.05, tol: float = 2e-6
+):
     """Entropy-pooled needle mass from the press's pooling code on paper 000's Table 10 construction."""
     rows = _table10_rows(Ts, r, tau, eps)
     ok = all(abs(row["pooled"] - p) <= tol for row, p in zip(rows, paper))
@@ -1132,15 +1245,26 @@ def table10_mean(root: Path, Ts: list[int], r: int = 8, tau: float = 0.5, eps: f
     means = [row["mean"] for row in rows]
     ratios = [row["pooled"] / row["mean"] for row in rows]
     ok = all(abs(m - 0.11875) < 5e-7 for m in means) and all(round(x, 2) == 8.00 for x in ratios)
-    return [Value("mean pooling", f"{min(means):.6f}..{max(means):.6f}", means[0]),
-            Value("ratio", f"{min(ratios):.3f}x..{max(ratios):.3f}x", ratios[0])], ok
+    return [
+        Value("mean pooling", f"{min(means):.6f}..{max(means):.6f}", means[0]),
+        Value("ratio", f"{min(ratios):.3f}x..{max(ratios):.3f}x", ratios[0]),
+    ], ok
 
 
 @analytic
-def table10_terms(root: Path, Ts: list[int], paper_D: list[float], paper_Delta: list[float], r: int = 8,
-                  tau: float = 0.5, eps: float = 0.05, eta: float = math.log(2)):
+def table10_terms(
+    root: Path,
+    Ts: list[int],
+    paper_D: list[float],
+    paper_Delta: list[float],
+    r: int = 8,
+    tau: float = 0.5,
+    eps: float = 0.05,
+    eta: float = math.log(2),
+):
     """Table 10's D(T) and Delta(T), reconstructed as ``D = (r-1) (N-1)^(-1/tau)`` and
     ``Delta = (1-eps) e^(eta/tau) D`` (the paper prints them without a formula)."""
+
     def sig3(x):
         return float(f"{x:.2e}")
 
@@ -1162,15 +1286,17 @@ def fig9a_gap(root: Path, Ts: list[int], r: int = 8, tau: float = 0.5, eps: floa
     rows = _table10_rows(Ts, r, tau, eps)
     gap = max(abs(row["pooled"] - row["exact"]) for row in rows)
     margin = min(row["pooled"] - ((1 - eps) - 4 * (1 - eps) * row["D"]) for row in rows)
-    return [Value("max |press - closed form|", f"{gap:.1e} (float32 pooling)", gap),
-            Value("smallest margin above the bound", f"{margin:+.1e}", margin),
-            Value("contexts", ", ".join(_k(T) for T in Ts))], gap <= tol and margin >= -1e-7
+    return [
+        Value("max |press - closed form|", f"{gap:.1e} (float32 pooling)", gap),
+        Value("smallest margin above the bound", f"{margin:+.1e}", margin),
+        Value("contexts", ", ".join(_k(T) for T in Ts)),
+    ], gap <= tol and margin >= -1e-7
 
 
 @analytic
 def eq32_endpoint(root: Path, L: int, l_star: int, xi: float, term: str, paper: float):
     """Paper 001 eq. 32 with only the linear (``b = 0``) or only the quadratic (``a = 0``) cost term."""
-    from presses.entroprefill.equations import analytic_saving  # noqa: PLC0415
+    from presses.entroprefill.equations import analytic_saving
 
     T = 1 << 20
     a, b = (1.0, 0.0) if term == "linear" else (0.0, 1.0)
@@ -1179,13 +1305,21 @@ def eq32_endpoint(root: Path, L: int, l_star: int, xi: float, term: str, paper: 
 
 
 @analytic
-def prop31_sink_floor(root: Path, ns: list[int], r: int = 3, zeta: float = 0.2, tau: float = 0.5,
-                      c0_mass: float = 0.5, sink_mass: float = 0.9, z_min: float = 0.05):
+def prop31_sink_floor(
+    root: Path,
+    ns: list[int],
+    r: int = 3,
+    zeta: float = 0.2,
+    tau: float = 0.5,
+    c0_mass: float = 0.5,
+    sink_mass: float = 0.9,
+    z_min: float = 0.05,
+):
     """Paper 001 eq. 7: a sink head with a uniform residual on n positions gets at most
     ``zeta/r + (1-zeta) n^(-1/tau) / (n^(-1/tau) + c0^(1/tau))``, which tends to the floor zeta/r."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from presses.entroprefill.equations import floor_weights  # noqa: PLC0415
+    from presses.entroprefill.equations import floor_weights
 
     vals, ok = [], True
     for n in ns:
@@ -1196,7 +1330,7 @@ def prop31_sink_floor(root: Path, ns: list[int], r: int = 3, zeta: float = 0.2, 
         for h in range(1, r):  # siblings: c0_mass on one position, the rest uniform
             attn[h, 4:] = (1 - c0_mass) / (n - 1)
             attn[h, 4 + h] = c0_mass
-        c0 = c0_mass ** 2 + (1 - c0_mass) ** 2 / (n - 1)
+        c0 = c0_mass**2 + (1 - c0_mass) ** 2 / (n - 1)
         w = float(floor_weights(attn.float(), 1, 4, tau, zeta, z_min)["w"][0, 0])
         bound = zeta / r + (1 - zeta) * n ** (-1 / tau) / (n ** (-1 / tau) + c0 ** (1 / tau))
         ok &= w <= bound + 1e-6
@@ -1208,9 +1342,9 @@ def prop31_sink_floor(root: Path, ns: list[int], r: int = 3, zeta: float = 0.2, 
 @analytic
 def prop32_uniform(root: Path, sizes: list[int], smoothing: float = 0.1, lam: float = 0.5):
     """Uniform attention on the documents gives every chunk priority S_i = 0 (paper 001 Prop. 3.2)."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from presses.entroprefill.equations import chunk_priorities  # noqa: PLC0415
+    from presses.entroprefill.equations import chunk_priorities
 
     T = 10 + sum(sizes)
     mu = torch.zeros(T, dtype=torch.float64)
@@ -1228,9 +1362,9 @@ def prop32_uniform(root: Path, sizes: list[int], smoothing: float = 0.1, lam: fl
 def thm41_sharp(root: Path, omegas: list[float], T: int = 32):
     """Paper 001 Theorem 4.1's sharp case: a point-mass row of weight omega; removing its support gives
     eta = 1 and the envelope equals 1."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from presses.entroprefill.equations import deletion_envelope  # noqa: PLC0415
+    from presses.entroprefill.equations import deletion_envelope
 
     vals, ok = [], True
     for om in omegas:
@@ -1251,7 +1385,7 @@ def thm41_sharp(root: Path, omegas: list[float], T: int = 32):
 @analytic
 def lemma42_factor_two(root: Path, etas: list[float], V: float = 3.0, T: int = 16):
     """Paper 001 Lemma 4.2: ``||o - o_R|| <= 2 V eta``, with equality for values +V e (removed) and -V e (kept)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     vals, ok = [], True
     for eta in etas:
@@ -1275,7 +1409,7 @@ def appb_divergence(root: Path, alphas: list[float]):
     """Paper 001 appendix B: ``Phi_2(c) - mean_P Psi(P) = ln((1-a)^2 + a^2) - ln(a (1-a)) / 2`` (b cancels)."""
     vals, prev, ok = [], -float("inf"), True
     for a in alphas:
-        gap = math.log((1 - a) ** 2 + a ** 2) - 0.5 * math.log(a * (1 - a))
+        gap = math.log((1 - a) ** 2 + a**2) - 0.5 * math.log(a * (1 - a))
         ok &= gap > prev
         prev = gap
         vals.append(Value(f"alpha {a:g}", f"{gap:.3f}", gap))
@@ -1298,17 +1432,18 @@ def np_reduction(root: Path, n: int = 4, values: int = 5):
         agree += kv == part
         yes += part
         total += 1
-    return [Value("instances where KVEviction = Partition", f"{agree} of {total} ({yes} yes-instances)",
-                  agree / total)], agree == total
+    return [
+        Value("instances where KVEviction = Partition", f"{agree} of {total} ({yes} yes-instances)", agree / total)
+    ], agree == total
 
 
 @analytic
 def alg2_tolerance(root: Path, sizes: list[int], ratios: list[float], trials: int = 20):
     """Paper 003 Algorithm 2's guarantee ``|E[J(m)] - j*| <= 0.5`` with the project's search, on random proposals."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from presses.core.coupon import expected_unique  # noqa: PLC0415
-    from presses.probabilistic.budget import search_num_samples  # noqa: PLC0415
+    from presses.core.coupon import expected_unique
+    from presses.probabilistic.budget import search_num_samples
 
     g = torch.Generator().manual_seed(0)
     worst, n = 0.0, 0
@@ -1324,7 +1459,7 @@ def alg2_tolerance(root: Path, sizes: list[int], ratios: list[float], trials: in
 
 
 def _pi_example():
-    import torch  # noqa: PLC0415
+    import torch
 
     return torch.tensor([0.8, 0.0998, 0.0001, 0.0001], dtype=torch.float64)
 
@@ -1332,7 +1467,7 @@ def _pi_example():
 @analytic
 def worked_m100(root: Path, m: int = 100):
     """Paper 003 appendix F.1: E[J(100)] for pi = (0.8, 0.0998, 0.0001, 0.0001) and its compression ratio."""
-    from presses.core.coupon import expected_unique  # noqa: PLC0415
+    from presses.core.coupon import expected_unique
 
     e = float(expected_unique(_pi_example(), m))
     cr = 1 - e / 4
@@ -1340,9 +1475,9 @@ def worked_m100(root: Path, m: int = 100):
 
 
 def _tolerated(target: float, upto: int):
-    import torch  # noqa: PLC0415
+    import torch
 
-    from presses.core.coupon import expected_unique  # noqa: PLC0415
+    from presses.core.coupon import expected_unique
 
     ms = torch.arange(upto, dtype=torch.float64)
     e = expected_unique(_pi_example().expand(upto, 4), ms)
@@ -1353,14 +1488,16 @@ def _tolerated(target: float, upto: int):
 @analytic
 def worked_search(root: Path, ratio: float, paper_m: float, upto: int):
     """Paper 003 appendix F.1: the m Algorithm 2 returns for a target ratio, and every m within 0.5 of j*."""
-    from presses.core.coupon import expected_unique  # noqa: PLC0415
-    from presses.probabilistic.budget import search_num_samples  # noqa: PLC0415
+    from presses.core.coupon import expected_unique
+    from presses.probabilistic.budget import search_num_samples
 
     m = int(search_num_samples(_pi_example(), ratio))
     e = float(expected_unique(_pi_example(), m))
     lo, hi = _tolerated((1 - ratio) * 4, upto)
-    return [Value("Algorithm 2 returns", f"m = {m:,} (E[J] = {e:.2f})", m),
-            Value(f"m within 0.5 of j* = {(1 - ratio) * 4:g}", f"[{lo:,}, {hi:,}]")], lo <= paper_m <= hi
+    return [
+        Value("Algorithm 2 returns", f"m = {m:,} (E[J] = {e:.2f})", m),
+        Value(f"m within 0.5 of j* = {(1 - ratio) * 4:g}", f"[{lo:,}, {hi:,}]"),
+    ], lo <= paper_m <= hi
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1454,44 +1591,74 @@ def render(claims: list[dict], outcomes: list[Outcome], claims_path: str) -> str
         by_paper.setdefault(c["paper"], []).append((c, o))
     n = len(claims)
     counts = {s: sum(o.status == s for o in outcomes) for s in STATUSES}
-    md = ["# Claims ledger: the papers' claims beside this project's counterparts", "",
-          (f"_Generated by `{COMMAND}` from `{claims_path}` and the committed artifacts it points to. "
-           "Regenerate it; never edit by hand._"), "",
-          ("One row per numeric or qualitative claim of the three source papers: where the paper makes it, its "
-           "number and setting; our counterpart on the embedded model (SmolLM2-135M-Instruct: 30 layers, 9 query "
-           "heads, 3 KV heads, r = 3, CPU) with its number, setting and the command that produced it; whether it "
-           "agrees, and why the two differ. Papers:"), ""]
+    md = [
+        "# Claims ledger: the papers' claims beside this project's counterparts",
+        "",
+        (
+            f"_Generated by `{COMMAND}` from `{claims_path}` and the committed artifacts it points to. "
+            "Regenerate it; never edit by hand._"
+        ),
+        "",
+        (
+            "One row per numeric or qualitative claim of the three source papers: where the paper makes it, its "
+            "number and setting; our counterpart on the embedded model (SmolLM2-135M-Instruct: 30 layers, 9 query "
+            "heads, 3 KV heads, r = 3, CPU) with its number, setting and the command that produced it; whether it "
+            "agrees, and why the two differ. Papers:"
+        ),
+        "",
+    ]
     md += [f"- **{k}** ({SHORT[k]}): {v}" for k, v in PAPERS.items()]
-    md += ["", "## Summary", "",
-           "| paper | claims | " + " | ".join(STATUSES) + " | agrees yes / no |",
-           "|---|---:|" + "---:|" * len(STATUSES) + "---|"]
+    md += [
+        "",
+        "## Summary",
+        "",
+        "| paper | claims | " + " | ".join(STATUSES) + " | agrees yes / no |",
+        "|---|---:|" + "---:|" * len(STATUSES) + "---|",
+    ]
     for paper, rows in sorted(by_paper.items()):
         outs = [o for _, o in rows]
-        md.append(f"| {paper} {SHORT[paper]} | {len(rows)} | "
-                  + " | ".join(str(sum(o.status == s for o in outs)) for s in STATUSES)
-                  + f" | {sum(o.agrees is True for o in outs)} / {sum(o.agrees is False for o in outs)} |")
-    md.append(f"| **all** | **{n}** | " + " | ".join(f"**{counts[s]}**" for s in STATUSES)
-              + f" | {sum(o.agrees is True for o in outcomes)} / {sum(o.agrees is False for o in outcomes)} |")
+        md.append(
+            f"| {paper} {SHORT[paper]} | {len(rows)} | "
+            + " | ".join(str(sum(o.status == s for o in outs)) for s in STATUSES)
+            + f" | {sum(o.agrees is True for o in outs)} / {sum(o.agrees is False for o in outs)} |"
+        )
+    md.append(
+        f"| **all** | **{n}** | "
+        + " | ".join(f"**{counts[s]}**" for s in STATUSES)
+        + f" | {sum(o.agrees is True for o in outcomes)} / {sum(o.agrees is False for o in outcomes)} |"
+    )
     measured, computed = counts[MEASURED], counts[COMPUTED]
-    md += ["",
-           (f"Measured on the embedded model from a committed artifact: **{measured} of {n} "
+    md += [
+        "",
+        (
+            f"Measured on the embedded model from a committed artifact: **{measured} of {n} "
             f"({100 * measured / n:.0f} %)**; measured or computed exactly by this project's code: "
-            f"**{measured + computed} of {n} ({100 * (measured + computed) / n:.0f} %)**."), "",
-           ("Statuses: *measured*: read from a committed artifact of a run on the embedded model; *computed*: "
-           "an analytic claim (worked example, constant, bound) evaluated exactly with the project's code; "
-           "*tested*: a property the paper proves, checked by a named test on synthetic inputs but with no "
-           "number on the model; *not measured yet*: the artifact does not exist yet (the row gives the command "
-           "that would produce it); *out of reach here*: needs what this project does not have (a larger model, a "
-           "GPU, data that must be downloaded) or has no measurable content. *agrees* is computed from the "
-           "numbers (the row's check, or the function that reads the artifact); `–` where the paper's and our "
-           "settings make a yes/no meaningless."), ""]
+            f"**{measured + computed} of {n} ({100 * (measured + computed) / n:.0f} %)**."
+        ),
+        "",
+        (
+            "Statuses: *measured*: read from a committed artifact of a run on the embedded model; *computed*: "
+            "an analytic claim (worked example, constant, bound) evaluated exactly with the project's code; "
+            "*tested*: a property the paper proves, checked by a named test on synthetic inputs but with no "
+            "number on the model; *not measured yet*: the artifact does not exist yet (the row gives the command "
+            "that would produce it); *out of reach here*: needs what this project does not have (a larger model, a "
+            "GPU, data that must be downloaded) or has no measurable content. *agrees* is computed from the "
+            "numbers (the row's check, or the function that reads the artifact); `–` where the paper's and our "
+            "settings make a yes/no meaningless."
+        ),
+        "",
+    ]
     pend: dict[tuple[str, str], list[str]] = {}
     for c, o in zip(claims, outcomes):
         for art, cmd in o.pending:
             pend.setdefault((art, cmd), []).append(c["id"])
     if pend:
-        md += ["### Artifacts not there yet, and the commands that would make them", "",
-               "| artifact | command | claims waiting (a fallback may stand in meanwhile) |", "|---|---|---|"]
+        md += [
+            "### Artifacts not there yet, and the commands that would make them",
+            "",
+            "| artifact | command | claims waiting (a fallback may stand in meanwhile) |",
+            "|---|---|---|",
+        ]
         for (art, cmd), ids in sorted(pend.items()):
             md.append(f"| `{_cell(art)}` | `{_cell(cmd)}` | {', '.join(ids)} |")
         md.append("")
@@ -1502,10 +1669,17 @@ def render(claims: list[dict], outcomes: list[Outcome], claims_path: str) -> str
             md.append(f"| {c['id']} | {o.status}{' (needs ' + o.needs + ')' if o.needs else ''} | {_cell(o.note)} |")
         md.append("")
     for paper, rows in sorted(by_paper.items()):
-        md += [f"## Paper {paper}: {SHORT[paper]}", "", f"{PAPERS[paper]}.", "",
-               ("| id | where | claim | paper: number (setting) | ours: number (setting) | status | agrees | "
-                "difference and why | command |"),
-               "|---|---|---|---|---|---|---|---|---|"]
+        md += [
+            f"## Paper {paper}: {SHORT[paper]}",
+            "",
+            f"{PAPERS[paper]}.",
+            "",
+            (
+                "| id | where | claim | paper: number (setting) | ours: number (setting) | status | agrees | "
+                "difference and why | command |"
+            ),
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for c, o in rows:
             ours = _values_text(o)
             if o.setting:
@@ -1517,9 +1691,24 @@ def render(claims: list[dict], outcomes: list[Outcome], claims_path: str) -> str
             status = o.status + (f"; needs {o.needs}" if o.needs else "")
             why = " ".join(x for x in (_difference(c, o), str(c["explanation"])) if x)
             cmd = f"`{o.command}`" if o.command else "–"
-            md.append("| " + " | ".join(_cell(x) for x in (
-                c["id"], c["where"], c["claim"], f"**{c['paper_value']}** ({c['paper_setting']})", ours, status,
-                _agrees(o), why, cmd)) + " |")
+            md.append(
+                "| "
+                + " | ".join(
+                    _cell(x)
+                    for x in (
+                        c["id"],
+                        c["where"],
+                        c["claim"],
+                        f"**{c['paper_value']}** ({c['paper_setting']})",
+                        ours,
+                        status,
+                        _agrees(o),
+                        why,
+                        cmd,
+                    )
+                )
+                + " |"
+            )
         md.append("")
     return "\n".join(md)
 

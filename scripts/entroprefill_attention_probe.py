@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from entroprefill_bench import reverse_passages, spearman  # noqa: E402
+from entroprefill_bench import reverse_passages, spearman
 
 
 def main(argv=None) -> int:
@@ -89,10 +89,18 @@ def main(argv=None) -> int:
         q0 = plan.question[0]
         key_ids = tok(" " + ex.metadata["key"], add_special_tokens=False)["input_ids"]
         qtoks = ctx[0, q0:].tolist()
-        key_pos = [q0 + i + j for i in range(len(qtoks) - len(key_ids) + 1) if qtoks[i:i + len(key_ids)] == key_ids
-                   for j in range(len(key_ids))]
-        sets = {"suffix": torch.arange(T - 8, T), "query": torch.arange(q0, T),
-                "key": torch.tensor(key_pos), "answer": torch.tensor([ids.shape[1] - 1])}
+        key_pos = [
+            q0 + i + j
+            for i in range(len(qtoks) - len(key_ids) + 1)
+            if qtoks[i : i + len(key_ids)] == key_ids
+            for j in range(len(key_ids))
+        ]
+        sets = {
+            "suffix": torch.arange(T - 8, T),
+            "query": torch.arange(q0, T),
+            "key": torch.tensor(key_pos),
+            "answer": torch.tensor([ids.shape[1] - 1]),
+        }
 
         def hook(module, a, kwargs, output, sets=sets, ids_k=ids_k, k=k, answer=answer, sizes=sizes):
             keys = kwargs["past_key_values"].layers[module.layer_idx].keys
@@ -104,8 +112,9 @@ def main(argv=None) -> int:
                 share = m / m.sum(-1, keepdim=True).clamp_min(1e-30)
                 lift = share[..., answer] / (sizes[answer] / sizes.sum())  # (H, P)
                 avg = share.mean((0, 1))  # head- and row-averaged passage shares
-                st = stats.setdefault((module.layer_idx, name), {"lift_mean": [], "lift_max_head": [], "top": [],
-                                                                 "spearman": []})
+                st = stats.setdefault(
+                    (module.layer_idx, name), {"lift_mean": [], "lift_max_head": [], "top": [], "spearman": []}
+                )
                 st["lift_mean"].append(float(lift.mean()))
                 st["lift_max_head"].append(float(lift.mean(1).max()))
                 st["top"].append(float(int(avg.argmax()) == answer))
@@ -117,12 +126,19 @@ def main(argv=None) -> int:
             model.model(input_ids=ids, past_key_values=DynamicCache())
         for h in handles:
             h.remove()
-        print(f"[{n + 1}/{len(examples)}] T={T} passages={k} answer={answer + 1} key_tokens={len(key_pos)} "
-              f"{time.perf_counter() - t0:.0f}s", flush=True)
+        print(
+            f"[{n + 1}/{len(examples)}] T={T} passages={k} answer={answer + 1} key_tokens={len(key_pos)} "
+            f"{time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
 
-    mean = lambda xs: statistics.fmean([x for x in xs if not math.isnan(x)]) if xs else math.nan  # noqa: E731
-    rows = [{"layer": li, "observers": name, **{s: mean(v) for s, v in st.items()}}
-            for (li, name), st in sorted(stats.items())]
+    def mean(xs):
+        return statistics.fmean([x for x in xs if not math.isnan(x)]) if xs else math.nan
+
+    rows = [
+        {"layer": li, "observers": name, **{s: mean(v) for s, v in st.items()}}
+        for (li, name), st in sorted(stats.items())
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "probe.csv", "w", newline="") as f:
@@ -132,22 +148,31 @@ def main(argv=None) -> int:
     names = ["suffix", "query", "key", "answer"]
     by = {(r["layer"], r["observers"]): r for r in rows}
     head = "| layer | " + " | ".join(f"{n}: lift / max-head lift / top / spearman" for n in names) + " |"
-    lines = [f"# Attention probe: does the model's attention find the answer passage? (keyfacts, seed {args.seed}"
-             + (", passages reversed" if args.reverse_passages else "") + ")", "",
-             f"{len(examples)} examples at {args.lengths} tokens, model `{args.model}`. Per layer (0-based) and "
-             "observer set: mean over examples of the answer passage's lift (its share of the passage mass / its "
-             "share of the passage tokens, head- and row-averaged; 1 = no preference), the largest head's lift, "
-             "the fraction of examples where the answer passage gets the most mass, and the Spearman correlation "
-             "of the passages' mass density with their index (> 0: later passages get more). Observers: `suffix` "
-             "= the last 8 prefill tokens (EntroPrefill's default), `query` = the whole query span, `key` = the "
-             "key's tokens in the question, `answer` = the last answer-prefix token, after the prefill.", "",
-             head, "|---|" + "---|" * len(names)]
+    lines = [
+        f"# Attention probe: does the model's attention find the answer passage? (keyfacts, seed {args.seed}"
+        + (", passages reversed" if args.reverse_passages else "")
+        + ")",
+        "",
+        f"{len(examples)} examples at {args.lengths} tokens, model `{args.model}`. Per layer (0-based) and "
+        "observer set: mean over examples of the answer passage's lift (its share of the passage mass / its "
+        "share of the passage tokens, head- and row-averaged; 1 = no preference), the largest head's lift, "
+        "the fraction of examples where the answer passage gets the most mass, and the Spearman correlation "
+        "of the passages' mass density with their index (> 0: later passages get more). Observers: `suffix` "
+        "= the last 8 prefill tokens (EntroPrefill's default), `query` = the whole query span, `key` = the "
+        "key's tokens in the question, `answer` = the last answer-prefix token, after the prefill.",
+        "",
+        head,
+        "|---|" + "---|" * len(names),
+    ]
     for li in range(L):
         cells = []
         for name in names:
             r = by.get((li, name))
-            cells.append("-" if r is None else f"{r['lift_mean']:.2f} / {r['lift_max_head']:.2f} / {r['top']:.2f} / "
-                                               f"{r['spearman']:.2f}")
+            cells.append(
+                "-"
+                if r is None
+                else f"{r['lift_mean']:.2f} / {r['lift_max_head']:.2f} / {r['top']:.2f} / {r['spearman']:.2f}"
+            )
         lines.append(f"| {li} | " + " | ".join(cells) + " |")
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     lines += ["", f"Command: `{cmd}`", "", f"Total wall time: {time.perf_counter() - t0:.0f} s.", ""]

@@ -72,17 +72,24 @@ def reverse_passages(example):
     text = example.context
     marks = list(re.finditer(PASSAGE_PATTERN, text))
     q = text.rfind("\n\n" + "Answer the question") if "Question:" in text else len(text)
-    head, tail = text[:marks[0].start()], text[q:]
-    bodies = [text[m.end():(marks[i + 1].start() if i + 1 < len(marks) else q)] for i, m in enumerate(marks)]
+    head, tail = text[: marks[0].start()], text[q:]
+    bodies = [text[m.end() : (marks[i + 1].start() if i + 1 < len(marks) else q)] for i, m in enumerate(marks)]
     bodies = [b.rstrip("\n") for b in bodies]
     n = len(bodies)
     context = head + "\n\n".join(passage_marker(i + 1) + b for i, b in enumerate(reversed(bodies))) + tail
     meta = dict(example.metadata)
     meta["answer_passage"] = n + 1 - example.metadata["answer_passage"]
     meta["depth"] = 100.0 * (meta["answer_passage"] - 1) / max(1, n - 1)
-    return Example(id=example.id + "-rev", context=context, question=example.question, answers=example.answers,
-                   answer_prefix=example.answer_prefix, max_new_tokens=example.max_new_tokens, task=example.task,
-                   metadata=meta)
+    return Example(
+        id=example.id + "-rev",
+        context=context,
+        question=example.question,
+        answers=example.answers,
+        answer_prefix=example.answer_prefix,
+        max_new_tokens=example.max_new_tokens,
+        task=example.task,
+        metadata=meta,
+    )
 
 
 def rope_free_rows():
@@ -92,13 +99,15 @@ def rope_free_rows():
 
     from presses.core.row_masses import row_chunk_masses_reference
 
-    def rows(module, hidden_states, keys, positions, position_embeddings, ids, num_chunks, row_weights=None,
-             attentions=None):
+    def rows(
+        module, hidden_states, keys, positions, position_embeddings, ids, num_chunks, row_weights=None, attentions=None
+    ):
         cos, sin = (x.unsqueeze(1) for x in position_embeddings)
         q = get_prerope_query_states(module, hidden_states[:, positions])
         k = keys * cos + rotate_half(keys) * -sin  # the inverse rotation: every key back at position 0
-        return row_chunk_masses_reference(q, k, positions, ids, num_chunks, row_weights,
-                                          getattr(module, "scaling", q.shape[-1] ** -0.5))
+        return row_chunk_masses_reference(
+            q, k, positions, ids, num_chunks, row_weights, getattr(module, "scaling", q.shape[-1] ** -0.5)
+        )
 
     return rows
 
@@ -130,10 +139,21 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dataset", choices=["keyfacts", "multidoc"], default="keyfacts")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000],
-                    help="context lengths (keyfacts: 8000 leaves room for the template and answer in 8192 positions)")
-    ap.add_argument("--n", "--n-per-kind", dest="n", type=int, default=10,
-                    help="examples per length (keyfacts) or per fact kind and length (multidoc)")
+    ap.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[2048, 4096, 8000],
+        help="context lengths (keyfacts: 8000 leaves room for the template and answer in 8192 positions)",
+    )
+    ap.add_argument(
+        "--n",
+        "--n-per-kind",
+        dest="n",
+        type=int,
+        default=10,
+        help="examples per length (keyfacts) or per fact kind and length (multidoc)",
+    )
     ap.add_argument("--distractor-facts", default="none", help="keyfacts: none | other | number")
     ap.add_argument("--compression-ratio", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
@@ -142,18 +162,37 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-full", action="store_true", help="EntroPrefill only (its decisions; no accuracy ratio)")
     ap.add_argument("--reverse-passages", action="store_true")
     ap.add_argument("--scores", choices=["model", "rope_free"], default="model")
-    ap.add_argument("--press", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="EntroPrefillPress overrides, e.g. epsilon=0.3 monitored_layers=[3,4,5]")
-    ap.add_argument("--variant", nargs="+", action="append", default=None, metavar="NAME [KEY=VALUE ...]",
-                    help="a named EntroPrefill variant (repeatable; each runs on every example after the same "
-                         "full prefill); --press overrides apply to every variant. Default: one variant "
-                         "'entroprefill'")
+    ap.add_argument(
+        "--press",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="EntroPrefillPress overrides, e.g. epsilon=0.3 monitored_layers=[3,4,5]",
+    )
+    ap.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        default=None,
+        metavar="NAME [KEY=VALUE ...]",
+        help="a named EntroPrefill variant (repeatable; each runs on every example after the same "
+        "full prefill); --press overrides apply to every variant. Default: one variant "
+        "'entroprefill'",
+    )
     ap.add_argument("--shard", default=None, help="i/n: run examples i, i+n, ... only (merge with --merge)")
-    ap.add_argument("--merge", nargs="+", default=None, metavar="DIR",
-                    help="write the tables from the examples.csv of these shard directories (no model run)")
-    ap.add_argument("--resume", action="store_true",
-                    help="keep the rows of an earlier run's <out>/examples.csv (same arguments) and run only the "
-                         "examples it lacks; rows are written after every example and the tables after every length")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="write the tables from the examples.csv of these shard directories (no model run)",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows of an earlier run's <out>/examples.csv (same arguments) and run only the "
+        "examples it lacks; rows are written after every example and the tables after every length",
+    )
     ap.add_argument("--out", default="results/entroprefill/keyfacts")
     args = ap.parse_args(argv)
     if args.threads:
@@ -185,8 +224,9 @@ def main(argv=None) -> int:
     if args.dataset == "keyfacts":
         from evaluation.datasets.keyfacts import KeyFactsDataset
 
-        ds = KeyFactsDataset(context_lengths=args.lengths, distractor_facts=args.distractor_facts,
-                             max_new_tokens=args.max_new_tokens)
+        ds = KeyFactsDataset(
+            context_lengths=args.lengths, distractor_facts=args.distractor_facts, max_new_tokens=args.max_new_tokens
+        )
     else:
         from evaluation.datasets.multidoc import MultiDocQADataset
 
@@ -211,6 +251,7 @@ def main(argv=None) -> int:
         def monitor(module, kwargs, cache, attentions, idx):
             layer[0] = idx
             return real(module, kwargs, cache, attentions, idx)
+
         return monitor
 
     ep.chunk_priorities = recording_priorities
@@ -259,17 +300,44 @@ def main(argv=None) -> int:
             with torch.inference_mode():
                 answer = pipe.generate_answer(q_ids, cache, T, ex.max_new_tokens or args.max_new_tokens)
             answer_chunk = ex.metadata["answer_passage"] - 1
-            row = {"id": ex.id, "method": method, "target_length": ex.metadata["target_length"], "T": T,
-                   "answer_passage": ex.metadata["answer_passage"], "n_passages": ex.metadata["n_passages"],
-                   "depth": ex.metadata["depth"], "answer": ex.answers[0],
-                   "prediction": answer.strip().replace("\n", " "), "score": ds.score(answer, ex),
-                   "prefill_s": seconds, "prefill_cpu_s": cpu_seconds, "cache_len": cache.get_seq_length()}
+            row = {
+                "id": ex.id,
+                "method": method,
+                "target_length": ex.metadata["target_length"],
+                "T": T,
+                "answer_passage": ex.metadata["answer_passage"],
+                "n_passages": ex.metadata["n_passages"],
+                "depth": ex.metadata["depth"],
+                "answer": ex.answers[0],
+                "prediction": answer.strip().replace("\n", " "),
+                "score": ds.score(answer, ex),
+                "prefill_s": seconds,
+                "prefill_cpu_s": cpu_seconds,
+                "cache_len": cache.get_seq_length(),
+            }
             if press is not None:
                 st = press.summary()
                 removed = [int(i) for i in st["removed_chunks"].split(",") if i]
-                row.update({k: st[k] for k in ("accepted_layer", "removed_chunks", "n_chunks", "D_l", "U_l",
-                                               "target_saving", "audit_bound", "eta_hat_max", "bypass_reason",
-                                               "layer_reasons", "T_prime", "analytic_saving", "prefill_time_s")})
+                row.update(
+                    {
+                        k: st[k]
+                        for k in (
+                            "accepted_layer",
+                            "removed_chunks",
+                            "n_chunks",
+                            "D_l",
+                            "U_l",
+                            "target_saving",
+                            "audit_bound",
+                            "eta_hat_max",
+                            "bypass_reason",
+                            "layer_reasons",
+                            "T_prime",
+                            "analytic_saving",
+                            "prefill_time_s",
+                        )
+                    }
+                )
                 row["answer_removed"] = int(answer_chunk in removed)
                 # the candidates are every passage in these sets (chunk i = Passage i+1)
                 S = priorities[-1][1] if priorities else []
@@ -277,14 +345,25 @@ def main(argv=None) -> int:
                     row["answer_rank"] = sum(s > S[answer_chunk] for s in S) / max(1, len(S) - 1)  # 0 = top
                     row["priority_index_spearman"] = spearman(S)
                     row["answer_rank_by_layer"] = ";".join(
-                        f"{li}:{sum(s > Sl[answer_chunk] for s in Sl) / max(1, len(Sl) - 1):.2f}" for li, Sl in priorities)
+                        f"{li}:{sum(s > Sl[answer_chunk] for s in Sl) / max(1, len(Sl) - 1):.2f}"
+                        for li, Sl in priorities
+                    )
             rows.append(row)
-            info = "" if method == "full" else (f"T_prime={row['T_prime']} layer={row['accepted_layer']} "
-                                                 f"bypass={row['bypass_reason'] or '-'} "
-                                                 f"ans@{row['answer_passage']}/{row['n_passages']} "
-                                                 f"removed={row['answer_removed']}")
-            print(f"[{n + 1}/{len(examples)}] {method:12s} T={T} {seconds:6.2f}s (cpu {cpu_seconds:6.2f}s) "
-                  f"score={row['score']:.0f} {info} -> {row['prediction'][:30]!r} (ref {ex.answers[0]})", flush=True)
+            info = (
+                ""
+                if method == "full"
+                else (
+                    f"T_prime={row['T_prime']} layer={row['accepted_layer']} "
+                    f"bypass={row['bypass_reason'] or '-'} "
+                    f"ans@{row['answer_passage']}/{row['n_passages']} "
+                    f"removed={row['answer_removed']}"
+                )
+            )
+            print(
+                f"[{n + 1}/{len(examples)}] {method:12s} T={T} {seconds:6.2f}s (cpu {cpu_seconds:6.2f}s) "
+                f"score={row['score']:.0f} {info} -> {row['prediction'][:30]!r} (ref {ex.answers[0]})",
+                flush=True,
+            )
         write_rows(rows, out)
         if n + 1 == len(examples) or examples[n + 1].metadata["target_length"] != ex.metadata["target_length"]:
             write_tables(rows, args, list(variants), out, time.perf_counter() - t0, argv, echo=False)
@@ -312,19 +391,42 @@ def read_rows(dirs) -> list[dict]:
     for d in dirs:
         with open(Path(d) / "examples.csv", newline="") as f:
             for r in csv.DictReader(f):
-                rows.append({k: (v if k in ("id", "method", "answer", "prediction", "removed_chunks",
-                                            "bypass_reason", "layer_reasons", "answer_rank_by_layer")
-                                 else parse_value(v) if v != "" else math.nan) for k, v in r.items()})
+                rows.append(
+                    {
+                        k: (
+                            v
+                            if k
+                            in (
+                                "id",
+                                "method",
+                                "answer",
+                                "prediction",
+                                "removed_chunks",
+                                "bypass_reason",
+                                "layer_reasons",
+                                "answer_rank_by_layer",
+                            )
+                            else parse_value(v)
+                            if v != ""
+                            else math.nan
+                        )
+                        for k, v in r.items()
+                    }
+                )
                 for k in ("bypass_reason", "removed_chunks"):
                     if k in rows[-1] and rows[-1][k] is None:
                         rows[-1][k] = ""
     return rows
 
 
-def write_tables(rows: list[dict], args, variants: list[str], out: Path, seconds: float, argv,
-                 echo: bool = True) -> None:
+def write_tables(
+    rows: list[dict], args, variants: list[str], out: Path, seconds: float, argv, echo: bool = True
+) -> None:
     """``summary.csv``, ``survival.csv`` and ``README.md`` from the per-example rows (see the module docstring)."""
-    mean = lambda xs: statistics.fmean(xs) if xs else math.nan  # noqa: E731
+
+    def mean(xs):
+        return statistics.fmean(xs) if xs else math.nan
+
     summary, survival = [], []
     for length, variant in ((ln, v) for ln in args.lengths for v in variants):
         full = [r for r in rows if r["target_length"] == length and r["method"] == "full"]
@@ -337,34 +439,59 @@ def write_tables(rows: list[dict], args, variants: list[str], out: Path, seconds
         second = [r for r in pruned if r["answer_passage"] > r["n_passages"] / 2]
         full_s, ep_s = mean([r["prefill_s"] for r in full]), mean([r["prefill_s"] for r in ep_rows])
         full_c, ep_c = mean([r["prefill_cpu_s"] for r in full]), mean([r["prefill_cpu_s"] for r in ep_rows])
-        ranks = [r["answer_rank"] for r in ep_rows if isinstance(r.get("answer_rank"), float)
-                 and not math.isnan(r["answer_rank"])]
-        corr = [r["priority_index_spearman"] for r in ep_rows if isinstance(r.get("priority_index_spearman"), float)
-                and not math.isnan(r["priority_index_spearman"])]
-        summary.append({
-            "target_length": length, "variant": variant, "n": len(ep_rows), "mean_T": mean([r["T"] for r in ep_rows]),
-            "full_prefill_s": full_s, "entroprefill_prefill_s": ep_s, "time_ratio": ep_s / full_s if full else math.nan,
-            "full_prefill_cpu_s": full_c, "entroprefill_prefill_cpu_s": ep_c,
-            "cpu_time_ratio": ep_c / full_c if full else math.nan,
-            "acc_full": mean([r["score"] for r in full]), "acc_entroprefill": mean([r["score"] for r in ep_rows]),
-            "bypass_freq": 1 - len(pruned) / len(ep_rows),
-            "mean_T_prime_over_T": mean([r["T_prime"] / r["T"] for r in ep_rows]),
-            "answer_removed_freq": mean([r["answer_removed"] for r in pruned]),
-            "survival_first_half": 1 - mean([r["answer_removed"] for r in first]), "n_first_half": len(first),
-            "survival_second_half": 1 - mean([r["answer_removed"] for r in second]), "n_second_half": len(second),
-            "mean_answer_rank": mean(ranks), "mean_priority_index_spearman": mean(corr),
-            "mean_accepted_layer": mean([r["accepted_layer"] for r in pruned]),
-            "mean_D_l": mean([r["D_l"] for r in scanned]), "mean_U_l": mean([r["U_l"] for r in scanned]),
-            "mean_target": mean([r["target_saving"] for r in ep_rows]),
-            "mean_analytic_saving": mean([r["analytic_saving"] for r in ep_rows]),
-            "bypass_reasons": ";".join(sorted({r["bypass_reason"] for r in ep_rows if r["bypass_reason"]})),
-        })
+        ranks = [
+            r["answer_rank"]
+            for r in ep_rows
+            if isinstance(r.get("answer_rank"), float) and not math.isnan(r["answer_rank"])
+        ]
+        corr = [
+            r["priority_index_spearman"]
+            for r in ep_rows
+            if isinstance(r.get("priority_index_spearman"), float) and not math.isnan(r["priority_index_spearman"])
+        ]
+        summary.append(
+            {
+                "target_length": length,
+                "variant": variant,
+                "n": len(ep_rows),
+                "mean_T": mean([r["T"] for r in ep_rows]),
+                "full_prefill_s": full_s,
+                "entroprefill_prefill_s": ep_s,
+                "time_ratio": ep_s / full_s if full else math.nan,
+                "full_prefill_cpu_s": full_c,
+                "entroprefill_prefill_cpu_s": ep_c,
+                "cpu_time_ratio": ep_c / full_c if full else math.nan,
+                "acc_full": mean([r["score"] for r in full]),
+                "acc_entroprefill": mean([r["score"] for r in ep_rows]),
+                "bypass_freq": 1 - len(pruned) / len(ep_rows),
+                "mean_T_prime_over_T": mean([r["T_prime"] / r["T"] for r in ep_rows]),
+                "answer_removed_freq": mean([r["answer_removed"] for r in pruned]),
+                "survival_first_half": 1 - mean([r["answer_removed"] for r in first]),
+                "n_first_half": len(first),
+                "survival_second_half": 1 - mean([r["answer_removed"] for r in second]),
+                "n_second_half": len(second),
+                "mean_answer_rank": mean(ranks),
+                "mean_priority_index_spearman": mean(corr),
+                "mean_accepted_layer": mean([r["accepted_layer"] for r in pruned]),
+                "mean_D_l": mean([r["D_l"] for r in scanned]),
+                "mean_U_l": mean([r["U_l"] for r in scanned]),
+                "mean_target": mean([r["target_saving"] for r in ep_rows]),
+                "mean_analytic_saving": mean([r["analytic_saving"] for r in ep_rows]),
+                "bypass_reasons": ";".join(sorted({r["bypass_reason"] for r in ep_rows if r["bypass_reason"]})),
+            }
+        )
         for lo in (0, 25, 50, 75):
             part = [r for r in pruned if lo <= r["depth"] < lo + 25 or (lo == 75 and r["depth"] == 100)]
-            survival.append({"target_length": length, "variant": variant,
-                             "depth": f"[{lo}, {lo + 25}{']' if lo == 75 else ')'}", "n_pruned": len(part),
-                             "answer_survival": 1 - mean([r["answer_removed"] for r in part]),
-                             "acc_entroprefill": mean([r["score"] for r in part])})
+            survival.append(
+                {
+                    "target_length": length,
+                    "variant": variant,
+                    "depth": f"[{lo}, {lo + 25}{']' if lo == 75 else ')'}",
+                    "n_pruned": len(part),
+                    "answer_survival": 1 - mean([r["answer_removed"] for r in part]),
+                    "acc_entroprefill": mean([r["score"] for r in part]),
+                }
+            )
     for name, table in (("summary.csv", summary), ("survival.csv", survival)):
         with open(out / name, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(table[0]))
@@ -372,16 +499,22 @@ def write_tables(rows: list[dict], args, variants: list[str], out: Path, seconds
             w.writerows(table)
 
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
 
     def md(table):
         cols = list(table[0])
-        return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
-                *("| " + " | ".join(fmt(s[c]) for c in cols) + " |" for s in table)]
+        return [
+            "| " + " | ".join(cols) + " |",
+            "|" + "---|" * len(cols),
+            *("| " + " | ".join(fmt(s[c]) for c in cols) + " |" for s in table),
+        ]
 
     specs = "; ".join(f"`{' '.join(v)}`" for v in (args.variant or [["entroprefill"]]))
     lines = [
-        f"# EntroPrefill vs full prefill ({args.dataset}, query-aware)", "",
+        f"# EntroPrefill vs full prefill ({args.dataset}, query-aware)",
+        "",
         f"Model `{args.model}` on `{args.device}` ({args.threads or torch.get_num_threads()} torch threads), seed "
         f"{args.seed}, compression_ratio (token-saving target as a fraction of document tokens) = "
         f"{args.compression_ratio}, press overrides for every variant: `{' '.join(args.press) or 'none'}`, "
@@ -389,7 +522,9 @@ def write_tables(rows: list[dict], args, variants: list[str], out: Path, seconds
         + (f", distractor_facts={args.distractor_facts}" if args.dataset == "keyfacts" else "")
         + (", passages REVERSED" if args.reverse_passages else "")
         + (", scores RoPE-free (diagnostic)" if args.scores == "rope_free" else "")
-        + (", EntroPrefill only (no full prefill)" if args.skip_full else "") + ".", "",
+        + (", EntroPrefill only (no full prefill)" if args.skip_full else "")
+        + ".",
+        "",
         "Times: the prefill call only, every method on the same example in the same process (order alternating). "
         "`time_ratio`: mean EntroPrefill wall time / mean full wall time (bypassed examples included); "
         "`cpu_time_ratio`: the same with process CPU time, the figure to read on a shared machine (wall time "
@@ -397,11 +532,18 @@ def write_tables(rows: list[dict], args, variants: list[str], out: Path, seconds
         "examples; `mean_answer_rank`: the answer passage's rank among the chunks by priority S_i (0 = kept "
         "first, 1 = removed first) at the accepted or last scanned layer; `mean_priority_index_spearman`: "
         "Spearman correlation of S_i with the chunk index (> 0: later passages rank higher). `mean_D_l` / "
-        "`mean_U_l`: greedy saving and dual bound; `mean_analytic_saving`: paper 001 eq. 32 (0 when bypassed).", "",
-        *md(summary), "", "Answer-passage survival among pruned examples, by the answer passage's depth "
-        "(percent of the passage list):", "", *md(survival), "",
-        f"Command: `{cmd}`", "",
-        f"Wall time: {seconds:.0f} s. Per-example rows: `examples.csv`.", "",
+        "`mean_U_l`: greedy saving and dual bound; `mean_analytic_saving`: paper 001 eq. 32 (0 when bypassed).",
+        "",
+        *md(summary),
+        "",
+        "Answer-passage survival among pruned examples, by the answer passage's depth (percent of the passage list):",
+        "",
+        *md(survival),
+        "",
+        f"Command: `{cmd}`",
+        "",
+        f"Wall time: {seconds:.0f} s. Per-example rows: `examples.csv`.",
+        "",
     ]
     (out / "README.md").write_text("\n".join(lines))
     if echo:

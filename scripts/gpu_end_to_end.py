@@ -71,13 +71,31 @@ for path in (REPO, REPO / "scripts"):
         sys.path.insert(0, str(path))
 
 #: SmolLM2-135M-Instruct's configuration (the embedded model's ``config.json``), minus its weights.
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-                    rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 #: The dry run's model: same head counts, 2 layers, head dim 8.
-DRY_RUN_MODEL = dict(vocab_size=4096, hidden_size=72, intermediate_size=192, num_hidden_layers=2,
-                     num_attention_heads=9, num_key_value_heads=3, head_dim=8, rope_theta=100000.0,
-                     rms_norm_eps=1e-5, tie_word_embeddings=True)
+DRY_RUN_MODEL = dict(
+    vocab_size=4096,
+    hidden_size=72,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=8,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 #: Factor applied to the randomly initialised query and key projections (attention logits x QK_GAIN^2).
 QK_GAIN = 3.0
 #: Press configs (``configs/press/``) checked end to end; SnapKV is kvpress's.
@@ -90,14 +108,53 @@ DRY_RUN_OVERRIDES = {"page_entrokv": {"window_size": 16}, "snapkv": {"window_siz
 #: Sentinel press name of the full (uncompressed) prefill in the timing table.
 NO_PRESS = "no_press"
 
-AGREEMENT_COLUMNS = ["press", "T", "layer", "group", "kept_reference", "kept_device", "intersection", "union",
-                     "jaccard"]
-SUMMARY_COLUMNS = ["press", "T", "dtype", "layer_groups", "mean_jaccard", "min_jaccard", "identical_fraction",
-                   "kept_reference_mean", "kept_device_mean", "kernels_mean_jaccard", "kernels_min_jaccard",
-                   "reference_s", "device_s", "reference_detail", "device_detail", "error"]
-TIMING_COLUMNS = ["press", "T", "dtype", "compression_ratio", "prefill_s", "press_s", "decode_tokens", "decode_s",
-                  "decode_tok_s", "physical_vs_full", "logical_vs_full", "peak_mem_mb", "peak_mem_delta_mb",
-                  "mem_method", "press_stats", "error"]
+AGREEMENT_COLUMNS = [
+    "press",
+    "T",
+    "layer",
+    "group",
+    "kept_reference",
+    "kept_device",
+    "intersection",
+    "union",
+    "jaccard",
+]
+SUMMARY_COLUMNS = [
+    "press",
+    "T",
+    "dtype",
+    "layer_groups",
+    "mean_jaccard",
+    "min_jaccard",
+    "identical_fraction",
+    "kept_reference_mean",
+    "kept_device_mean",
+    "kernels_mean_jaccard",
+    "kernels_min_jaccard",
+    "reference_s",
+    "device_s",
+    "reference_detail",
+    "device_detail",
+    "error",
+]
+TIMING_COLUMNS = [
+    "press",
+    "T",
+    "dtype",
+    "compression_ratio",
+    "prefill_s",
+    "press_s",
+    "decode_tokens",
+    "decode_s",
+    "decode_tok_s",
+    "physical_vs_full",
+    "logical_vs_full",
+    "peak_mem_mb",
+    "peak_mem_delta_mb",
+    "mem_method",
+    "press_stats",
+    "error",
+]
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer, prompt
@@ -113,8 +170,21 @@ def build_tokenizer(n_words: int = 1500, seed: int = 0):
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(seed)
-    fixed = ["Read", "the", "passages", "and", "answer", "question", "Passage", "passage", "Question", "Answer",
-             "which", "mentions", "word"]
+    fixed = [
+        "Read",
+        "the",
+        "passages",
+        "and",
+        "answer",
+        "question",
+        "Passage",
+        "passage",
+        "Question",
+        "Answer",
+        "which",
+        "mentions",
+        "word",
+    ]
     words: list[str] = []
     seen = set(fixed)
     while len(words) < n_words:
@@ -128,8 +198,14 @@ def build_tokenizer(n_words: int = 1500, seed: int = 0):
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[A-Za-z]+|\d|[^A-Za-z\d]"), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<unk>", clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
     return tok, words
 
 
@@ -145,11 +221,45 @@ def build_prompt(tokenizer, words: list[str], T: int, seed: int = 0):
     import torch
 
     rng = random.Random(seed)
-    header = ["Read", " ", "the", " ", "passages", " ", "and", " ", "answer", " ", "the", " ", "question", ".",
-              "\n", "\n"]
+    header = [
+        "Read",
+        " ",
+        "the",
+        " ",
+        "passages",
+        " ",
+        "and",
+        " ",
+        "answer",
+        " ",
+        "the",
+        " ",
+        "question",
+        ".",
+        "\n",
+        "\n",
+    ]
     target = rng.choice(words)
-    question = ["Question", ":", " ", "which", " ", "passage", " ", "mentions", " ", "the", " ", "word", " ",
-                target, "?", "\n", "Answer", ":"]
+    question = [
+        "Question",
+        ":",
+        " ",
+        "which",
+        " ",
+        "passage",
+        " ",
+        "mentions",
+        " ",
+        "the",
+        " ",
+        "word",
+        " ",
+        target,
+        "?",
+        "\n",
+        "Answer",
+        ":",
+    ]
     if T < 64:
         raise ValueError(f"T={T} must be >= 64 tokens (header, one passage, question)")
     pieces = list(header)
@@ -318,8 +428,10 @@ def kept_sets(model, press_name: str, press, ids, seed: int) -> tuple[dict, str]
             st = press.summary()
             R = press._retained
             kept = set(range(T)) if R is None else set(R.tolist())
-            detail = (f"accepted_layer={st.get('accepted_layer')} removed_chunks={st.get('removed_chunks')} "
-                      f"T'={st.get('T_prime')} bypass={st.get('bypass_reason') or '-'}")
+            detail = (
+                f"accepted_layer={st.get('accepted_layer')} removed_chunks={st.get('removed_chunks')} "
+                f"T'={st.get('T_prime')} bypass={st.get('bypass_reason') or '-'}"
+            )
             clear_attention_bias(model)
             return {(-1, -1): kept}, detail
         draws = cpu_draws(seed) if press_name.startswith("snis") else contextlib.nullcontext()
@@ -352,8 +464,17 @@ def compare(ref: dict, dev: dict) -> list[dict]:
     for key in sorted(ref):
         a, b = ref[key], dev[key]
         inter, union = len(a & b), len(a | b)
-        rows.append({"layer": key[0], "group": key[1], "kept_reference": len(a), "kept_device": len(b),
-                     "intersection": inter, "union": union, "jaccard": inter / union if union else 1.0})
+        rows.append(
+            {
+                "layer": key[0],
+                "group": key[1],
+                "kept_reference": len(a),
+                "kept_device": len(b),
+                "intersection": inter,
+                "union": union,
+                "jaccard": inter / union if union else 1.0,
+            }
+        )
     return rows
 
 
@@ -372,8 +493,18 @@ def versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for name in ("torch", "triton", "transformers", "tokenizers", "kvpress", "hydra-core", "omegaconf",
-                 "datasets", "numpy", "scipy"):
+    for name in (
+        "torch",
+        "triton",
+        "transformers",
+        "tokenizers",
+        "kvpress",
+        "hydra-core",
+        "omegaconf",
+        "datasets",
+        "numpy",
+        "scipy",
+    ):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -390,8 +521,12 @@ def _parse(argv=None):
     p.add_argument("--presses", default=",".join(PRESSES), help="comma-separated press configs")
     p.add_argument("--ratio", type=float, default=0.5, help="compression_ratio of every press")
     p.add_argument("--decode-tokens", type=int, default=None, help="greedy steps timed (default 32; dry run 2)")
-    p.add_argument("--time-limit-s", type=float, default=None,
-                   help="stop starting measurements after this many seconds (default 240; none in the dry run)")
+    p.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,
+        help="stop starting measurements after this many seconds (default 240; none in the dry run)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -426,11 +561,22 @@ def main(argv=None) -> int:
     model = build_model(config, args.seed)
     dev_name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu (dry run, TRITON_INTERPRET=1)"
     meta = {
-        "device": dev_name, "dry_run": args.dry_run, "versions": versions(), "command": " ".join(sys.argv),
-        "model_config": config, "qk_gain": QK_GAIN, "seed": args.seed, "compression_ratio": args.ratio,
-        "presses": presses, "entroprefill_overrides": ENTROPREFILL_OVERRIDES,
-        "dry_run_overrides": DRY_RUN_OVERRIDES if args.dry_run else {}, "agree_lengths": agree,
-        "lengths": lengths, "decode_tokens": decode_tokens, "tokenizer_vocab": len(tok), "notes": notes,
+        "device": dev_name,
+        "dry_run": args.dry_run,
+        "versions": versions(),
+        "command": " ".join(sys.argv),
+        "model_config": config,
+        "qk_gain": QK_GAIN,
+        "seed": args.seed,
+        "compression_ratio": args.ratio,
+        "presses": presses,
+        "entroprefill_overrides": ENTROPREFILL_OVERRIDES,
+        "dry_run_overrides": DRY_RUN_OVERRIDES if args.dry_run else {},
+        "agree_lengths": agree,
+        "lengths": lengths,
+        "decode_tokens": decode_tokens,
+        "tokenizer_vocab": len(tok),
+        "notes": notes,
         "cpu_threads": torch.get_num_threads(),
     }
 
@@ -474,9 +620,14 @@ def main(argv=None) -> int:
             except Exception as err:
                 row["error"] = f"{type(err).__name__}: {err}"
             timing_rows.append(row)
-            print(f"timing T={T} {name}: " + ", ".join(
-                f"{k}={row.get(k, '')}" if not isinstance(row.get(k), float) else f"{k}={row[k]:.4g}"
-                for k in ("prefill_s", "press_s", "decode_tok_s", "peak_mem_mb", "error")), flush=True)
+            print(
+                f"timing T={T} {name}: "
+                + ", ".join(
+                    f"{k}={row.get(k, '')}" if not isinstance(row.get(k), float) else f"{k}={row[k]:.4g}"
+                    for k in ("prefill_s", "press_s", "decode_tok_s", "peak_mem_mb", "error")
+                ),
+                flush=True,
+            )
             write_csv(out / "timing.csv", TIMING_COLUMNS, timing_rows)
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -511,21 +662,39 @@ def main(argv=None) -> int:
                 rows = compare(ref, dev)
                 agreement_rows += [{"press": name, "T": T, **r} for r in rows]
                 jac = [r["jaccard"] for r in rows]
-                row.update(layer_groups=len(rows), mean_jaccard=f"{sum(jac) / len(jac):.6f}",
-                           min_jaccard=f"{min(jac):.6f}",
-                           identical_fraction=f"{sum(j == 1.0 for j in jac) / len(jac):.4f}",
-                           kept_reference_mean=f"{sum(r['kept_reference'] for r in rows) / len(rows):.1f}",
-                           kept_device_mean=f"{sum(r['kept_device'] for r in rows) / len(rows):.1f}",
-                           kernels_mean_jaccard=f"{sum(kernel_jac) / len(kernel_jac):.6f}",
-                           kernels_min_jaccard=f"{min(kernel_jac):.6f}",
-                           reference_s=f"{t1 - t0:.2f}", device_s=f"{t2 - t1:.2f}",
-                           reference_detail=ref_detail, device_detail=dev_detail)
+                row.update(
+                    layer_groups=len(rows),
+                    mean_jaccard=f"{sum(jac) / len(jac):.6f}",
+                    min_jaccard=f"{min(jac):.6f}",
+                    identical_fraction=f"{sum(j == 1.0 for j in jac) / len(jac):.4f}",
+                    kept_reference_mean=f"{sum(r['kept_reference'] for r in rows) / len(rows):.1f}",
+                    kept_device_mean=f"{sum(r['kept_device'] for r in rows) / len(rows):.1f}",
+                    kernels_mean_jaccard=f"{sum(kernel_jac) / len(kernel_jac):.6f}",
+                    kernels_min_jaccard=f"{min(kernel_jac):.6f}",
+                    reference_s=f"{t1 - t0:.2f}",
+                    device_s=f"{t2 - t1:.2f}",
+                    reference_detail=ref_detail,
+                    device_detail=dev_detail,
+                )
             except Exception as err:  # one press failing must not lose the others' rows
                 row["error"] = f"{type(err).__name__}: {err}"
             summary_rows.append(row)
-            print(f"agreement T={T} {name}: " + ", ".join(f"{k}={row.get(k, '')}" for k in (
-                "mean_jaccard", "min_jaccard", "identical_fraction", "kernels_mean_jaccard", "reference_s", "device_s",
-                "error")), flush=True)
+            print(
+                f"agreement T={T} {name}: "
+                + ", ".join(
+                    f"{k}={row.get(k, '')}"
+                    for k in (
+                        "mean_jaccard",
+                        "min_jaccard",
+                        "identical_fraction",
+                        "kernels_mean_jaccard",
+                        "reference_s",
+                        "device_s",
+                        "error",
+                    )
+                ),
+                flush=True,
+            )
             write_csv(out / "agreement.csv", AGREEMENT_COLUMNS, agreement_rows)
             write_csv(out / "agreement_summary.csv", SUMMARY_COLUMNS, summary_rows)
             save_meta()

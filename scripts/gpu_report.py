@@ -32,7 +32,7 @@ GOALS = {"speedup": 5.0, "bandwidth_fraction": 0.70, "jaccard": 0.99}
 
 #: How a session with a GPU lent runs the check (the device tool's ``run`` call), after
 #: ``bash scripts/gpu_check.sh --prepare`` in the checkout that the call sends.
-RUN_CALL = ('run(command="bash scripts/gpu_check.sh", carry=["wheels"], timeout_s=540)')
+RUN_CALL = 'run(command="bash scripts/gpu_check.sh", carry=["wheels"], timeout_s=540)'
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -80,12 +80,14 @@ def junit_cases(path: Path) -> list[dict]:
             el = case.find(tag)
             if el is not None:
                 outcome = {"failure": "failed"}.get(tag, tag)
-                message = (el.get("message") or el.text or "").strip().splitlines()[0][:200] if (
-                    el.get("message") or el.text) else ""
+                message = (
+                    (el.get("message") or el.text or "").strip().splitlines()[0][:200]
+                    if (el.get("message") or el.text)
+                    else ""
+                )
                 break
         dtype = next((d for d in DTYPES if re.search(rf"\b{d}\b", name)), "-")
-        cases.append({"name": name, "test": name.split("[")[0], "dtype": dtype, "outcome": outcome,
-                      "message": message})
+        cases.append({"name": name, "test": name.split("[")[0], "dtype": dtype, "outcome": outcome, "message": message})
     return cases
 
 
@@ -131,20 +133,53 @@ def bench_section(out: Path) -> tuple[list[str], list[str]]:
     if not rows:
         return lines + ["No benchmark CSVs: the stage did not run or did not finish.", ""], []
     first = rows[0]
-    lines += [f"Device `{first.get('device', '')}`; peak bandwidth {first.get('peak_GBps', '-')} GB/s "
-              f"({first.get('peak_source', '-')}); measured device-to-device copy {first.get('copy_GBps', '-')} GB/s. "
-              f"Status: {first.get('status', '')}. Times are medians of CUDA events after a warm-up call; "
-              "`x` = reference time / Triton time; bandwidth = ideal bytes / Triton time.", ""]
+    lines += [
+        f"Device `{first.get('device', '')}`; peak bandwidth {first.get('peak_GBps', '-')} GB/s "
+        f"({first.get('peak_source', '-')}); measured device-to-device copy {first.get('copy_GBps', '-')} GB/s. "
+        f"Status: {first.get('status', '')}. Times are medians of CUDA events after a warm-up call; "
+        "`x` = reference time / Triton time; bandwidth = ideal bytes / Triton time.",
+        "",
+    ]
     body = []
     for r in rows:
         g = r.get  # columns other than the goals' may be missing in an older CSV
-        body.append([r["kernel"], r["T"], g("dtype", "-"), fmt(g("reference_ms"), ".4g"), fmt(g("triton_ms"), ".4g"),
-                     fmt(r["speedup_ref_over_triton"], ".3g"), fmt(g("triton_GBps"), ".4g"),
-                     fmt(r["bandwidth_fraction"], ".1%"), fmt(g("fraction_of_copy"), ".1%"), g("bound", "-"),
-                     fmt(g("reference_peak_extra_MB"), ".4g"), fmt(g("triton_peak_extra_MB"), ".4g"),
-                     fmt(g("max_abs_diff"), ".2g"), g("note", "")])
-    lines += table(["kernel", "T", "dtype", "reference ms", "Triton ms", "x", "Triton GB/s", "of peak", "of copy",
-                    "bound", "ref peak MB", "Triton peak MB", "max diff", "note"], body)
+        body.append(
+            [
+                r["kernel"],
+                r["T"],
+                g("dtype", "-"),
+                fmt(g("reference_ms"), ".4g"),
+                fmt(g("triton_ms"), ".4g"),
+                fmt(r["speedup_ref_over_triton"], ".3g"),
+                fmt(g("triton_GBps"), ".4g"),
+                fmt(r["bandwidth_fraction"], ".1%"),
+                fmt(g("fraction_of_copy"), ".1%"),
+                g("bound", "-"),
+                fmt(g("reference_peak_extra_MB"), ".4g"),
+                fmt(g("triton_peak_extra_MB"), ".4g"),
+                fmt(g("max_abs_diff"), ".2g"),
+                g("note", ""),
+            ]
+        )
+    lines += table(
+        [
+            "kernel",
+            "T",
+            "dtype",
+            "reference ms",
+            "Triton ms",
+            "x",
+            "Triton GB/s",
+            "of peak",
+            "of copy",
+            "bound",
+            "ref peak MB",
+            "Triton peak MB",
+            "max diff",
+            "note",
+        ],
+        body,
+    )
     lines.append("")
     goals = []
     t_max = max(int(num(r["T"])) for r in rows)
@@ -154,8 +189,10 @@ def bench_section(out: Path) -> tuple[list[str], list[str]]:
         text = f"`{r['kernel']}` at T={t_max}: x{fmt(sp)} ({'meets' if ok_sp else 'misses'} x{GOALS['speedup']:g})"
         if r.get("bound") == "memory":
             ok_bw = bw >= GOALS["bandwidth_fraction"]
-            text += f", {fmt(bw, '.1%')} of peak bandwidth ({'meets' if ok_bw else 'misses'} " \
-                    f"{GOALS['bandwidth_fraction']:.0%}, memory-bound)"
+            text += (
+                f", {fmt(bw, '.1%')} of peak bandwidth ({'meets' if ok_bw else 'misses'} "
+                f"{GOALS['bandwidth_fraction']:.0%}, memory-bound)"
+            )
         else:
             text += f", {fmt(bw, '.1%')} of peak bandwidth (compute-bound: the bandwidth goal does not apply)"
         goals.append(text)
@@ -172,52 +209,106 @@ def end_to_end_section(out: Path) -> tuple[list[str], list[str], dict]:
     if not meta:
         return lines + ["No `end_to_end/meta.json`: the stage did not run.", ""], [], meta
     cfg = meta.get("model_config", {})
-    lines += [f"Model: random-weight `LlamaForCausalLM` with SmolLM2-135M's shapes ({cfg.get('num_hidden_layers')} "
-              f"layers, hidden {cfg.get('hidden_size')}, {cfg.get('num_attention_heads')} query / "
-              f"{cfg.get('num_key_value_heads')} KV heads, head dim {cfg.get('head_dim')}, intermediate "
-              f"{cfg.get('intermediate_size')}, vocabulary {cfg.get('vocab_size')}), seed {meta.get('seed')}, "
-              f"query/key projections x{meta.get('qk_gain')}; prompts of `Passage N:` documents and a question from "
-              f"a {meta.get('tokenizer_vocab')}-token word tokenizer built in the script. compression_ratio "
-              f"{meta.get('compression_ratio')}; EntroPrefill overrides {meta.get('entroprefill_overrides')}"
-              + (f"; dry-run overrides {meta.get('dry_run_overrides')}" if meta.get("dry_run_overrides") else "")
-              + f". Elapsed {meta.get('elapsed_s')} s.", ""]
-    lines += ["### Kept sets: device run vs CPU reference (float32, same weights and prompt)", "",
-              "Reference: CPU, torch reference kernels (`KVPRESS_RESEARCH_KERNELS=reference`). Device: "
-              + ("the GPU, Triton kernels forced (`KVPRESS_RESEARCH_KERNELS=triton`)" if not meta.get("dry_run")
-                 else "the CPU again with the Triton kernels interpreted (dry run)")
-              + ". Jaccard index of the kept prompt positions per (layer, KV group); EntroPrefill: its retained "
-              "support (one set). `kernels`: the device's Triton run against the device's own torch-reference run "
-              "(kernel differences alone, without CPU/GPU arithmetic differences). The probabilistic-eviction "
-              "press draws on the CPU generator in every run.", ""]
+    lines += [
+        f"Model: random-weight `LlamaForCausalLM` with SmolLM2-135M's shapes ({cfg.get('num_hidden_layers')} "
+        f"layers, hidden {cfg.get('hidden_size')}, {cfg.get('num_attention_heads')} query / "
+        f"{cfg.get('num_key_value_heads')} KV heads, head dim {cfg.get('head_dim')}, intermediate "
+        f"{cfg.get('intermediate_size')}, vocabulary {cfg.get('vocab_size')}), seed {meta.get('seed')}, "
+        f"query/key projections x{meta.get('qk_gain')}; prompts of `Passage N:` documents and a question from "
+        f"a {meta.get('tokenizer_vocab')}-token word tokenizer built in the script. compression_ratio "
+        f"{meta.get('compression_ratio')}; EntroPrefill overrides {meta.get('entroprefill_overrides')}"
+        + (f"; dry-run overrides {meta.get('dry_run_overrides')}" if meta.get("dry_run_overrides") else "")
+        + f". Elapsed {meta.get('elapsed_s')} s.",
+        "",
+    ]
+    lines += [
+        "### Kept sets: device run vs CPU reference (float32, same weights and prompt)",
+        "",
+        "Reference: CPU, torch reference kernels (`KVPRESS_RESEARCH_KERNELS=reference`). Device: "
+        + (
+            "the GPU, Triton kernels forced (`KVPRESS_RESEARCH_KERNELS=triton`)"
+            if not meta.get("dry_run")
+            else "the CPU again with the Triton kernels interpreted (dry run)"
+        )
+        + ". Jaccard index of the kept prompt positions per (layer, KV group); EntroPrefill: its retained "
+        "support (one set). `kernels`: the device's Triton run against the device's own torch-reference run "
+        "(kernel differences alone, without CPU/GPU arithmetic differences). The probabilistic-eviction "
+        "press draws on the CPU generator in every run.",
+        "",
+    ]
     goals = []
     if agree:
-        lines += table(["press", "T", "layer x group", "mean Jaccard", "min Jaccard", "identical", "kept (ref / dev)",
-                        "kernels mean / min", "ref s", "dev s", "reference", "device", "error"],
-                       [[r["press"], r["T"], r["layer_groups"], fmt(r["mean_jaccard"], ".4f"),
-                         fmt(r["min_jaccard"], ".4f"), fmt(r["identical_fraction"], ".1%"),
-                         f"{r['kept_reference_mean'] or '-'} / {r['kept_device_mean'] or '-'}",
-                         f"{fmt(r.get('kernels_mean_jaccard'), '.4f')} / {fmt(r.get('kernels_min_jaccard'), '.4f')}",
-                         r["reference_s"] or "-",
-                         r["device_s"] or "-", r["reference_detail"], r["device_detail"], r["error"]] for r in agree])
+        lines += table(
+            [
+                "press",
+                "T",
+                "layer x group",
+                "mean Jaccard",
+                "min Jaccard",
+                "identical",
+                "kept (ref / dev)",
+                "kernels mean / min",
+                "ref s",
+                "dev s",
+                "reference",
+                "device",
+                "error",
+            ],
+            [
+                [
+                    r["press"],
+                    r["T"],
+                    r["layer_groups"],
+                    fmt(r["mean_jaccard"], ".4f"),
+                    fmt(r["min_jaccard"], ".4f"),
+                    fmt(r["identical_fraction"], ".1%"),
+                    f"{r['kept_reference_mean'] or '-'} / {r['kept_device_mean'] or '-'}",
+                    f"{fmt(r.get('kernels_mean_jaccard'), '.4f')} / {fmt(r.get('kernels_min_jaccard'), '.4f')}",
+                    r["reference_s"] or "-",
+                    r["device_s"] or "-",
+                    r["reference_detail"],
+                    r["device_detail"],
+                    r["error"],
+                ]
+                for r in agree
+            ],
+        )
         for r in agree:
             j = num(r["mean_jaccard"])
-            goals.append(f"`{r['press']}` kept sets at T={r['T']}: mean Jaccard {fmt(j, '.4f')} "
-                         f"({'meets' if j >= GOALS['jaccard'] else 'misses'} {GOALS['jaccard']:.0%})"
-                         + (f" [{r['error']}]" if r["error"] else ""))
+            goals.append(
+                f"`{r['press']}` kept sets at T={r['T']}: mean Jaccard {fmt(j, '.4f')} "
+                f"({'meets' if j >= GOALS['jaccard'] else 'misses'} {GOALS['jaccard']:.0%})"
+                + (f" [{r['error']}]" if r["error"] else "")
+            )
     else:
         lines.append("No agreement rows.")
-    lines += ["", f"### Timing ({timing[0]['dtype'] if timing else '-'}, decode {meta.get('decode_tokens')} greedy "
-              "tokens after the prefill)", "",
-              "`prefill s`: the prefill call inside `with press(model)`; `press s`: time inside the press's hooks; "
-              "`KV kept`: physical (padded) and logical KV bytes against the full cache; peak memory: "
-              "`torch.cuda.max_memory_allocated` over the row on a GPU (`mem_method` in timing.csv).", ""]
+    lines += [
+        "",
+        f"### Timing ({timing[0]['dtype'] if timing else '-'}, decode {meta.get('decode_tokens')} greedy "
+        "tokens after the prefill)",
+        "",
+        "`prefill s`: the prefill call inside `with press(model)`; `press s`: time inside the press's hooks; "
+        "`KV kept`: physical (padded) and logical KV bytes against the full cache; peak memory: "
+        "`torch.cuda.max_memory_allocated` over the row on a GPU (`mem_method` in timing.csv).",
+        "",
+    ]
     if timing:
-        lines += table(["T", "press", "prefill s", "press s", "decode tok/s", "KV kept (phys / logical)",
-                        "peak MB", "error"],
-                       [[r["T"], r["press"], fmt(r["prefill_s"], ".4g"), fmt(r["press_s"], ".4g"),
-                         fmt(r["decode_tok_s"], ".4g"),
-                         f"{fmt(r['physical_vs_full'], '.1%')} / {fmt(r['logical_vs_full'], '.1%')}",
-                         fmt(r["peak_mem_mb"], ".5g"), r["error"]] for r in timing])
+        lines += table(
+            ["T", "press", "prefill s", "press s", "decode tok/s", "KV kept (phys / logical)", "peak MB", "error"],
+            [
+                [
+                    r["T"],
+                    r["press"],
+                    fmt(r["prefill_s"], ".4g"),
+                    fmt(r["press_s"], ".4g"),
+                    fmt(r["decode_tok_s"], ".4g"),
+                    f"{fmt(r['physical_vs_full'], '.1%')} / {fmt(r['logical_vs_full'], '.1%')}",
+                    fmt(r["peak_mem_mb"], ".5g"),
+                    r["error"],
+                ]
+                for r in timing
+            ],
+        )
     else:
         lines.append("No timing rows.")
     lines.append("")
@@ -235,12 +326,18 @@ def write_readme(out: Path, mode: str, command: str) -> str:
     dry = mode == "dry-run"
     lines = ["# GPU check (issue 19)", ""]
     if dry:
-        lines += ["**DRY RUN on the CPU: a plumbing check, not a measurement.** The kernels ran under the Triton "
-                  "interpreter on toy shapes and the end-to-end model is a 2-layer toy; every number below only "
-                  "shows that the stages run and their tables get written.", ""]
-    lines += [f"- Device: `{meta.get('device', '-')}`",
-              "- Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) if versions else "- Versions: -",
-              f"- Command: `{command}`", ""]
+        lines += [
+            "**DRY RUN on the CPU: a plumbing check, not a measurement.** The kernels ran under the Triton "
+            "interpreter on toy shapes and the end-to-end model is a 2-layer toy; every number below only "
+            "shows that the stages run and their tables get written.",
+            "",
+        ]
+    lines += [
+        f"- Device: `{meta.get('device', '-')}`",
+        "- Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) if versions else "- Versions: -",
+        f"- Command: `{command}`",
+        "",
+    ]
     for name in ("env.txt", "install.txt"):
         if (out / name).exists():
             text = (out / name).read_text().strip()
@@ -250,28 +347,43 @@ def write_readme(out: Path, mode: str, command: str) -> str:
         lines += ["(Computed as on a GPU; in a dry run they judge nothing.)", ""]
     goal_lines = []
     if tests_ok is not None:
-        goal_lines.append(f"Every kernel test passes {'(interpreted, dry run)' if dry else 'compiled'} in every dtype: "
-                          f"{'yes' if tests_ok else 'NO'}")
+        goal_lines.append(
+            f"Every kernel test passes {'(interpreted, dry run)' if dry else 'compiled'} in every dtype: "
+            f"{'yes' if tests_ok else 'NO'}"
+        )
     else:
         goal_lines.append("Kernel tests: no report")
     goal_lines += bench_goals or ["Kernel benchmark: no rows"]
     goal_lines += e2e_goals or ["Agreement: no rows"]
     lines += [f"- {g}" for g in goal_lines] + [""]
     if stages:
-        lines += ["## Stages", ""] + table(["stage", "exit code", "seconds"],
-                                           [[s["stage"], s["rc"], s["seconds"]] for s in stages]) + [""]
+        lines += (
+            ["## Stages", ""]
+            + table(["stage", "exit code", "seconds"], [[s["stage"], s["rc"], s["seconds"]] for s in stages])
+            + [""]
+        )
     lines += tests_lines + bench_lines + e2e_lines
-    lines += ["## How to run", "",
-              "On a machine with one CUDA GPU and this repo's dependencies: `make gpu-check` "
-              "(= `bash scripts/gpu_check.sh`), about 5 to 8 minutes; it writes this folder.", "",
-              "On this workplace's device machine (no registry there): first, here, in the checkout the device tool "
-              "sends, `bash scripts/gpu_check.sh --prepare` (downloads the pinned wheels into the git-ignored "
-              "`wheels/`, about 15 MB), then call the device tool:", "", "```", RUN_CALL, "```", "",
-              "The script installs the carried wheels into `/tmp/gpu_check_site` only where the machine lacks them "
-              "(kvpress 0.5.5, transformers<5.3, hydra), and leaves `results_gpu.tar.gz`, `README.md` and "
-              "`gpu_check.log` in `$OUT`; unpack with `tar xzf <files_at>/results_gpu.tar.gz -C results/`. "
-              "A rerun of single stages: `bash scripts/gpu_check.sh --only bench,e2e,report`. "
-              "CPU plumbing check: `bash scripts/gpu_check.sh --dry-run` (tests/test_gpu_check.py runs it).", ""]
+    lines += [
+        "## How to run",
+        "",
+        "On a machine with one CUDA GPU and this repo's dependencies: `make gpu-check` "
+        "(= `bash scripts/gpu_check.sh`), about 5 to 8 minutes; it writes this folder.",
+        "",
+        "On this workplace's device machine (no registry there): first, here, in the checkout the device tool "
+        "sends, `bash scripts/gpu_check.sh --prepare` (downloads the pinned wheels into the git-ignored "
+        "`wheels/`, about 15 MB), then call the device tool:",
+        "",
+        "```",
+        RUN_CALL,
+        "```",
+        "",
+        "The script installs the carried wheels into `/tmp/gpu_check_site` only where the machine lacks them "
+        "(kvpress 0.5.5, transformers<5.3, hydra), and leaves `results_gpu.tar.gz`, `README.md` and "
+        "`gpu_check.log` in `$OUT`; unpack with `tar xzf <files_at>/results_gpu.tar.gz -C results/`. "
+        "A rerun of single stages: `bash scripts/gpu_check.sh --only bench,e2e,report`. "
+        "CPU plumbing check: `bash scripts/gpu_check.sh --dry-run` (tests/test_gpu_check.py runs it).",
+        "",
+    ]
     text = "\n".join(lines)
     (out / "README.md").write_text(text)
     return text

@@ -51,8 +51,17 @@ def main(argv=None) -> int:
             answer = pipe.generate_answer(q, cache, ids.shape[1], 12)
         score = ds.score(answer, ex)
         total += score
-        print(ex.id, ids.shape[1], ex.metadata["n_passages"], ex.metadata["answer_passage"], score, repr(answer[:40]),
-              ex.answers[0], f"{time.perf_counter() - t0:.1f}s", flush=True)
+        print(
+            ex.id,
+            ids.shape[1],
+            ex.metadata["n_passages"],
+            ex.metadata["answer_passage"],
+            score,
+            repr(answer[:40]),
+            ex.answers[0],
+            f"{time.perf_counter() - t0:.1f}s",
+            flush=True,
+        )
     print("ACC", length, total / len(examples))
     return 0
 

@@ -18,7 +18,8 @@ other threads' work. Rows:
   (:func:`presses.kernels.attention_with_column_sums`: the fused flash kernel plus the column pass; inside the
   prefill, outside the press's hooks);
 - ``proposal``: :func:`presses.probabilistic.proposals.compute_proposal` in the layers' hooks (reads the statistics);
-- ``budget search``, ``sampling``: :func:`presses.probabilistic.budget.search_num_samples`, :func:`presses.probabilistic.budget.sample_counts`;
+- ``budget search``, ``sampling``: :func:`presses.probabilistic.budget.search_num_samples`,
+:func:`presses.probabilistic.budget.sample_counts`;
 - ``eviction``: :meth:`ProbabilisticEvictionPress._evict` (sampling included: gather, padding, bias).
 
 ``--pyinstrument`` also prints a pyinstrument call tree of one SNIS prefill (wall time) when it is installed.
@@ -98,7 +99,7 @@ def profile(model, T: int, proposal: str, ratio: float, repeats: int, use_pyinst
         clear_attention_bias(model)
         cache = DynamicCache()
         w, c = time.perf_counter(), time.thread_time()
-        with torch.inference_mode(), (press(model) if press is not None else _null()):
+        with torch.inference_mode(), press(model) if press is not None else _null():
             model.model(input_ids=ids, past_key_values=cache)
         return [time.perf_counter() - w, time.thread_time() - c]
 
@@ -121,22 +122,35 @@ def profile(model, T: int, proposal: str, ratio: float, repeats: int, use_pyinst
         totals["SnapKV prefill"] = prefill(_hooked(SnapKVPress(compression_ratio=ratio), totals, "SnapKV press"))
         with timed_parts(targets, totals):
             totals["SNIS prefill"] = prefill(_hooked(snis(), totals, "SNIS press"))
-        if best is None or totals["SNIS prefill"][1] + totals["uncompressed prefill"][1] < \
-                best["SNIS prefill"][1] + best["uncompressed prefill"][1]:
+        if (
+            best is None
+            or totals["SNIS prefill"][1] + totals["uncompressed prefill"][1]
+            < best["SNIS prefill"][1] + best["uncompressed prefill"][1]
+        ):
             best = dict(totals)
     names = ["uncompressed prefill", "SnapKV prefill", "SnapKV press", "SNIS prefill", "SNIS press", *targets]
-    lines = [f"### T = {T} ({proposal}, compression_ratio {ratio:g}, {torch.get_num_threads()} torch threads, "
-             f"fastest of {max(1, repeats)})", "", "| part | wall s | CPU s (calling thread) |", "|---|---|---|"]
+    lines = [
+        f"### T = {T} ({proposal}, compression_ratio {ratio:g}, {torch.get_num_threads()} torch threads, "
+        f"fastest of {max(1, repeats)})",
+        "",
+        "| part | wall s | CPU s (calling thread) |",
+        "|---|---|---|",
+    ]
     lines += [f"| {name} | {best[name][0]:.3f} | {best[name][1]:.3f} |" for name in names]
 
     def ratio_of(a, b, i):
         return best[a][i] / best[b][i] if best[b][i] > 0 else float("nan")
 
-    lines += ["", "| ratio | wall | CPU |", "|---|---|---|",
-              f"| SNIS prefill / uncompressed prefill | {ratio_of('SNIS prefill', 'uncompressed prefill', 0):.3f} | "
-              f"{ratio_of('SNIS prefill', 'uncompressed prefill', 1):.3f} |",
-              f"| SNIS press / SnapKV press | {ratio_of('SNIS press', 'SnapKV press', 0):.2f} | "
-              f"{ratio_of('SNIS press', 'SnapKV press', 1):.2f} |", ""]
+    lines += [
+        "",
+        "| ratio | wall | CPU |",
+        "|---|---|---|",
+        f"| SNIS prefill / uncompressed prefill | {ratio_of('SNIS prefill', 'uncompressed prefill', 0):.3f} | "
+        f"{ratio_of('SNIS prefill', 'uncompressed prefill', 1):.3f} |",
+        f"| SNIS press / SnapKV press | {ratio_of('SNIS press', 'SnapKV press', 0):.2f} | "
+        f"{ratio_of('SNIS press', 'SnapKV press', 1):.2f} |",
+        "",
+    ]
     if use_pyinstrument:
         try:
             from pyinstrument import Profiler
@@ -174,8 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     model, _ = load_model(args.model)
-    lines = [f"Command: `python scripts/profile_snis_press.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
-             ""]
+    lines = [f"Command: `python scripts/profile_snis_press.py {' '.join(sys.argv[1:] if argv is None else argv)}`", ""]
     for T in args.lengths:
         lines += profile(model, T, args.proposal, args.ratio, args.repeats, args.pyinstrument)
     print("\n".join(lines))

@@ -10,7 +10,8 @@ prompt cache (eq. 11, mean absolute error over the head dimension, averaged over
 - ``topk_h2o``: deterministic top-k of the same H2O scores (H2O eviction).
 
 With ``--page-sizes B [B ...]`` the same estimators with pages of ``B`` positions as the sampling unit
-(:mod:`presses.probabilistic.page_sampling`) run beside them: ``page{B}_uncorrected`` and ``page{B}_corrected_tau*`` draw
+(:mod:`presses.probabilistic.page_sampling`) run beside them: ``page{B}_uncorrected`` and ``page{B}_corrected_tau*``
+draw
 pages from the page proposal (the H2O proposal summed over each page) with ``m`` per group from the page
 budget (target ``(1 - r) t / B`` distinct pages), keep every token of a drawn page and give it its page's
 weight; ``topk_h2o_page{B}`` keeps the ``round(k / B)`` (at least 1) pages of highest H2O mass, the
@@ -136,7 +137,10 @@ def run(layers, t, seeds, ratios=RATIOS, taus=TAUS, time_limit=480.0, page_sizes
     for ratio in ratios:
         for layer, (pi, keys, values, q, k_y, v_y, scaling) in layers.items():
             full = attend(q, keys, values, k_y, v_y, None, scaling)
-            mae = lambda out: (out - full).abs().mean().item()
+
+            def mae(out, full=full):
+                return (out - full).abs().mean().item()
+
             # top-k of the same H2O scores, k entries per group
             k = compute_n_kept(t, ratio)
             top = torch.zeros_like(pi, dtype=torch.bool).scatter(-1, pi.topk(k, -1).indices, True)
@@ -148,8 +152,9 @@ def run(layers, t, seeds, ratios=RATIOS, taus=TAUS, time_limit=480.0, page_sizes
             for seed in range(seeds):
                 counts = sample_counts(pi, m, torch.Generator().manual_seed(seed))
                 kept += (counts > 0).double().mean().item() / seeds
-                acc["uncorrected"] += mae(attend(q, keys, values, k_y, v_y,
-                                                 snis_bias(counts, m, pi, correction=False), scaling)) / seeds
+                acc["uncorrected"] += (
+                    mae(attend(q, keys, values, k_y, v_y, snis_bias(counts, m, pi, correction=False), scaling)) / seeds
+                )
                 for tau in taus:
                     bias = snis_bias(counts, m, pi, tau=tau)
                     acc[f"corrected_tau{tau:g}"] += mae(attend(q, keys, values, k_y, v_y, bias, scaling)) / seeds
@@ -167,11 +172,16 @@ def page_rows(B, ratio, layer, pi, keys, values, q, k_y, v_y, scaling, t, k, see
     pages = page_proposal(pi, B)  # (G, P)
     rows = []
     n_top = max(1, round(k / B))
-    top = expand_pages(torch.zeros_like(pages, dtype=torch.bool).scatter(-1, pages.topk(n_top, -1).indices, True),
-                       B, t)
-    rows.append((f"topk_h2o_page{B}", ratio, layer,
-                 mae(attend(q, keys, values, k_y, v_y, torch.where(top, 0.0, float("-inf")), scaling)),
-                 top.double().mean().item()))
+    top = expand_pages(torch.zeros_like(pages, dtype=torch.bool).scatter(-1, pages.topk(n_top, -1).indices, True), B, t)
+    rows.append(
+        (
+            f"topk_h2o_page{B}",
+            ratio,
+            layer,
+            mae(attend(q, keys, values, k_y, v_y, torch.where(top, 0.0, float("-inf")), scaling)),
+            top.double().mean().item(),
+        )
+    )
     m = search_num_samples(pages, ratio, target=page_target(t, ratio, B), tol=page_tolerance(B))  # (G,)
     token_pi = expand_pages(pages, B, t)
     acc = {f"page{B}_uncorrected": 0.0, **{f"page{B}_corrected_tau{tau:g}": 0.0 for tau in taus}}
@@ -179,8 +189,9 @@ def page_rows(B, ratio, layer, pi, keys, values, q, k_y, v_y, scaling, t, k, see
     for seed in range(seeds):
         counts = expand_pages(sample_counts(pages, m, torch.Generator().manual_seed(seed)), B, t)
         kept += (counts > 0).double().mean().item() / seeds
-        acc[f"page{B}_uncorrected"] += mae(attend(q, keys, values, k_y, v_y,
-                                                  snis_bias(counts, m, token_pi, correction=False), scaling)) / seeds
+        acc[f"page{B}_uncorrected"] += (
+            mae(attend(q, keys, values, k_y, v_y, snis_bias(counts, m, token_pi, correction=False), scaling)) / seeds
+        )
         for tau in taus:
             bias = snis_bias(counts, m, token_pi, tau=tau)
             acc[f"page{B}_corrected_tau{tau:g}"] += mae(attend(q, keys, values, k_y, v_y, bias, scaling)) / seeds
@@ -190,10 +201,12 @@ def page_rows(B, ratio, layer, pi, keys, values, q, k_y, v_y, scaling, t, k, see
 def summarise(rows):
     """Append the layer-mean rows (layer = 'all')."""
     groups = {}
-    for name, ratio, layer, mae, kept in rows:
+    for name, ratio, _layer, mae, kept in rows:
         groups.setdefault((name, ratio), []).append((mae, kept))
-    return rows + [(name, ratio, "all", sum(v[0] for v in vals) / len(vals), sum(v[1] for v in vals) / len(vals))
-                   for (name, ratio), vals in groups.items()]
+    return rows + [
+        (name, ratio, "all", sum(v[0] for v in vals) / len(vals), sum(v[1] for v in vals) / len(vals))
+        for (name, ratio), vals in groups.items()
+    ]
 
 
 def plot(rows, path):
@@ -204,10 +217,18 @@ def plot(rows, path):
 
     fig, ax = plt.subplots(figsize=(7, 4.5) if any("page" in r[0] for r in rows) else (6, 4))
     names = sorted({r[0] for r in rows}, key=lambda n: (n != "topk_h2o", n != "uncorrected", n))
-    colors = {"topk_h2o": "black", "uncorrected": "tab:orange", "corrected_tau1": "tab:green",
-              "corrected_tau2": "tab:red", "corrected_tau5": "tab:purple"}
-    units = sorted({n.split("_")[0] for n in names if n.startswith("page")} |
-                   {n.rsplit("_", 1)[1] for n in names if n.startswith("topk_h2o_page")}, key=lambda u: int(u[4:]))
+    colors = {
+        "topk_h2o": "black",
+        "uncorrected": "tab:orange",
+        "corrected_tau1": "tab:green",
+        "corrected_tau2": "tab:red",
+        "corrected_tau5": "tab:purple",
+    }
+    units = sorted(
+        {n.split("_")[0] for n in names if n.startswith("page")}
+        | {n.rsplit("_", 1)[1] for n in names if n.startswith("topk_h2o_page")},
+        key=lambda u: int(u[4:]),
+    )
     styles = dict(zip(["token", *units], ["-", ":", "-.", (0, (1, 3))]))  # one line style per sampling unit
     for name in names:
         pts = sorted((r[1], r[3]) for r in rows if r[0] == name and r[2] == "all")
@@ -218,8 +239,15 @@ def plot(rows, path):
         else:
             unit, base = "token", name
         style = "--" if name == "topk_h2o" else styles[unit]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=style, marker="o", ms=3,
-                color=colors.get(base), label=name)
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            linestyle=style,
+            marker="o",
+            ms=3,
+            color=colors.get(base),
+            label=name,
+        )
     ax.set_xlabel("compression ratio r")
     ax.set_ylabel("MAE of attention outputs (mean over layers, heads)")
     ax.set_yscale("log")
@@ -235,8 +263,9 @@ def main():
     parser.add_argument("--seeds", type=int, default=16, help="draws per (layer, ratio)")
     parser.add_argument("--out", default="results/snis")
     parser.add_argument("--time-limit", type=float, default=480.0, help="seconds before stopping early")
-    parser.add_argument("--page-sizes", type=int, nargs="*", default=[],
-                        help="also run the page-unit estimators with these page sizes")
+    parser.add_argument(
+        "--page-sizes", type=int, nargs="*", default=[], help="also run the page-unit estimators with these page sizes"
+    )
     args = parser.parse_args()
     started = time.time()
     torch.set_num_threads(2)
@@ -271,16 +300,24 @@ def write_readme(rows, path: Path, args, t: int, n_layers: int, seconds: float) 
         "",
         "Produced by `" + " ".join(["python", *map(shlex.quote, sys.argv)]) + f"` in {seconds / 60:.0f} min "
         f"({args.model}, {n_layers} layers, prompt of t={t} tokens, {args.seeds} draws per layer and ratio, "
-        "per-group budget). Regenerate with `make snis-study`" + (" plus `--page-sizes "
-        + " ".join(map(str, args.page_sizes)) + "`" if args.page_sizes else "") + ".",
+        "per-group budget). Regenerate with `make snis-study`"
+        + (" plus `--page-sizes " + " ".join(map(str, args.page_sizes)) + "`" if args.page_sizes else "")
+        + ".",
         "",
         "Mean absolute error of each layer's attention output for the first answer token against the "
         "uncompressed one (eq. 11), averaged over heads, draws and layers. Per-layer values: "
         "`bias_variance.csv`; plot: `bias_variance.png`.",
         "",
-        *(["`pageB_*`: pages of B positions as the sampling unit (`presses/probabilistic/page_sampling.py`), same H2O proposal "
-           "summed over each page, m per group for (1 - r) t / B expected distinct pages; `topk_h2o_pageB`: the "
-           "round(k / B) pages of highest H2O mass.", ""] if args.page_sizes else []),
+        *(
+            [
+                "`pageB_*`: pages of B positions as the sampling unit (`presses/probabilistic/page_sampling.py`), "
+                "same H2O proposal summed over each page, m per group for (1 - r) t / B expected distinct pages; "
+                "`topk_h2o_pageB`: the round(k / B) pages of highest H2O mass.",
+                "",
+            ]
+            if args.page_sizes
+            else []
+        ),
         "| estimator | " + " | ".join(f"cr {r:g}" for r in ratios) + " |",
         "| --- | " + " | ".join("---:" for _ in ratios) + " |",
     ]

@@ -3,7 +3,8 @@
 For needle examples of the committed table (question asked after compression, as kvpress's pipeline does),
 run the prefill with each press and record, per layer and KV group, which context positions it keeps:
 
-- probabilistic eviction (``snis_*`` configs): the draw counts ``c_i`` of :func:`presses.probabilistic.budget.sample_counts`
+- probabilistic eviction (``snis_*`` configs): the draw counts ``c_i`` of
+:func:`presses.probabilistic.budget.sample_counts`
   (kept = ``c_i > 0``) and the proposal ``pi`` they were drawn from; for the page unit (``snis_*_page``) the
   page counts give every token of a drawn page (:func:`presses.probabilistic.page_sampling.expand_pages`) and a token's
   proposal mass is its page's mass shared equally by the page's tokens;
@@ -122,10 +123,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     with initialize_config_dir(str(harness.CONFIG_DIR), version_base="1.3"):
-        cfgs = {p: compose("config", [f"model={args.model}", "dataset=needle", f"press={p}",
-                                      f"compression_ratio={args.ratio}", f"dataset.n_per_depth={args.per_depth}",
-                                      f"query_aware={str(args.query_aware).lower()}"])
-                for p in args.presses}
+        cfgs = {
+            p: compose(
+                "config",
+                [
+                    f"model={args.model}",
+                    "dataset=needle",
+                    f"press={p}",
+                    f"compression_ratio={args.ratio}",
+                    f"dataset.n_per_depth={args.per_depth}",
+                    f"query_aware={str(args.query_aware).lower()}",
+                ],
+            )
+            for p in args.presses
+        }
     first = next(iter(cfgs.values()))
     dataset = instantiate(first.dataset)
     model, tokenizer = harness.get_model(first.model, "cpu", first.model.get("attn_implementation", "sdpa"))
@@ -140,11 +151,19 @@ def main(argv: list[str] | None = None) -> None:
         for name, cfg in cfgs.items():
             kept, proposals = kept_masks(model, instantiate(cfg.press), context_ids)
             per_layer = torch.stack([k[:, positions].all(-1) for k in kept])  # (L, G)
-            row = {"id": ex.id, "depth": ex.metadata["depth"], "press": name, "ratio": args.ratio, "T": T,
-                   "answer_tokens": len(positions), "kept_all": float(per_layer.float().mean()),
-                   "kept_every_layer": bool(per_layer.any(-1).all()),
-                   "pi_ratio": (float(torch.stack([p[:, positions].mean() for p in proposals]).mean() * T)
-                                if proposals else "")}
+            row = {
+                "id": ex.id,
+                "depth": ex.metadata["depth"],
+                "press": name,
+                "ratio": args.ratio,
+                "T": T,
+                "answer_tokens": len(positions),
+                "kept_all": float(per_layer.float().mean()),
+                "kept_every_layer": bool(per_layer.any(-1).all()),
+                "pi_ratio": (
+                    float(torch.stack([p[:, positions].mean() for p in proposals]).mean() * T) if proposals else ""
+                ),
+            }
             rows.append(row)
             print(row, flush=True)
     import pandas as pd
@@ -171,11 +190,16 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for metric in ("kept_all", "kept_every_layer", "pi_ratio"):
         block = summary[metric]
-        text += [f"### {metric} by needle depth (%)", "",
-                 "| press | " + " | ".join(f"{d:g}" for d in block.columns) + " |",
-                 "| --- | " + " | ".join("---:" for _ in block.columns) + " |"]
-        text += ["| " + press + " | " + " | ".join("–" if pd.isna(v) else f"{v:.3f}" for v in vals) + " |"
-                 for press, vals in block.iterrows()]
+        text += [
+            f"### {metric} by needle depth (%)",
+            "",
+            "| press | " + " | ".join(f"{d:g}" for d in block.columns) + " |",
+            "| --- | " + " | ".join("---:" for _ in block.columns) + " |",
+        ]
+        text += [
+            "| " + press + " | " + " | ".join("–" if pd.isna(v) else f"{v:.3f}" for v in vals) + " |"
+            for press, vals in block.iterrows()
+        ]
         text.append("")
     harness.write_atomic(out / f"{args.name}.md", "\n".join(text))
     print("\n".join(text))

@@ -30,8 +30,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,13 +51,17 @@ from evaluation.datasets.needle import NeedleDataset  # noqa: E402
 from evaluation.harness import compose_config, write_atomic  # noqa: E402
 from evaluation.models import load_model  # noqa: E402
 from evaluation.replay import PrefillCapture, replay_prefill  # noqa: E402
-from presses.observers import shared_observers  # noqa: E402
 from evaluation.uor.study import retention_from_records  # noqa: E402
 from presses import PageEntroKVPress  # noqa: E402
+from presses.observers import shared_observers  # noqa: E402
 
 #: (variant name, press config, pooling override)
-VARIANTS = [("ours_entropy", "page_entrokv", None), ("ours_mean", "page_entrokv", "mean"),
-            ("paper000_entropy", "page_entrokv_paper000", None), ("paper000_mean", "page_entrokv_paper000", "mean")]
+VARIANTS = [
+    ("ours_entropy", "page_entrokv", None),
+    ("ours_mean", "page_entrokv", "mean"),
+    ("paper000_entropy", "page_entrokv_paper000", None),
+    ("paper000_mean", "page_entrokv_paper000", "mean"),
+]
 #: the shortest target prompt length (tokens): the chat template and the question take about 90, a needle 64
 MIN_LENGTH = 256
 #: protocol name -> question inside the compressed context
@@ -124,8 +128,15 @@ def fig9b_rows(press: _Observed, value_tokens: torch.Tensor, G: int) -> list[dic
         mass = attn[:, value_tokens].sum(-1).view(G, -1)  # (G, r) needle mass per head
         w = rec["weights"].view(G, -1)
         for g in range(G):
-            rows.append({"layer": rec["layer_idx"], "group": g, "best_head": float(mass[g].max()),
-                         "pooled": float((w[g] * mass[g]).sum()), "mean": float(mass[g].mean())})
+            rows.append(
+                {
+                    "layer": rec["layer_idx"],
+                    "group": g,
+                    "best_head": float(mass[g].max()),
+                    "pooled": float((w[g] * mass[g]).sum()),
+                    "mean": float(mass[g].mean()),
+                }
+            )
     return rows
 
 
@@ -133,9 +144,12 @@ def needle_examples(pipe, tokenizer, args, target: int, query_aware: bool) -> li
     """The needle prompts of about ``target`` model tokens (chat template and, inside the context, the question
     included): the haystack is sized by the overhead measured on a probe prompt."""
     probe = NeedleDataset(context_length=target, depths=[50], n_per_depth=1).examples(
-        tokenizer, 1, args.seed, query_aware)[0]
-    overhead = pipe.preprocess(probe.context, [probe.question], probe.answer_prefix,
-                               int(1e10))["context_ids"].shape[1] - probe.metadata["context_length"]
+        tokenizer, 1, args.seed, query_aware
+    )[0]
+    overhead = (
+        pipe.preprocess(probe.context, [probe.question], probe.answer_prefix, int(1e10))["context_ids"].shape[1]
+        - probe.metadata["context_length"]
+    )
     ds = NeedleDataset(context_length=target - overhead, depths=args.depths, n_per_depth=args.n_per_depth)
     return list(ds.examples(tokenizer, None, args.seed, query_aware))
 
@@ -150,8 +164,11 @@ def run(args) -> None:
     parts = Path(args.parts)
     parts.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    examples = {(protocol, target): needle_examples(pipe, tokenizer, args, target, query_aware)
-                for protocol, query_aware in PROTOCOLS.items() for target in args.lengths}
+    examples = {
+        (protocol, target): needle_examples(pipe, tokenizer, args, target, query_aware)
+        for protocol, query_aware in PROTOCOLS.items()
+        for target in args.lengths
+    }
     for protocol in PROTOCOLS:
         if protocol not in args.protocols:
             continue
@@ -172,16 +189,32 @@ def run(args) -> None:
                             replay_prefill(model, press, capture)
                         kept = retention_from_records(press.records, value_tokens)  # (L, G) bool
                         s = press.summary()
-                        retention.append({"protocol": protocol, "target_T": target, "T": ids.shape[1],
-                                          "depth": ex.metadata["depth"], "id": ex.id, "variant": name,
-                                          "pooled_selection": float(kept.float().mean()), "strict": int(bool(kept.all())),
-                                          "effective_compression": s["effective_compression"]})
+                        retention.append(
+                            {
+                                "protocol": protocol,
+                                "target_T": target,
+                                "T": ids.shape[1],
+                                "depth": ex.metadata["depth"],
+                                "id": ex.id,
+                                "variant": name,
+                                "pooled_selection": float(kept.float().mean()),
+                                "strict": int(bool(kept.all())),
+                                "effective_compression": s["effective_compression"],
+                            }
+                        )
                         if name == "ours_entropy":
-                            fig9b += [{"protocol": protocol, "target_T": target, "T": ids.shape[1], "id": ex.id, **r}
-                                      for r in fig9b_rows(press, value_tokens, G)]
-                print(f"{protocol} T={ids.shape[1]} depth={ex.metadata['depth']:g}: " + ", ".join(
-                    f"{r['variant']}={r['pooled_selection']:.2f}/{r['strict']}" for r in retention[-len(VARIANTS):]),
-                    f"({time.perf_counter() - start:.0f} s)", flush=True)
+                            fig9b += [
+                                {"protocol": protocol, "target_T": target, "T": ids.shape[1], "id": ex.id, **r}
+                                for r in fig9b_rows(press, value_tokens, G)
+                            ]
+                print(
+                    f"{protocol} T={ids.shape[1]} depth={ex.metadata['depth']:g}: "
+                    + ", ".join(
+                        f"{r['variant']}={r['pooled_selection']:.2f}/{r['strict']}" for r in retention[-len(VARIANTS) :]
+                    ),
+                    f"({time.perf_counter() - start:.0f} s)",
+                    flush=True,
+                )
                 write_atomic(part, json.dumps({"retention": retention, "fig9b": fig9b}))
     retention, fig9b, missing = collect(parts, args, examples)
     if missing:
@@ -227,7 +260,8 @@ def _mean(xs):
 
 
 def report(retention: list[dict], fig9b: list[dict], args) -> str:
-    """``table6_reproduction.md``: (a) pooled selection by length, (b) strict by depth, per protocol; Fig. 9b summary."""
+    """``table6_reproduction.md``: (a) pooled selection by length, (b) strict by depth, per protocol; Fig. 9b
+    summary."""
     argv, skip = [], False
     for a in sys.argv[1:]:  # the recorded command is the whole sweep: drop a per-process --protocols
         if a == "--protocols" or a.startswith("--protocols="):
@@ -238,58 +272,90 @@ def report(retention: list[dict], fig9b: list[dict], args) -> str:
         skip = False
         argv.append(a)
     command = "python scripts/table6_retention.py " + " ".join(argv)
-    lines = ["# Paper 000 Table 6 and Fig. 9b on the embedded model", "",
-             f"Command: `{command.strip()}` (written by the script; never edited by hand).", "",
-             f"Model {args.model}; needle prompts at target lengths {args.lengths} (measured T in the rows), depths "
-             f"{args.depths}, {args.n_per_depth} per depth, seed {args.seed}; compression ratio {args.ratio} "
-             "(retention 0.2). Variants: `ours` = `configs/press/page_entrokv.yaml`, `paper000` = "
-             "`configs/press/page_entrokv_paper000.yaml` (observers = every prompt query, no protection, per-layer "
-             f"union, max fallback), each with entropy pooling and with arithmetic-mean pooling, all at page size "
-             f"{PAGE_SIZE} (paper 000's). Criteria: "
-             "docs/methods.md §1.13.", ""]
+    lines = [
+        "# Paper 000 Table 6 and Fig. 9b on the embedded model",
+        "",
+        f"Command: `{command.strip()}` (written by the script; never edited by hand).",
+        "",
+        f"Model {args.model}; needle prompts at target lengths {args.lengths} (measured T in the rows), depths "
+        f"{args.depths}, {args.n_per_depth} per depth, seed {args.seed}; compression ratio {args.ratio} "
+        "(retention 0.2). Variants: `ours` = `configs/press/page_entrokv.yaml`, `paper000` = "
+        "`configs/press/page_entrokv_paper000.yaml` (observers = every prompt query, no protection, per-layer "
+        f"union, max fallback), each with entropy pooling and with arithmetic-mean pooling, all at page size "
+        f"{PAGE_SIZE} (paper 000's). Criteria: "
+        "docs/methods.md §1.13.",
+        "",
+    ]
     variants = [v for v, _, _ in VARIANTS]
     for protocol in ("question_after", "question_inside"):
         rows = [r for r in retention if r["protocol"] == protocol]
         lengths = sorted({r["target_T"] for r in rows})
-        lines += [f"## {protocol.replace('_', ' ')}", "", "(a) Pooled-selection criterion: % of (layer, group) "
-                  "decisions that keep the needle-value pages, by prompt length", "",
-                  "| variant | " + " | ".join(f"T ~ {t} (mean {_mean([r['T'] for r in rows if r['target_T'] == t]):.0f})"
-                                             for t in lengths) + " |",
-                  "|---|" + "---|" * len(lengths)]
+        lines += [
+            f"## {protocol.replace('_', ' ')}",
+            "",
+            "(a) Pooled-selection criterion: % of (layer, group) "
+            "decisions that keep the needle-value pages, by prompt length",
+            "",
+            "| variant | "
+            + " | ".join(f"T ~ {t} (mean {_mean([r['T'] for r in rows if r['target_T'] == t]):.0f})" for t in lengths)
+            + " |",
+            "|---|" + "---|" * len(lengths),
+        ]
         for v in variants:
-            lines.append(f"| {v} | " + " | ".join(
-                f"{100 * _mean([r['pooled_selection'] for r in rows if r['variant'] == v and r['target_T'] == t]):.1f}%"
-                for t in lengths) + " |")
+            pooled = {
+                t: _mean([r["pooled_selection"] for r in rows if (r["variant"], r["target_T"]) == (v, t)])
+                for t in lengths
+            }
+            lines.append(f"| {v} | " + " | ".join(f"{100 * pooled[t]:.1f}%" for t in lengths) + " |")
         depths = sorted({r["depth"] for r in rows})
-        lines += ["", "(b) Strict all-layer criterion: fraction of prompts whose needle-value pages survive in every "
-                  "layer and group, by depth (all lengths)", "",
-                  "| variant | " + " | ".join(f"{d:g}%" for d in depths) + " | all | effective compression |",
-                  "|---|" + "---|" * (len(depths) + 2)]
+        lines += [
+            "",
+            "(b) Strict all-layer criterion: fraction of prompts whose needle-value pages survive in every "
+            "layer and group, by depth (all lengths)",
+            "",
+            "| variant | " + " | ".join(f"{d:g}%" for d in depths) + " | all | effective compression |",
+            "|---|" + "---|" * (len(depths) + 2),
+        ]
         for v in variants:
             vr = [r for r in rows if r["variant"] == v]
-            lines.append(f"| {v} | " + " | ".join(f"{_mean([r['strict'] for r in vr if r['depth'] == d]):.2f}"
-                                                   for d in depths)
-                         + f" | {_mean([r['strict'] for r in vr]):.2f} | "
-                         f"{_mean([r['effective_compression'] for r in vr]):.3f} |")
+            lines.append(
+                f"| {v} | "
+                + " | ".join(f"{_mean([r['strict'] for r in vr if r['depth'] == d]):.2f}" for d in depths)
+                + f" | {_mean([r['strict'] for r in vr]):.2f} | "
+                f"{_mean([r['effective_compression'] for r in vr]):.3f} |"
+            )
         lines.append("")
-    lines += ["Paper 000 (Qwen2.5-1.5B-Instruct, r = 6, 20 % budget), pooled-selection criterion: arithmetic mean "
-              "0.0 % and Page-EntroKV 100.0 % at T = 959, 1469, 1989 and 2499; strict: uncompressed 1.00 at every "
-              "depth. The paper does not state its protocol for this table.", "",
-              "## Fig. 9b: entropy pooling against mean pooling on real text", "",
-              "Per (layer, group) decision of `ours_entropy`: the needle-value mass (summed over the value's tokens) "
-              "in the observer attention of the group's best head, of the entropy-pooled score and of the mean-pooled "
-              "score.", "", "| protocol | decisions | best head (median) | best head (90th pct) | pooled / mean "
-              "(median) | pooled / mean (90th pct) |", "|---|---|---|---|---|---|"]
+    lines += [
+        "Paper 000 (Qwen2.5-1.5B-Instruct, r = 6, 20 % budget), pooled-selection criterion: arithmetic mean "
+        "0.0 % and Page-EntroKV 100.0 % at T = 959, 1469, 1989 and 2499; strict: uncompressed 1.00 at every "
+        "depth. The paper does not state its protocol for this table.",
+        "",
+        "## Fig. 9b: entropy pooling against mean pooling on real text",
+        "",
+        "Per (layer, group) decision of `ours_entropy`: the needle-value mass (summed over the value's tokens) "
+        "in the observer attention of the group's best head, of the entropy-pooled score and of the mean-pooled "
+        "score.",
+        "",
+        "| protocol | decisions | best head (median) | best head (90th pct) | pooled / mean "
+        "(median) | pooled / mean (90th pct) |",
+        "|---|---|---|---|---|---|",
+    ]
     for protocol in ("question_after", "question_inside"):
         rows = [r for r in fig9b if r["protocol"] == protocol]
         if not rows:
             continue
         best = torch.tensor([r["best_head"] for r in rows])
         ratio = torch.tensor([r["pooled"] / r["mean"] if r["mean"] > 0 else 1.0 for r in rows])
-        lines.append(f"| {protocol.replace('_', ' ')} | {len(rows)} | {float(best.median()):.4f} | "
-                     f"{float(best.quantile(0.9)):.4f} | {float(ratio.median()):.3f} | {float(ratio.quantile(0.9)):.3f} |")
-    lines += ["", "Paper 000 Fig. 9b (Qwen2.5-1.5B, T <= 2048): the best head's needle mass is about 0.16, so entropy "
-              "pooling degenerates toward mean pooling; pooled and mean masses agree within a factor 1.06.", ""]
+        lines.append(
+            f"| {protocol.replace('_', ' ')} | {len(rows)} | {float(best.median()):.4f} | "
+            f"{float(best.quantile(0.9)):.4f} | {float(ratio.median()):.3f} | {float(ratio.quantile(0.9)):.3f} |"
+        )
+    lines += [
+        "",
+        "Paper 000 Fig. 9b (Qwen2.5-1.5B, T <= 2048): the best head's needle mass is about 0.16, so entropy "
+        "pooling degenerates toward mean pooling; pooled and mean masses agree within a factor 1.06.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -305,8 +371,15 @@ def plot_fig9b(rows: list[dict], path: Path) -> None:
         sub = [r for r in rows if r["protocol"] == protocol]
         if not sub:
             continue
-        sc = ax.scatter([r["mean"] for r in sub], [r["pooled"] for r in sub], c=[r["best_head"] for r in sub],
-                        s=6, cmap="viridis", vmin=0, vmax=1)
+        sc = ax.scatter(
+            [r["mean"] for r in sub],
+            [r["pooled"] for r in sub],
+            c=[r["best_head"] for r in sub],
+            s=6,
+            cmap="viridis",
+            vmin=0,
+            vmax=1,
+        )
         top = max(max(r["pooled"] for r in sub), max(r["mean"] for r in sub), 1e-3)
         ax.plot([0, top], [0, top], "k--", lw=0.8)
         ax.set_title(protocol.replace("_", " "))
@@ -327,19 +400,29 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(REPO / "results" / "uor" / "smollm2-135m"))
-    p.add_argument("--protocols", nargs="+", choices=list(PROTOCOLS), default=list(PROTOCOLS),
-                   help="measure only these (run one process per protocol in parallel; the last to finish writes "
-                        "the report from every prompt's part file)")
-    p.add_argument("--parts", default=str(REPO / "runs" / "table6"),
-                   help="one json per measured prompt (resume: a prompt with a part file is skipped)")
+    p.add_argument(
+        "--protocols",
+        nargs="+",
+        choices=list(PROTOCOLS),
+        default=list(PROTOCOLS),
+        help="measure only these (run one process per protocol in parallel; the last to finish writes "
+        "the report from every prompt's part file)",
+    )
+    p.add_argument(
+        "--parts",
+        default=str(REPO / "runs" / "table6"),
+        help="one json per measured prompt (resume: a prompt with a part file is skipped)",
+    )
     args = p.parse_args(argv)
     if args.n_per_depth < 1:
         p.error(f"--n-per-depth {args.n_per_depth} must be >= 1")
     if not 0 <= args.ratio < 1:
         p.error(f"--ratio {args.ratio} must be in [0, 1)")
     if min(args.lengths) < MIN_LENGTH:
-        p.error(f"--lengths {min(args.lengths)} is below {MIN_LENGTH} tokens (the chat template, question and a "
-                "needle must fit)")
+        p.error(
+            f"--lengths {min(args.lengths)} is below {MIN_LENGTH} tokens (the chat template, question and a "
+            "needle must fit)"
+        )
     if not all(0 <= d <= 100 for d in args.depths):
         p.error(f"--depths {args.depths} must lie in [0, 100]")
     run(args)

@@ -69,20 +69,33 @@ BASE = {"page_size": 16, "tau": 0.5, "max_fallback": None}
 
 def stage_a() -> list[dict]:
     """The policy options of paper 000 at page size 16, tau 0.5 (12 candidates)."""
-    return [{"observer_window": w, "protect": p, "group_selection": g}
-            for w, p, g in itertools.product([None, 256, "all"], ["sink_window", "none"], ["group", "union"])]
+    return [
+        {"observer_window": w, "protect": p, "group_selection": g}
+        for w, p, g in itertools.product([None, 256, "all"], ["sink_window", "none"], ["group", "union"])
+    ]
 
 
 def stage_b(best: dict) -> list[dict]:
     """One change at a time around ``best`` (5 candidates)."""
-    return [{**best, "page_size": 8}, {**best, "page_size": 32}, {**best, "tau": 0.25}, {**best, "tau": 1.0},
-            {**best, "max_fallback": 0.05}]
+    return [
+        {**best, "page_size": 8},
+        {**best, "page_size": 32},
+        {**best, "tau": 0.25},
+        {**best, "tau": 1.0},
+        {**best, "max_fallback": 0.05},
+    ]
 
 
 def label(candidate: dict) -> str:
     """A short, stable run name of a candidate (its run directory under ``runs/tuning``)."""
-    short = {"observer_window": "ow", "protect": "pr", "group_selection": "gs", "page_size": "ps", "tau": "tau",
-             "max_fallback": "mf"}
+    short = {
+        "observer_window": "ow",
+        "protect": "pr",
+        "group_selection": "gs",
+        "page_size": "ps",
+        "tau": "tau",
+        "max_fallback": "mf",
+    }
     value = {None: "def", "sink_window": "sw", "none": "no", "group": "grp", "union": "uni"}
     parts = [f"{short[k]}{value.get(v, v)}" for k, v in candidate.items()]
     return "pe_" + "_".join(str(p) for p in parts)
@@ -94,15 +107,26 @@ def _override(value) -> str:
 
 def runs_for(dataset: str, protocol: str, candidates: list[dict], shard: str | None) -> list:
     """Harness configs of the candidates (as labelled variants of ``page_entrokv``) and the baselines."""
-    base = [*SPLITS[dataset], f"seed={SEED}", f"query_aware={str(PROTOCOLS[protocol]).lower()}",
-            f"output_dir={RUNS}"] + ([f"shard={shard}"] if shard else [])
+    base = [
+        *SPLITS[dataset],
+        f"seed={SEED}",
+        f"query_aware={str(PROTOCOLS[protocol]).lower()}",
+        f"output_dir={RUNS}",
+    ] + ([f"shard={shard}"] if shard else [])
     runs = []
     for ratio in RATIOS:
         for cand in candidates:
-            cfg = harness.compose_config([*base, "press=page_entrokv", f"compression_ratio={ratio}",
-                                          *[f"press.{k}={_override(v)}" for k, v in {**BASE, **cand}.items()]])
-            runs.append((cfg, {"press": "page_entrokv", "run_name": label(cand), "dataset": dataset,
-                               "model": "smollm2-135m"}))
+            cfg = harness.compose_config(
+                [
+                    *base,
+                    "press=page_entrokv",
+                    f"compression_ratio={ratio}",
+                    *[f"press.{k}={_override(v)}" for k, v in {**BASE, **cand}.items()],
+                ]
+            )
+            runs.append(
+                (cfg, {"press": "page_entrokv", "run_name": label(cand), "dataset": dataset, "model": "smollm2-135m"})
+            )
         for press in BASELINES:
             cfg = harness.compose_config([*base, f"press={press}", f"compression_ratio={ratio}"])
             runs.append((cfg, {"press": press, "dataset": dataset, "model": "smollm2-135m"}))
@@ -134,12 +158,22 @@ def score_candidates(candidates: list[dict]) -> list[dict]:
                 task = runs[name][i]["task"]
                 for m in runs:
                     per_task.setdefault(task, {}).setdefault(m, []).append(runs[m][i]["score"])
-            out.append({"candidate": name, **{k: _override(cand.get(k)) for k in ("observer_window", "protect",
-                        "group_selection", "page_size", "tau", "max_fallback")},
-                        "dataset": dataset, "protocol": protocol, "ratio": ratio, "n": len(ids),
-                        "win_score": win_scores(per_task)[name],
-                        "score": sum(runs[name][i]["score"] for i in ids) / len(ids),
-                        "effective_compression": sum(runs[name][i]["effective_compression"] for i in ids) / len(ids)})
+            out.append(
+                {
+                    "candidate": name,
+                    **{
+                        k: _override(cand.get(k))
+                        for k in ("observer_window", "protect", "group_selection", "page_size", "tau", "max_fallback")
+                    },
+                    "dataset": dataset,
+                    "protocol": protocol,
+                    "ratio": ratio,
+                    "n": len(ids),
+                    "win_score": win_scores(per_task)[name],
+                    "score": sum(runs[name][i]["score"] for i in ids) / len(ids),
+                    "effective_compression": sum(runs[name][i]["effective_compression"] for i in ids) / len(ids),
+                }
+            )
     return out
 
 
@@ -156,19 +190,30 @@ def ranking(records: list[dict]) -> list[dict]:
         key = (r["dataset"], r["protocol"], r["ratio"])
         full_n[key] = max(full_n.get(key, 0), r["n"])
     expected = len(SPLITS) * len(PROTOCOLS) * len(RATIOS)
-    ranked = [{"candidate": c, "cells": len(v), "win_score": sum(r["win_score"] for r in v) / len(v),
-               "score": sum(r["score"] for r in v) / len(v),
-               "within_budget": all(r["effective_compression"] >= r["ratio"] - BUDGET_TOLERANCE for r in v),
-               "complete": len(v) == expected and all(r["n"] == full_n[(r["dataset"], r["protocol"], r["ratio"])]
-                                                      for r in v),
-               **{k: v[0][k] for k in ("observer_window", "protect", "group_selection", "page_size", "tau",
-                                       "max_fallback")}} for c, v in by.items()]
-    return sorted(ranked, key=lambda r: (not r["complete"], not r["within_budget"], -r["win_score"], -r["score"],
-                                         r["candidate"]))
+    ranked = [
+        {
+            "candidate": c,
+            "cells": len(v),
+            "win_score": sum(r["win_score"] for r in v) / len(v),
+            "score": sum(r["score"] for r in v) / len(v),
+            "within_budget": all(r["effective_compression"] >= r["ratio"] - BUDGET_TOLERANCE for r in v),
+            "complete": len(v) == expected
+            and all(r["n"] == full_n[(r["dataset"], r["protocol"], r["ratio"])] for r in v),
+            **{
+                k: v[0][k]
+                for k in ("observer_window", "protect", "group_selection", "page_size", "tau", "max_fallback")
+            },
+        }
+        for c, v in by.items()
+    ]
+    return sorted(
+        ranked, key=lambda r: (not r["complete"], not r["within_budget"], -r["win_score"], -r["score"], r["candidate"])
+    )
 
 
 def candidate_of(record: dict) -> dict:
     """The option dict of a ranked record (inverse of the ``None`` -> ``"null"`` rendering)."""
+
     def parse(v):
         if v == "null":
             return None
@@ -179,8 +224,12 @@ def candidate_of(record: dict) -> dict:
                 return float(v)
             except ValueError:
                 return v
-    return {k: parse(record[k]) for k in ("observer_window", "protect", "group_selection", "page_size", "tau",
-                                          "max_fallback") if record[k] != "null" or k == "observer_window"}
+
+    return {
+        k: parse(record[k])
+        for k in ("observer_window", "protect", "group_selection", "page_size", "tau", "max_fallback")
+        if record[k] != "null" or k == "observer_window"
+    }
 
 
 def run_stage(stage: str, shard: str | None) -> None:
@@ -216,45 +265,70 @@ def report() -> None:
         (OUT / "chosen.json").unlink(missing_ok=True)
     else:
         harness.write_atomic(OUT / "chosen.json", json.dumps(candidate_of(chosen), indent=2) + "\n")
-    lines = ["# Page-EntroKV defaults chosen on a development split", "",
-             "Written by `python scripts/tune_page_entrokv.py --report` (never edited by hand); the stages ran with "
-             "`--stage A --shard {0,1}/2` then `--stage B --shard {0,1}/2`. See the script's docstring.", "",
-             f"- **Split**: needle 2k (20 examples) and RULER 2k (11 tasks x 2), generated from seed {SEED}; the "
-             "committed grids use seed 42 and were not read. Both protocols; ratios " + ", ".join(map(str, RATIOS))
-             + ".",
-             "- **Objective**: per cell (dataset x protocol x ratio), the candidate's win score among itself and "
-             + ", ".join(BASELINES) + " (paper 003 section 7); the mean over the cells; ties: mean score.",
-             f"- **Search space**: stage A = {len(stage_a())} candidates (observer_window x protect x "
-             "group_selection at page_size 16, tau 0.5); stage B = 5 one-at-a-time changes around stage A's best "
-             f"({label(best_a)}).", "",
-             f"**{'Leader so far (search incomplete; nothing chosen)' if missing else 'Chosen'}**: "
-             f"`{chosen['candidate']}` — " + ", ".join(f"{k}={chosen[k]}" for k in
-             ("observer_window", "protect", "group_selection", "page_size", "tau", "max_fallback")) +
-             f" (mean win score {chosen['win_score']:.3f}, mean score {chosen['score']:.3f}).", "",
-             "## Every candidate (mean over the cells)", "",
-             "Candidates that keep more than the budget in some cell (effective compression below the ratio by more "
-             f"than {BUDGET_TOLERANCE}: the per-layer union of paper 000) rank after all others and are not chosen. "
-             "`null` in page_size, tau, max_fallback: the search's base (16, 0.5, off), which was also the config's default before this search.", "",
-             "| rank | candidate | observer_window | protect | group_selection | page_size | tau | max_fallback | "
-             "cells | complete | within budget | win score | score |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Page-EntroKV defaults chosen on a development split",
+        "",
+        "Written by `python scripts/tune_page_entrokv.py --report` (never edited by hand); the stages ran with "
+        "`--stage A --shard {0,1}/2` then `--stage B --shard {0,1}/2`. See the script's docstring.",
+        "",
+        f"- **Split**: needle 2k (20 examples) and RULER 2k (11 tasks x 2), generated from seed {SEED}; the "
+        "committed grids use seed 42 and were not read. Both protocols; ratios " + ", ".join(map(str, RATIOS)) + ".",
+        "- **Objective**: per cell (dataset x protocol x ratio), the candidate's win score among itself and "
+        + ", ".join(BASELINES)
+        + " (paper 003 section 7); the mean over the cells; ties: mean score.",
+        f"- **Search space**: stage A = {len(stage_a())} candidates (observer_window x protect x "
+        "group_selection at page_size 16, tau 0.5); stage B = 5 one-at-a-time changes around stage A's best "
+        f"({label(best_a)}).",
+        "",
+        f"**{'Leader so far (search incomplete; nothing chosen)' if missing else 'Chosen'}**: "
+        f"`{chosen['candidate']}` — "
+        + ", ".join(
+            f"{k}={chosen[k]}"
+            for k in ("observer_window", "protect", "group_selection", "page_size", "tau", "max_fallback")
+        )
+        + f" (mean win score {chosen['win_score']:.3f}, mean score {chosen['score']:.3f}).",
+        "",
+        "## Every candidate (mean over the cells)",
+        "",
+        "Candidates that keep more than the budget in some cell (effective compression below the ratio by more "
+        f"than {BUDGET_TOLERANCE}: the per-layer union of paper 000) rank after all others and are not chosen. "
+        "`null` in page_size, tau, max_fallback: the search's base (16, 0.5, off), which was also the config's default "
+        "before this search.",
+        "",
+        "| rank | candidate | observer_window | protect | group_selection | page_size | tau | max_fallback | "
+        "cells | complete | within budget | win score | score |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(ranked, 1):
-        lines.append(f"| {i} | {r['candidate']} | {r['observer_window']} | {r['protect']} | {r['group_selection']} | "
-                     f"{r['page_size']} | {r['tau']} | {r['max_fallback']} | {r['cells']} | "
-                     f"{'yes' if r['complete'] else 'no'} | "
-                     f"{'yes' if r['within_budget'] else 'no'} | {r['win_score']:.3f} | "
-                     f"{r['score']:.3f} |")
-    lines += ["", "## Cells of the chosen candidate and of our previous default", "",
-              "| candidate | dataset | protocol | ratio | n | win score | score | effective compression |",
-              "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {i} | {r['candidate']} | {r['observer_window']} | {r['protect']} | {r['group_selection']} | "
+            f"{r['page_size']} | {r['tau']} | {r['max_fallback']} | {r['cells']} | "
+            f"{'yes' if r['complete'] else 'no'} | "
+            f"{'yes' if r['within_budget'] else 'no'} | {r['win_score']:.3f} | "
+            f"{r['score']:.3f} |"
+        )
+    lines += [
+        "",
+        "## Cells of the chosen candidate and of our previous default",
+        "",
+        "| candidate | dataset | protocol | ratio | n | win score | score | effective compression |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     previous = label(stage_a()[0])
     for r in records:
         if r["candidate"] in (chosen["candidate"], previous):
-            lines.append(f"| {r['candidate']} | {r['dataset']} | {r['protocol']} | {r['ratio']} | {r['n']} | "
-                         f"{r['win_score']:.3f} | {r['score']:.3f} | {r['effective_compression']:.3f} |")
+            lines.append(
+                f"| {r['candidate']} | {r['dataset']} | {r['protocol']} | {r['ratio']} | {r['n']} | "
+                f"{r['win_score']:.3f} | {r['score']:.3f} | {r['effective_compression']:.3f} |"
+            )
     if missing:
-        lines += ["", f"**Not (fully) run yet** (fewer than {expected} cells, or cells with fewer examples than "
-                  "the others; resume with `--stage A|B`; they rank after every complete candidate): " + ", ".join(
-                      f"`{m}` ({scored.get(m, 0)} cells)" for m in missing) + "."]
+        lines += [
+            "",
+            f"**Not (fully) run yet** (fewer than {expected} cells, or cells with fewer examples than "
+            "the others; resume with `--stage A|B`; they rank after every complete candidate): "
+            + ", ".join(f"`{m}` ({scored.get(m, 0)} cells)" for m in missing)
+            + ".",
+        ]
     lines += ["", "All cells of all candidates: `dev_cells.csv`; the ranking: `dev_ranking.csv`.", ""]
     harness.write_atomic(OUT / "README.md", "\n".join(lines))
     print("\n".join(lines))

@@ -9,8 +9,8 @@ import os
 # can export TRITON_INTERPRET=0 to compile the kernels instead.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -28,17 +28,32 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def make_tiny_llama(num_heads: int = 4, num_kv_heads: int = 2, num_layers: int = 2, hidden: int = 64,
-                    vocab: int = 128, attn_implementation: str = "eager", seed: int = 0,
-                    dtype: torch.dtype = torch.float32):
+def make_tiny_llama(
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    num_layers: int = 2,
+    hidden: int = 64,
+    vocab: int = 128,
+    attn_implementation: str = "eager",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+):
     """A random-weight LlamaForCausalLM with ``r = num_heads / num_kv_heads`` (GQA), in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     cfg._attn_implementation = attn_implementation
     model = LlamaForCausalLM(cfg).to(dtype).eval()

@@ -10,9 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-
 from conftest import make_tiny_llama
+from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(REPO / "configs")
@@ -42,9 +41,17 @@ def _tokenizer():
 
 def _cfg(out: Path, *overrides: str):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="bench_speed_memory",
-                       overrides=[f"output_dir={out}", f"lengths=[{T}]", "decode_tokens=3", "warmup=false",
-                                  "presses=[snapkv,knorm,snis_h2o_h]", *overrides])
+        return compose(
+            config_name="bench_speed_memory",
+            overrides=[
+                f"output_dir={out}",
+                f"lengths=[{T}]",
+                "decode_tokens=3",
+                "warmup=false",
+                "presses=[snapkv,knorm,snis_h2o_h]",
+                *overrides,
+            ],
+        )
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +105,14 @@ def test_rows_bytes_overhead_and_resume(tmp_path, model, monkeypatch):
         assert float(by[p]["logical_vs_full"]) == pytest.approx(float(by[p]["physical_vs_full"]))
         assert float(by[p]["press_s"]) > 0
         assert float(by[p]["prefill_ratio_vs_full"]) == pytest.approx(
-            float(by[p]["prefill_s"]) / float(by[p]["full_prefill_s"]))
+            float(by[p]["prefill_s"]) / float(by[p]["full_prefill_s"])
+        )
     # SnapKV against itself in the same run is exactly 1; the others are divided by that same time
     assert float(by["snapkv"]["overhead_ratio"]) == 1.0
     assert float(by["knorm"]["snapkv_press_s"]) == float(by["snapkv"]["press_s"])
     assert float(by["knorm"]["overhead_ratio"]) == pytest.approx(
-        float(by["knorm"]["press_s"]) / float(by["snapkv"]["press_s"]))
+        float(by["knorm"]["press_s"]) / float(by["snapkv"]["press_s"])
+    )
     # SNIS: padded physical cache, logical = kept entries (its summary), near the target in expectation
     snis = by["snis_h2o_h"]
     stats = json.loads(snis["press_stats"])
@@ -162,7 +171,7 @@ def test_hook_timer_counts_outermost_calls_and_restores():
     with bench.HookTimer(press) as timer:
         assert "forward_hook" in vars(press) and press.forward_hook(3) == 7
         assert press.forward_hook.__wrapped__.__self__ is press  # the contract still finds the owner
-        (_, _, hook), = press.model_hooks("model")
+        ((_, _, hook),) = press.model_hooks("model")
         assert hook(3) == 70  # the model hook calls forward_hook: counted once
         assert press.helper(1) == 2  # not a hook: not timed
     assert timer.calls == 2 and timer.seconds > 0
@@ -172,12 +181,15 @@ def test_hook_timer_counts_outermost_calls_and_restores():
     assert timer.seconds == 0
 
 
-@pytest.mark.parametrize(("override", "match"), [
-    ("compression_ratios=[1.2]", r"compression_ratio=1.2 must be in \[0, 1\)"),
-    ("presses=[nope]", "unknown press 'nope'"),
-    ("lengths=[32]", r"lengths \[32\] must be >= 64"),
-    ("repeats=0", "repeats=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("compression_ratios=[1.2]", r"compression_ratio=1.2 must be in \[0, 1\)"),
+        ("presses=[nope]", "unknown press 'nope'"),
+        ("lengths=[32]", r"lengths \[32\] must be >= 64"),
+        ("repeats=0", "repeats=0 must be >= 1"),
+    ],
+)
 def test_bad_config_is_rejected(tmp_path, override, match):
     with pytest.raises(ValueError, match=match):
         bench.validate(_cfg(tmp_path, override))
@@ -204,22 +216,41 @@ def test_context_that_falls_short_of_T_is_an_error(tmp_path, model):
 def test_comparison_table_lists_rows_measured_again(tmp_path):
     """``compare_with``: rows present in both csvs with another timestamp get before / after ratios; rows not
     measured again, no_press and rows only in one file are left out; a missing file is noted."""
-    def row(press, T, ratio, full, press_s, over, stamp):
-        return {**{c: "" for c in bench.COLUMNS}, "model": "m", "press": press, "T": str(T),
-                "compression_ratio": str(ratio), "prefill_ratio_vs_full": str(full), "press_s": str(press_s),
-                "overhead_ratio": str(over), "timestamp": stamp}
 
-    before = [row("snis_h2o_h", 2048, 0.5, 1.97, 2.6336, 14.48, "old"), row("snapkv", 2048, 0.5, 1.07, 0.2153, 1.0,
-              "old"), row("knorm", 2048, 0.5, 1.0, 0.0297, 0.14, "same"), row("no_press", 2048, 0.0, 1.0, 0, 0, "old"),
-              row("tova", 1024, 0.5, 0.89, 0.0324, 0.35, "old")]
-    after = [row("snis_h2o_h", 2048, 0.5, 1.12, 0.31, 1.4, "new"), row("snapkv", 2048, 0.5, 1.01, 0.22, 1.0, "new"),
-             row("knorm", 2048, 0.5, 1.0, 0.0297, 0.14, "same"), row("no_press", 2048, 0.0, 1.0, 0, 0, "new"),
-             row("entroprefill", 2048, 0.5, 0.7, 0.04, 0.2, "new")]
+    def row(press, T, ratio, full, press_s, over, stamp):
+        return {
+            **{c: "" for c in bench.COLUMNS},
+            "model": "m",
+            "press": press,
+            "T": str(T),
+            "compression_ratio": str(ratio),
+            "prefill_ratio_vs_full": str(full),
+            "press_s": str(press_s),
+            "overhead_ratio": str(over),
+            "timestamp": stamp,
+        }
+
+    before = [
+        row("snis_h2o_h", 2048, 0.5, 1.97, 2.6336, 14.48, "old"),
+        row("snapkv", 2048, 0.5, 1.07, 0.2153, 1.0, "old"),
+        row("knorm", 2048, 0.5, 1.0, 0.0297, 0.14, "same"),
+        row("no_press", 2048, 0.0, 1.0, 0, 0, "old"),
+        row("tova", 1024, 0.5, 0.89, 0.0324, 0.35, "old"),
+    ]
+    after = [
+        row("snis_h2o_h", 2048, 0.5, 1.12, 0.31, 1.4, "new"),
+        row("snapkv", 2048, 0.5, 1.01, 0.22, 1.0, "new"),
+        row("knorm", 2048, 0.5, 1.0, 0.0297, 0.14, "same"),
+        row("no_press", 2048, 0.0, 1.0, 0, 0, "new"),
+        row("entroprefill", 2048, 0.5, 0.7, 0.04, 0.2, "new"),
+    ]
     bench.write_rows(tmp_path / "before.csv", before)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="bench_speed_memory", overrides=["compare_with=[before.csv,missing.csv]"])
     lines = bench.comparison_tables(tmp_path, after, cfg)
     table = [line for line in lines if line.startswith("| m |")]
-    assert table == ["| m | snapkv | 0.5 | 2048 | 1.07 | 1.01 | 215.3 | 220.0 | 1.00 | 1.00 |",
-                     "| m | snis_h2o_h | 0.5 | 2048 | 1.97 | 1.12 | 2633.6 | 310.0 | 14.48 | 1.40 |"]
+    assert table == [
+        "| m | snapkv | 0.5 | 2048 | 1.07 | 1.01 | 215.3 | 220.0 | 1.00 | 1.00 |",
+        "| m | snis_h2o_h | 0.5 | 2048 | 1.97 | 1.12 | 2633.6 | 310.0 | 14.48 | 1.40 |",
+    ]
     assert "Comparison file `missing.csv` (compare_with) not found." in lines

@@ -39,7 +39,7 @@ def test_bias_reaches_the_logits_in_float32(impl, q_len, monkeypatch):
     real = attention_bias.bias_mask
     monkeypatch.setattr(attention_bias, "bias_mask", lambda *a: masks.append(real(*a)) or masks[-1])
     install_bias_attention()
-    out, _ = ALL_ATTENTION_FUNCTIONS[impl](module, q, k, v, None, dropout=0.0, scaling=d ** -0.5)
+    out, _ = ALL_ATTENTION_FUNCTIONS[impl](module, q, k, v, None, dropout=0.0, scaling=d**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == (B, q_len, G * r, d)
     (mask,) = masks
     # the logits get the float32 log-weights bit for bit (the bf16 cast would change them by up to 2^-9 |w|)
@@ -47,10 +47,10 @@ def test_bias_reaches_the_logits_in_float32(impl, q_len, monkeypatch):
     assert torch.equal(mask[:, :, :, :P], bias.repeat_interleave(r, 1).unsqueeze(2).expand(B, G * r, q_len, P))
     assert mask[0, 0, 0, 2].item() == torch.tensor(LOG_WEIGHT).item()
     # the output is the float32 reference (on the same bf16 inputs) up to its own rounding to bf16
-    logits = q.float() @ k.float().repeat_interleave(r, 1).transpose(-1, -2) * d ** -0.5
+    logits = q.float() @ k.float().repeat_interleave(r, 1).transpose(-1, -2) * d**-0.5
     full = torch.zeros(B, G * r, q_len, K)
     full[..., :P] = bias.repeat_interleave(r, 1).unsqueeze(2)
     post = torch.arange(K - P).view(1, -1) <= torch.arange(K - P - q_len, K - P).view(-1, 1)  # causal
     full[..., P:] = torch.zeros(q_len, K - P).masked_fill(~post, float("-inf"))
     ref = (torch.softmax(logits + full, -1) @ v.float().repeat_interleave(r, 1)).transpose(1, 2)
-    assert (out.float() - ref).abs().max() <= 2 ** -8 * ref.abs().max()
+    assert (out.float() - ref).abs().max() <= 2**-8 * ref.abs().max()

@@ -30,8 +30,15 @@ def spans_text(text, spans):
     return [text[s:e] for s, e in spans]
 
 
-TEXT = ("Read the passages.\n\n" + passage_marker(1) + "\nalpha beta.\n\n" + passage_marker(2) + "\ngamma delta.\n\n"
-        + passage_marker(3) + "\nepsilon.\n\nQuestion: what?")
+TEXT = (
+    "Read the passages.\n\n"
+    + passage_marker(1)
+    + "\nalpha beta.\n\n"
+    + passage_marker(2)
+    + "\ngamma delta.\n\n"
+    + passage_marker(3)
+    + "\nepsilon.\n\nQuestion: what?"
+)
 
 
 def test_passage_mode_chunks_and_protection():
@@ -89,8 +96,15 @@ def test_block_mode():
     assert plan.candidates == [0, 1, 2, 3]
     # doc_start_pattern moves the documents after the instruction; a protect match protects a block
     text = "INSTR: read\n" + "y" * 40 + "KEEP" + "y" * 20 + "Question: z"
-    plan = char_plan(text, mode="block", block_size=20, question_start=text.index("Question"), n_sink=2,
-                     doc_start_pattern=r"read\n", protect_pattern="KEEP")
+    plan = char_plan(
+        text,
+        mode="block",
+        block_size=20,
+        question_start=text.index("Question"),
+        n_sink=2,
+        doc_start_pattern=r"read\n",
+        protect_pattern="KEEP",
+    )
     assert plan.chunks[0][0] == text.index("y")
     keep = text.index("KEEP")
     assert [s <= keep < e for s, e in plan.chunks] == plan.protected_chunk
@@ -162,7 +176,7 @@ def test_multidoc_dataset_structure():
         text, offs = token_offsets(tok, ids)
         plan = plan_chunks(text, offs, mode="passage", question_start=q, n_sink=4)
         assert len(plan.chunks) == n and plan.candidates == list(range(n))
-        holders = [i for i, (s, c) in enumerate(plan.chunks) if ans in text[offs[s][0]:offs[c - 1][1]]]
+        holders = [i for i, (s, c) in enumerate(plan.chunks) if ans in text[offs[s][0] : offs[c - 1][1]]]
         assert holders == [e.metadata["answer_passage"] - 1]
         assert e.metadata["context_length"] <= e.metadata["target_length"]
         assert e.metadata["context_length"] > 0.8 * e.metadata["target_length"]
@@ -172,7 +186,8 @@ def test_multidoc_dataset_structure():
     assert [e.answers for e in again if e.id in {x.id for x in exs}] == [e.answers for e in exs]
     assert all(e.question.startswith("Answer the question") and "Question:" not in e.context for e in again)
     more = MultiDocQADataset(context_lengths=[1500], passage_tokens=300, num_samples=1).examples(
-        tok, 2, seed=3, query_aware=True)  # n_samples replaces num_samples (no silent cap)
+        tok, 2, seed=3, query_aware=True
+    )  # n_samples replaces num_samples (no silent cap)
     assert len(more) == 4 and [e.answers for e in more[:2]] == [e.answers for e in exs[:2]]
     with pytest.raises(ValueError, match="n_samples=0"):
         ds.examples(tok, 0, seed=3, query_aware=True)

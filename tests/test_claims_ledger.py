@@ -46,11 +46,22 @@ def test_every_yaml_row_has_the_required_fields(claims):
 
 
 def test_validate_reports_missing_fields():
-    bad = [{"id": "x", "paper": "000", "where": "Table 1", "claim": "c", "paper_value": "1",
-            "paper_setting": "s", "explanation": "e",
-            "ours": [{"kind": "csv", "file": "results/x.csv", "column": "a"},  # no command, no setting
-                     {"kind": "derived", "fn": "no_such_function", "command": "c", "setting": "s"}]},
-           {"id": "x", "paper": "002", "claim": "c"}]
+    bad = [
+        {
+            "id": "x",
+            "paper": "000",
+            "where": "Table 1",
+            "claim": "c",
+            "paper_value": "1",
+            "paper_setting": "s",
+            "explanation": "e",
+            "ours": [
+                {"kind": "csv", "file": "results/x.csv", "column": "a"},  # no command, no setting
+                {"kind": "derived", "fn": "no_such_function", "command": "c", "setting": "s"},
+            ],
+        },
+        {"id": "x", "paper": "002", "claim": "c"},
+    ]
     problems = "\n".join(L.validate(bad))
     assert "needs the command" in problems and "unknown derived fn" in problems
     assert "duplicate id" in problems and "unknown paper" in problems and "missing where" in problems
@@ -126,22 +137,45 @@ def test_table9_arithmetic_reproduces_paper_000():
 
 
 def _claim(*pointers):
-    return {"id": "t", "paper": "000", "where": "Table 4", "claim": "c", "paper_value": "1", "paper_setting": "s",
-            "explanation": "e", "ours": list(pointers)}
+    return {
+        "id": "t",
+        "paper": "000",
+        "where": "Table 4",
+        "claim": "c",
+        "paper_value": "1",
+        "paper_setting": "s",
+        "explanation": "e",
+        "ours": list(pointers),
+    }
 
 
 def test_missing_artifact_is_not_measured_yet(tmp_path):
-    csv = {"kind": "csv", "file": "results/none/here.csv", "column": "score", "setting": "s",
-           "command": "python make_it.py"}
+    csv = {
+        "kind": "csv",
+        "file": "results/none/here.csv",
+        "column": "score",
+        "setting": "s",
+        "command": "python make_it.py",
+    }
     out = L.evaluate_claim(_claim(csv), tmp_path)
     assert out.status == L.PENDING == "not measured yet"
     assert out.values[0].text == "not measured yet" and out.command == "python make_it.py"
     assert out.pending == [("results/none/here.csv", "python make_it.py")]
     # a derived pointer and a JSONL glob whose artifacts are missing: the same, and the next pointer stands in
-    derived = {"kind": "derived", "fn": "cert_counts", "args": {"file": "results/none/table4.csv"},
-               "setting": "s", "command": "python -m evaluation.uor"}
-    jsonl = {"kind": "jsonl", "files": "results/none/*/predictions.jsonl", "field": "score", "setting": "s",
-             "command": "python -m evaluation.run"}
+    derived = {
+        "kind": "derived",
+        "fn": "cert_counts",
+        "args": {"file": "results/none/table4.csv"},
+        "setting": "s",
+        "command": "python -m evaluation.uor",
+    }
+    jsonl = {
+        "kind": "jsonl",
+        "files": "results/none/*/predictions.jsonl",
+        "field": "score",
+        "setting": "s",
+        "command": "python -m evaluation.run",
+    }
     analytic = {"kind": "analytic", "fn": "worked_m100", "setting": "s"}
     out = L.evaluate_claim(_claim(derived, jsonl, analytic), tmp_path)
     assert out.status == L.COMPUTED
@@ -156,8 +190,15 @@ def test_unreadable_artifact_is_reported_not_raised(tmp_path):
     src = {"kind": "csv", "file": "results/t.csv", "column": "renamed", "setting": "s", "command": "c"}
     out = L.evaluate_claim(_claim(src), tmp_path)
     assert out.status == L.PENDING and "renamed" in out.note
-    src = {"kind": "csv", "file": "results/t.csv", "column": "b", "filter": {"a": 1}, "setting": "s", "command": "c",
-           "check": {"op": "==", "value": 2}}
+    src = {
+        "kind": "csv",
+        "file": "results/t.csv",
+        "column": "b",
+        "filter": {"a": 1},
+        "setting": "s",
+        "command": "c",
+        "check": {"op": "==", "value": 2},
+    }
     out = L.evaluate_claim(_claim(src), tmp_path)
     assert out.status == L.MEASURED and out.values[0].text == "2" and out.agrees is True
 
@@ -182,7 +223,8 @@ def test_a_sweep_still_running_counts_as_missing(tmp_path):
     tables.mkdir(parents=True)
     (tables / "d__m__per_task.csv").write_text(
         "dataset,model,press,ratio,group,n,score\n"
-        "d,m,knorm,0.5,cwe,10,0.1\nd,m,tova,0.5,cwe,10,0.3\nd,m,snis_min_h,0.5,cwe,10,0.2\n")
+        "d,m,knorm,0.5,cwe,10,0.1\nd,m,tova,0.5,cwe,10,0.3\nd,m,snis_min_h,0.5,cwe,10,0.2\n"
+    )
     summary = "dataset,model,press,ratio,n,score,complete\nd,m,knorm,0.5,10,0.1,{}\nd,m,tova,0.5,10,0.3,True\n"
     (tables / "d__m__summary.csv").write_text(summary.format("False"))
     with pytest.raises(L.Missing, match="incomplete"):
@@ -209,7 +251,8 @@ def test_win_scores_among_a_subset_are_recomputed_from_the_runs(tmp_path):
         run = tmp_path / "results" / "d" / "m" / press / "cr0.5"
         run.mkdir(parents=True)
         (run / "predictions.jsonl").write_text(
-            "".join(json.dumps({"id": f"e{i}", "task": "t", "score": v}) + "\n" for i, v in enumerate(values)))
+            "".join(json.dumps({"id": f"e{i}", "task": "t", "score": v}) + "\n" for i, v in enumerate(values))
+        )
         (run / "metrics.json").write_text("{}")
     tables = tmp_path / "results" / "tables"
     tables.mkdir()
@@ -222,6 +265,5 @@ def test_win_scores_among_a_subset_are_recomputed_from_the_runs(tmp_path):
     assert ok and sub[0].number == 1 and sub[0].text.startswith("1 of 2")
     with pytest.raises(L.Missing, match="C"):
         L.win_rank(tmp_path, file, "snis_x", among=["A", "C", "snis_x"])
-    vals, ok = L.snis_vs_baselines(tmp_path, "results/tables/d__m__win.csv", ["A"], column="win_score",
-                                   ours=["snis_x"])
+    vals, ok = L.snis_vs_baselines(tmp_path, "results/tables/d__m__win.csv", ["A"], column="win_score", ours=["snis_x"])
     assert "snis_x" in vals[0].text and "vs A" in vals[0].text

@@ -7,12 +7,14 @@ import math
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 from transformers import DynamicCache
 
 import presses.entroprefill.press as ep
-from presses.entroprefill.dual import dual_bound, dual_certificate, greedy_feasible_scan
+from presses.core.observer import observer_attention_reference, window_queries
 from presses.core.renyi import sink_isolate
 from presses.entroprefill import EntroPrefillPress
+from presses.entroprefill.dual import dual_bound, dual_certificate, greedy_feasible_scan
 from presses.entroprefill.equations import (
     chunk_priorities,
     deletion_envelope,
@@ -22,9 +24,6 @@ from presses.entroprefill.equations import (
     row_attention,
     set_change,
 )
-from presses.core.observer import observer_attention_reference, window_queries
-
-from conftest import make_tiny_llama
 
 
 class CharTokenizer:
@@ -116,7 +115,7 @@ def test_floor_weights_normalised_and_floored():
 def test_proposition_3_1_weight_bounds():
     g = torch.Generator().manual_seed(3)
     n_sink = 4
-    for trial in range(40):
+    for _trial in range(40):
         r = int(torch.randint(2, 6, (1,), generator=g))
         tau = float(torch.rand(1, generator=g)) * 1.5 + 0.2
         zeta = float(torch.rand(1, generator=g)) * 0.9 + 0.05
@@ -146,7 +145,7 @@ def test_proposition_3_1_weight_bounds():
 
 def test_theorem_4_1_envelope_on_random_mixtures():
     g = torch.Generator().manual_seed(4)
-    for trial in range(30):
+    for _trial in range(30):
         H, G, W, T = 6, 3, 3, 60
         rows = random_rows(H, W, T, g, sink_bias=float(torch.rand(1, generator=g)) * 4)
         zeta = 0.1 + 0.8 * float(torch.rand(1, generator=g))
@@ -183,7 +182,7 @@ def test_envelope_is_sharp():
 
 def test_dual_bound_never_below_greedy_or_optimum():
     g = torch.Generator().manual_seed(5)
-    for trial in range(60):
+    for _trial in range(60):
         k = int(torch.randint(1, 9, (1,), generator=g))
         A = int(torch.randint(1, 7, (1,), generator=g))
         sizes = torch.randint(1, 50, (k,), generator=g)
@@ -241,8 +240,13 @@ def test_row_attention_matches_observer_attention(tiny_llama):
     captured = {}
 
     def hook(module, args, kwargs, output):
-        captured.update(hs=kwargs["hidden_states"], pe=kwargs["position_embeddings"], attn=output[1],
-                        keys=kwargs["past_key_values"].layers[module.layer_idx].keys, module=module)
+        captured.update(
+            hs=kwargs["hidden_states"],
+            pe=kwargs["position_embeddings"],
+            attn=output[1],
+            keys=kwargs["past_key_values"].layers[module.layer_idx].keys,
+            module=module,
+        )
 
     h = model.model.layers[1].self_attn.register_forward_hook(hook, with_kwargs=True)
     with torch.no_grad():
@@ -251,12 +255,14 @@ def test_row_attention_matches_observer_attention(tiny_llama):
     W = 5
     pos = torch.arange(T - W, T)
     rows = row_attention(captured["module"], captured["hs"], captured["keys"], pos, captured["pe"])
-    ref = observer_attention_reference(window_queries(captured["module"], captured["hs"], W, captured["pe"]),
-                                       captured["keys"])
+    ref = observer_attention_reference(
+        window_queries(captured["module"], captured["hs"], W, captured["pe"]), captured["keys"]
+    )
     assert torch.allclose(rows.mean(2), ref, atol=1e-5)
     eager = row_attention(None, None, None, torch.tensor([3, 40, T - 1]), None, captured["attn"])
-    recomputed = row_attention(captured["module"], captured["hs"], captured["keys"], torch.tensor([3, 40, T - 1]),
-                               captured["pe"])
+    recomputed = row_attention(
+        captured["module"], captured["hs"], captured["keys"], torch.tensor([3, 40, T - 1]), captured["pe"]
+    )
     assert torch.allclose(eager, recomputed, atol=1e-5)
     assert float(recomputed[0, 0, 0, 4:].abs().max().detach()) == 0  # causal: row 3 sees keys 0..3
 
@@ -285,15 +291,26 @@ def forward_pruned(model, ids, layer, R, cache, trim_cache):
             for j in range(layer + 1 if trim_cache else 0):
                 cache.layers[j].keys = cache.layers[j].keys[:, :, R]
                 cache.layers[j].values = cache.layers[j].values[:, :, R]
-        h = blk(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                cache_position=torch.arange(h.shape[1]), position_embeddings=(cos, sin))
+        h = blk(
+            h,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.arange(h.shape[1]),
+            position_embeddings=(cos, sin),
+        )
     return model.lm_head(lm.norm(h))[0, -1]
 
 
 def decode_steps(model, cache, T, decode_ids):
     """Logits of greedy-free decode steps feeding ``decode_ids`` at positions T, T+1, ... (a list)."""
-    return [model(input_ids=torch.tensor([[tok]]), past_key_values=cache,
-                  position_ids=torch.tensor([[T + s]])).logits[0, -1] for s, tok in enumerate(decode_ids)]
+    return [
+        model(input_ids=torch.tensor([[tok]]), past_key_values=cache, position_ids=torch.tensor([[T + s]])).logits[
+            0, -1
+        ]
+        for s, tok in enumerate(decode_ids)
+    ]
 
 
 def reference_pruned(model, ids, layer, R, decode_ids):
@@ -339,8 +356,17 @@ def test_forced_layer_equals_reference_on_retained_support(shared, attn):
 def test_accepted_run_records_certificates(shared):
     model, ids = shared[0], prompt(6)
     T = ids.shape[1]
-    press = EntroPrefillPress(tokenizer=TOK, compression_ratio=0.3, n_sink=2, epsilon=0.9, epsilon_audit=0.95,
-                              stability_streak=0, monitored_layers=[0, 1, 2], audit_size=512, min_chunks=1)
+    press = EntroPrefillPress(
+        tokenizer=TOK,
+        compression_ratio=0.3,
+        n_sink=2,
+        epsilon=0.9,
+        epsilon_audit=0.95,
+        stability_streak=0,
+        monitored_layers=[0, 1, 2],
+        audit_size=512,
+        min_chunks=1,
+    )
     _, cache = run_press(model, ids, press, [])
     st = press.summary()
     assert st["bypass_reason"] == "", st
@@ -420,15 +446,34 @@ def test_fallback_target_infeasible(shared):
 
 def test_fallback_no_layer_accepted(shared):
     # the audit can never pass: b alone exceeds the tolerance
-    st = _check_full_prefill(shared, EntroPrefillPress(
-        tokenizer=TOK, epsilon=0.9, epsilon_audit=0.05, stability_streak=0, monitored_layers=[0, 1, 2],
-        audit_size=16), "audit_failed")
+    st = _check_full_prefill(
+        shared,
+        EntroPrefillPress(
+            tokenizer=TOK,
+            epsilon=0.9,
+            epsilon_audit=0.05,
+            stability_streak=0,
+            monitored_layers=[0, 1, 2],
+            audit_size=16,
+        ),
+        "audit_failed",
+    )
     assert st["audit_bound"] > 0.05
     assert st["layer_reasons"] == "0:audit_failed;1:audit_failed;2:audit_failed"
     # mixed reasons (first layer unstable, later audit failures) -> no_layer_accepted
-    st = _check_full_prefill(shared, EntroPrefillPress(
-        tokenizer=TOK, epsilon=0.9, epsilon_audit=0.05, stability_streak=1, theta=1.0,
-        monitored_layers=[0, 1, 2], audit_size=16), "no_layer_accepted")
+    st = _check_full_prefill(
+        shared,
+        EntroPrefillPress(
+            tokenizer=TOK,
+            epsilon=0.9,
+            epsilon_audit=0.05,
+            stability_streak=1,
+            theta=1.0,
+            monitored_layers=[0, 1, 2],
+            audit_size=16,
+        ),
+        "no_layer_accepted",
+    )
     assert st["layer_reasons"].startswith("0:unstable;")
 
 

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 from kvpress import KnormPress, ObservedAttentionPress, SnapKVPress
+from test_entroprefill import TOK, decode_steps, forward_pruned, prompt, run_press
 from transformers import DynamicCache
 
 from presses.entroprefill import EntroPrefillPress
 from presses.entroprefill.page_policy import check_page_policy, observer_tail_start
 from presses.page_entrokv import PageEntroKVPress
 from presses.probabilistic import ProbabilisticEvictionPress
-
-from conftest import make_tiny_llama
-from test_entroprefill import TOK, decode_steps, forward_pruned, prompt, run_press
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -51,14 +50,17 @@ def pruned_then_paged(model, ids, layer, R, policy, decode_ids):
             if i <= layer:  # ran on the full prompt: the pruned cache is its entries at R
                 hs, c, s, keys, values = hs[:, R], c[:, R], s[:, R], keys[:, :, R], values[:, :, R]
             cache.layers[i].keys, cache.layers[i].values = policy.compress(
-                blk.self_attn, hs, keys, values, None, {"position_embeddings": (c, s)})
+                blk.self_attn, hs, keys, values, None, {"position_embeddings": (c, s)}
+            )
         return torch.stack([first, *decode_steps(model, cache, ids.shape[1], decode_ids)]), cache
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return {attn: make_tiny_llama(num_heads=4, num_kv_heads=2, num_layers=4, attn_implementation=attn)
-            for attn in ("eager", "sdpa")}
+    return {
+        attn: make_tiny_llama(num_heads=4, num_kv_heads=2, num_layers=4, attn_implementation=attn)
+        for attn in ("eager", "sdpa")
+    }
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -105,13 +107,19 @@ def _policy_alone(model, ids, policy):
             out = model(input_ids=ids, past_key_values=cache)
         logits = [out.logits[0, -1]]
         for step, tok in enumerate(DECODE):
-            logits.append(model(input_ids=torch.tensor([[tok]]), past_key_values=cache,
-                                position_ids=torch.tensor([[T + step]])).logits[0, -1])
+            logits.append(
+                model(
+                    input_ids=torch.tensor([[tok]]), past_key_values=cache, position_ids=torch.tensor([[T + step]])
+                ).logits[0, -1]
+            )
     return torch.stack(logits), cache
 
 
-@pytest.mark.parametrize("make_policy", [page_policy, lambda: SnapKVPress(compression_ratio=0.4, window_size=6),
-                                         lambda: KnormPress(compression_ratio=0.3)], ids=["page_entrokv", "snapkv", "knorm"])
+@pytest.mark.parametrize(
+    "make_policy",
+    [page_policy, lambda: SnapKVPress(compression_ratio=0.4, window_size=6), lambda: KnormPress(compression_ratio=0.3)],
+    ids=["page_entrokv", "snapkv", "knorm"],
+)
 @pytest.mark.parametrize("bypass", ["zero_target", "audit_failed"])
 def test_bypass_evicts_the_full_prefill_like_the_policy_alone(tiny, make_policy, bypass):
     """Step 7: without an accepted layer the page policy evicts the full prefill's cache, as it would alone (before
@@ -120,8 +128,15 @@ def test_bypass_evicts_the_full_prefill_like_the_policy_alone(tiny, make_policy,
     if bypass == "zero_target":
         press = EntroPrefillPress(tokenizer=TOK, compression_ratio=0.0, page_policy=make_policy())
     else:
-        press = EntroPrefillPress(tokenizer=TOK, epsilon=0.9, epsilon_audit=0.05, stability_streak=0,
-                                  monitored_layers=[0, 1, 2], audit_size=16, page_policy=make_policy())
+        press = EntroPrefillPress(
+            tokenizer=TOK,
+            epsilon=0.9,
+            epsilon_audit=0.05,
+            stability_streak=0,
+            monitored_layers=[0, 1, 2],
+            audit_size=16,
+            page_policy=make_policy(),
+        )
     got, cache = run_press(model, ids, press, DECODE)
     st = press.summary()
     assert st["bypass_reason"] == bypass and st["T_prime"] == ids.shape[1]

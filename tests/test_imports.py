@@ -78,7 +78,7 @@ def test_the_import_graph_of_presses_is_acyclic():
         state[node] = "open"
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
-                cycles.append(stack[stack.index(dep):] + [dep])
+                cycles.append(stack[stack.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep, stack + [dep])
         state[node] = "done"
@@ -91,10 +91,14 @@ def test_the_import_graph_of_presses_is_acyclic():
 
 def test_every_presses_module_imports_in_a_fresh_interpreter():
     names = sorted(_module(p) for p in FILES)
-    script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint(len(sys.argv) - 1)\n"
+    script = (
+        "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+        "print(len(sys.argv) - 1)\n"
+    )
     # leaves first: each module is then imported before anything that would pull it in through a package
     names.sort(key=lambda n: -n.count("."))
-    result = subprocess.run([sys.executable, "-c", script, *names], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script, *names], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == str(len(names))

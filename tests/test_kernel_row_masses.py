@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels import ALL_DTYPES, DEVICE, ON_GPU, STAT_TOL, _dtype_id, _gen, _qk  # noqa: I001 - sets TRITON_INTERPRET
+from test_kernels import (
+    ALL_DTYPES,
+    DEVICE,
+    ON_GPU,
+    STAT_TOL,
+    _dtype_id,
+    _gen,
+    _qk,
+)  # importing test_kernels sets TRITON_INTERPRET first
 
 from presses.core.row_masses import chunk_ids, chunk_masses_from_rows, row_chunk_masses_reference
 from presses.kernels import row_chunk_masses, use_triton
@@ -20,7 +28,7 @@ from presses.kernels.row_masses import row_chunk_masses_triton
 
 def _chunks(t, k, seed):
     """``k`` disjoint chunks with gaps, inside ``[4, t)``."""
-    cuts = sorted(torch.randperm(t - 5, generator=_gen(seed))[:2 * k].add(5).tolist())
+    cuts = sorted(torch.randperm(t - 5, generator=_gen(seed))[: 2 * k].add(5).tolist())
     return [(cuts[2 * i], cuts[2 * i + 1]) for i in range(k)]
 
 
@@ -32,8 +40,11 @@ def _rows(t, n, seed, last):
 
 # (G, r, n, T, k, last rows): r in {1, 3, 4}; T never a multiple of 64
 CASES = [(3, 1, 8, 37, 3, True), (1, 3, 8, 70, 6, True), (2, 4, 20, 133, 12, False), (1, 3, 5, 300, 140, False)]
-PARAMS = ([(*c, torch.float32) for c in CASES] + [(*CASES[i], torch.bfloat16) for i in (0, 2)]
-          + [(*CASES[i], torch.float16) for i in (1, 3)])
+PARAMS = (
+    [(*c, torch.float32) for c in CASES]
+    + [(*CASES[i], torch.bfloat16) for i in (0, 2)]
+    + [(*CASES[i], torch.float16) for i in (1, 3)]
+)
 if ON_GPU:  # compiled: every shape in every dtype
     PARAMS = [(*c, dtype) for dtype in ALL_DTYPES for c in CASES]
 
@@ -127,11 +138,11 @@ def test_dispatch_routes_by_mode(monkeypatch):
 def test_entroprefill_same_decisions_through_dispatch(monkeypatch):
     """EntroPrefill (docs/methods.md §4) with the reference forced and with Triton forced (interpreter on CPU):
     the kernel is called, and the press removes the same chunks, audits the same loss and keeps the same cache."""
+    from conftest import make_tiny_llama
     from test_entroprefill import TOK, prompt, run_press
 
     import presses.kernels.row_masses as row_masses
     from presses.entroprefill import EntroPrefillPress
-    from conftest import make_tiny_llama
 
     model = make_tiny_llama(num_heads=6, num_kv_heads=2, num_layers=3, attn_implementation="sdpa", seed=5).to(DEVICE)
     ids = prompt(6).to(DEVICE)
@@ -141,8 +152,16 @@ def test_entroprefill_same_decisions_through_dispatch(monkeypatch):
     results = {}
     for mode in ("reference", "triton"):
         monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", mode)
-        press = EntroPrefillPress(tokenizer=TOK, compression_ratio=0.3, n_sink=2, epsilon=0.9, epsilon_audit=0.95,
-                                  stability_streak=0, monitored_layers=[0, 1], audit_size=64)
+        press = EntroPrefillPress(
+            tokenizer=TOK,
+            compression_ratio=0.3,
+            n_sink=2,
+            epsilon=0.9,
+            epsilon_audit=0.95,
+            stability_streak=0,
+            monitored_layers=[0, 1],
+            audit_size=64,
+        )
         logits, cache = run_press(model, ids, press, [70])
         results[mode] = (press.summary(), logits, cache)
         # proposal and audit rows at the accepted layer 0: two kernel calls with Triton, none with the reference

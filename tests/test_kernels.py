@@ -35,8 +35,8 @@ DEVICE_NAME = os.environ.get("KVPRESS_TEST_DEVICE", "cpu")
 if DEVICE_NAME == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported in this process
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -49,7 +49,9 @@ if ON_GPU and INTERPRET:
     raise RuntimeError(f"KVPRESS_TEST_DEVICE={DEVICE_NAME} needs TRITON_INTERPRET=0 (compiled kernels)")
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-from presses.kernels import (  # noqa: E402
+from presses.core.columns import column_sums as column_sums_reference
+from presses.core.observer import observer_attention_reference
+from presses.kernels import (
     biased_decode_attention,
     column_sums,
     expected_unique_many,
@@ -57,18 +59,16 @@ from presses.kernels import (  # noqa: E402
     use_triton,
     window_attention,
 )
-from presses.kernels.biased_decode import biased_decode_triton  # noqa: E402
-from presses.kernels.attention_columns import column_sums_triton, window_attention_triton  # noqa: E402
-from presses.kernels.expected_unique import expected_unique_many_triton  # noqa: E402
-from presses.kernels.references import (  # noqa: E402
+from presses.kernels.attention_columns import column_sums_triton, window_attention_triton
+from presses.kernels.biased_decode import biased_decode_triton
+from presses.kernels.expected_unique import expected_unique_many_triton
+from presses.kernels.references import (
     biased_decode_reference,
     expected_unique_many_reference,
     pooled_page_scores_reference,
 )
-from presses.kernels.renyi_pages import pooled_page_scores_triton  # noqa: E402
-from presses.core.observer import observer_attention_reference  # noqa: E402
-from presses.core.columns import column_sums as column_sums_reference  # noqa: E402
-from presses.probabilistic.proposals import harmonic_prior  # noqa: E402
+from presses.kernels.renyi_pages import pooled_page_scores_triton
+from presses.probabilistic.proposals import harmonic_prior
 
 STAT_TOL = {torch.float32: (1e-6, 1e-4), torch.bfloat16: (1e-5, 1e-3), torch.float16: (1e-5, 1e-3)}
 DECODE_TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
@@ -100,9 +100,11 @@ def _auto_kernels(monkeypatch):
 # (G, r, W, T): T never a multiple of the 64-key block; r in {1, 3, 4, 8}; W in {1, 16, 64}
 # float32 runs every shape; each low-precision dtype runs two of them (all r and W between them)
 WINDOW_CASES = [(2, 1, 1, 37), (1, 3, 16, 70), (1, 4, 64, 100), (1, 8, 16, 75)]
-WINDOW_PARAMS = ([(*c, torch.float32) for c in WINDOW_CASES]
-                 + [(*WINDOW_CASES[i], torch.bfloat16) for i in (0, 2)]
-                 + [(*WINDOW_CASES[i], torch.float16) for i in (1, 3)])
+WINDOW_PARAMS = (
+    [(*c, torch.float32) for c in WINDOW_CASES]
+    + [(*WINDOW_CASES[i], torch.bfloat16) for i in (0, 2)]
+    + [(*WINDOW_CASES[i], torch.float16) for i in (1, 3)]
+)
 if ON_GPU:  # compiled: every shape in every dtype
     WINDOW_PARAMS = [(*c, dtype) for dtype in ALL_DTYPES for c in WINDOW_CASES]
 
@@ -153,7 +155,9 @@ def test_column_sums_harmonic_prior_all_rows(dtype):
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     torch.testing.assert_close(out.sum(-1), torch.ones(1, 4, device=DEVICE), atol=1e-5, rtol=0)  # the prior sums to 1
     # the press's query blocks: summing per-block column sums gives the same result
-    blocks = sum(column_sums_triton(q[:, :, s:s + 16], k, prior[s:s + 16], rows[s:s + 16]) for s in range(0, t, 16))
+    blocks = sum(
+        column_sums_triton(q[:, :, s : s + 16], k, prior[s : s + 16], rows[s : s + 16]) for s in range(0, t, 16)
+    )
     torch.testing.assert_close(blocks, ref, atol=atol, rtol=rtol)
 
 
@@ -188,8 +192,7 @@ def test_pooled_page_scores_match_reference(alpha, pooling, page_size, page_scor
     attn[0, 0, :n_sink] = 1.0 / n_sink  # all mass on the sinks: z = 0, a~ uniform by convention
     attn = attn.to(DEVICE)
     out = pooled_page_scores_triton(attn, G, n_sink, alpha, 0.5, pooling, page_size, page_score, diagnostics=True)
-    ref = pooled_page_scores_reference(attn, G, n_sink, alpha, 0.5, pooling, page_size, page_score,
-                                       diagnostics=True)
+    ref = pooled_page_scores_reference(attn, G, n_sink, alpha, 0.5, pooling, page_size, page_score, diagnostics=True)
     torch.testing.assert_close(out[0], ref[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out[1], ref[1], atol=1e-6, rtol=1e-5)
     assert out[1].shape == (2, G, -(-T // page_size))
@@ -222,7 +225,8 @@ def test_expected_unique_many_matches_reference_and_spec_example():
     ref = expected_unique_many_reference(pi, m)
     assert out.dtype == torch.float64 and out.shape == (3, 25)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
-    # docs/methods.md §3 item 3: pi = (0.8, 0.0998, 0.0001, 0.0001): E[J] is within 0.5 of 3 exactly for m in [2877, 13862]
+    # docs/methods.md §3 item 3: pi = (0.8, 0.0998, 0.0001, 0.0001): E[J] is within 0.5 of 3 exactly for m in [2877,
+    # 13862]
     spec_pi = torch.tensor([0.8, 0.0998, 0.0001, 0.0001], dtype=torch.float64, device=DEVICE)
     e = expected_unique_many_triton(spec_pi, torch.tensor([2876.0, 2877.0, 13862.0, 13863.0], device=DEVICE))
     assert bool((e[1:3] - 3).abs().le(0.5).all()) and bool((e[[0, 3]] - 3).abs().gt(0.5).all())
@@ -231,9 +235,11 @@ def test_expected_unique_many_matches_reference_and_spec_example():
 # ------------------------------------------------------------------------------ biased decode attention
 # (G, r, K, num_splits): K never a multiple of the 16-key tile
 DECODE_CASES = [(1, 1, 37, 1), (2, 3, 70, 2), (1, 4, 50, 3), (1, 8, 100, 1)]
-DECODE_PARAMS = ([(*c, torch.float32) for c in DECODE_CASES]
-                 + [(*DECODE_CASES[i], torch.bfloat16) for i in (1, 3)]
-                 + [(*DECODE_CASES[i], torch.float16) for i in (0, 2)])
+DECODE_PARAMS = (
+    [(*c, torch.float32) for c in DECODE_CASES]
+    + [(*DECODE_CASES[i], torch.bfloat16) for i in (1, 3)]
+    + [(*DECODE_CASES[i], torch.float16) for i in (0, 2)]
+)
 if ON_GPU:  # compiled: every shape in every dtype
     DECODE_PARAMS = [(*c, dtype) for dtype in ALL_DTYPES for c in DECODE_CASES]
 
@@ -293,10 +299,16 @@ def test_biased_decode_bad_input():
 def test_dispatch_names_are_functions_after_kernel_imports():
     """Importing the Triton modules must not shadow a dispatch function of the package."""
     import presses.kernels as kernels
-    from presses.kernels import attention_columns, biased_decode, expected_unique, references, renyi_pages  # noqa: F401
+    from presses.kernels import attention_columns, biased_decode, expected_unique, references, renyi_pages  # noqa: F401 - imported to check that each module loads
 
-    for name in ("window_attention", "column_sums", "pooled_page_scores", "expected_unique_many",
-                 "biased_decode_attention", "use_triton"):
+    for name in (
+        "window_attention",
+        "column_sums",
+        "pooled_page_scores",
+        "expected_unique_many",
+        "biased_decode_attention",
+        "use_triton",
+    ):
         assert callable(getattr(kernels, name)), name
 
 
@@ -361,15 +373,18 @@ def _run_page_entrokv(model, ids, mode, monkeypatch):
     with torch.no_grad(), press(model):
         model.model(input_ids=ids, past_key_values=cache)
     with torch.no_grad():  # one decode step on the compressed cache
-        logits = model(input_ids=ids[:, -1:], past_key_values=cache,
-                       position_ids=torch.tensor([[ids.shape[1]]], device=ids.device)).logits
+        logits = model(
+            input_ids=ids[:, -1:], past_key_values=cache, position_ids=torch.tensor([[ids.shape[1]]], device=ids.device)
+        ).logits
     return press.records, cache, logits
 
 
 def test_page_entrokv_same_pages_through_dispatch(tiny_llama, monkeypatch):
     """docs/methods.md §1 through the dispatch point: reference forced, default (reference on CPU) and Triton
     forced (interpreter) keep the same pages in every layer and give the same cache and logits."""
-    model = tiny_llama(num_heads=4, num_kv_heads=1, num_layers=2, attn_implementation="sdpa", seed=3).to(DEVICE)  # r = 4
+    model = tiny_llama(num_heads=4, num_kv_heads=1, num_layers=2, attn_implementation="sdpa", seed=3).to(
+        DEVICE
+    )  # r = 4
     ids = torch.randint(3, 128, (1, 83), generator=_gen(2)).to(DEVICE)
     runs = {mode: _run_page_entrokv(model, ids, mode, monkeypatch) for mode in ("reference", None, "triton")}
     ref_records, ref_cache, ref_logits = runs["reference"]
@@ -393,15 +408,17 @@ def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
     """The SNIS press recomputing its ``h2o_h`` proposal (harmonic prior, query blocks of 32 rows; prefill
     statistics off, as for a masked or eager prefill) goes through the dispatch point: with Triton forced it
     equals the reference path, and the press keeps the same entries."""
-    import presses.kernels.attention_columns as attention_columns
-    import presses.probabilistic.proposals as proposals
-    import presses.probabilistic.press as snis_press
     from transformers import DynamicCache
+
+    import presses.kernels.attention_columns as attention_columns
+    import presses.probabilistic.press as snis_press
+    import presses.probabilistic.proposals as proposals
 
     monkeypatch.setattr(snis_press, "request_statistics", lambda *args: None)
 
-    model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation="sdpa",
-                       seed=4).to(DEVICE)
+    model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation="sdpa", seed=4).to(
+        DEVICE
+    )
     ids = torch.randint(3, 128, (1, 48), generator=_gen(3)).to(DEVICE)
     results, triton_calls = {}, []
     real_triton = attention_columns.column_sums_triton
@@ -421,8 +438,9 @@ def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
             return captured[-1]
 
         monkeypatch.setattr(snis_press, "compute_proposal", spy)
-        press = snis_press.ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o_h", budget="head",
-                                                      block_size=32, seed=0)
+        press = snis_press.ProbabilisticEvictionPress(
+            compression_ratio=0.5, proposal="h2o_h", budget="head", block_size=32, seed=0
+        )
         cache = DynamicCache()
         with torch.no_grad(), press(model):
             model.model(input_ids=ids, past_key_values=cache)
@@ -443,12 +461,14 @@ def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
 def test_snis_decode_through_biased_decode_kernel(tiny_llama, monkeypatch, attn):
     """The SNIS press's one-token decode step goes through the biased-decode dispatch when Triton is
     picked, and its logits equal those of the masked-attention path (reference mode)."""
-    import presses.kernels.biased_decode as biased_decode
-    from presses.probabilistic.press import ProbabilisticEvictionPress
     from transformers import DynamicCache
 
-    model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation=attn,
-                       seed=5).to(DEVICE)
+    import presses.kernels.biased_decode as biased_decode
+    from presses.probabilistic.press import ProbabilisticEvictionPress
+
+    model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, hidden=96, attn_implementation=attn, seed=5).to(
+        DEVICE
+    )
     ids = torch.randint(3, 128, (1, 40), generator=_gen(5)).to(DEVICE)
     nxt = torch.randint(3, 128, (1, 1), generator=_gen(6)).to(DEVICE)
     calls = []

@@ -21,7 +21,7 @@ def _holders(e, pattern):
     text, offs = token_offsets(TOK, ids)
     plan = plan_chunks(text, offs, mode="passage", question_start=q, n_sink=4)
     assert plan.candidates == list(range(len(plan.chunks)))
-    return plan, [i for i, (s, c) in enumerate(plan.chunks) if re.search(pattern, text[offs[s][0]:offs[c - 1][1]])]
+    return plan, [i for i, (s, c) in enumerate(plan.chunks) if re.search(pattern, text[offs[s][0] : offs[c - 1][1]])]
 
 
 @pytest.mark.parametrize("mode", ["none", "other", "number"])
@@ -34,7 +34,7 @@ def test_structure_and_answer_passage(mode):
         assert e.question == "" and e.context.endswith("Answer:")
         assert re.fullmatch(r"\d{7}", ans) and e.context.count(ans) == 1 and key in KEYS
         assert len(re.findall(PASSAGE_PATTERN, e.context)) == n >= 2
-        assert e.context[find_question(e.context, "Question:"):].count(key) == 1  # the question names the key
+        assert e.context[find_question(e.context, "Question:") :].count(key) == 1  # the question names the key
         assert e.answer_prefix == f"The special magic number for {key} is"
         plan, holders = _holders(e, re.escape(f"The special magic number for {key} is {ans}."))
         assert len(plan.chunks) == n and holders == [e.metadata["answer_passage"] - 1]
@@ -93,8 +93,12 @@ def test_configured_lengths_fit_the_embedded_model(embedded_model):
 
     model, tok = embedded_model
     cfg = OmegaConf.load("configs/dataset/keyfacts.yaml")
-    ds = KeyFactsDataset(context_lengths=list(cfg.context_lengths), passage_tokens=cfg.passage_tokens,
-                         distractor_facts=cfg.distractor_facts, max_new_tokens=cfg.max_new_tokens)
+    ds = KeyFactsDataset(
+        context_lengths=list(cfg.context_lengths),
+        passage_tokens=cfg.passage_tokens,
+        distractor_facts=cfg.distractor_facts,
+        max_new_tokens=cfg.max_new_tokens,
+    )
     pipe = TextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
     for query_aware in (True, False):
         loop._check_inputs(ds.examples(tok, 2, seed=0, query_aware=query_aware), [], pipe, model, tok, None)

@@ -35,8 +35,10 @@ def test_split_reassembles_the_official_prompt(task):
 
 def test_split_examples():
     ctx, q, p = split_prompt("hotpotqa", "P1", "Who?")
-    assert ctx.endswith("P1\n\nAnswer the question based on the given passages. Only give me the answer and do "
-                        "not output any other words.\n\n")
+    assert ctx.endswith(
+        "P1\n\nAnswer the question based on the given passages. Only give me the answer and do "
+        "not output any other words.\n\n"
+    )
     assert (q, p) == ("Question: Who?\n", "Answer:")
     assert split_prompt("lcc", "def f():\n", "")[1:] == ("", "Next line of code:\n")
     assert split_prompt("passage_count", "P", "")[2] == "The final answer is: "
@@ -57,13 +59,16 @@ def test_loader_reads_fixture_tasks():
     assert by_id["gov_report-gr0"].max_new_tokens == 512
     assert not by_id["trec-tr0"].metadata["chat_template"] and not by_id["lcc-lc0"].metadata["chat_template"]
     assert hp.metadata["chat_template"] and hp.metadata["prompt_tokens"] == count_tokens(
-        word_tokenizer(), hp.context + hp.question + hp.answer_prefix)
+        word_tokenizer(), hp.context + hp.question + hp.answer_prefix
+    )
     assert by_id["trec-tr0"].metadata["all_classes"][2] == "City"
 
 
 def test_scores_use_the_official_metric_per_task():
-    ds = LongBenchDataset(tasks=["hotpotqa", "trec", "passage_retrieval_en", "passage_count", "lcc",
-                                 "multifieldqa_zh"], source=str(FIXTURES))
+    ds = LongBenchDataset(
+        tasks=["hotpotqa", "trec", "passage_retrieval_en", "passage_count", "lcc", "multifieldqa_zh"],
+        source=str(FIXTURES),
+    )
     by_id = {e.id: e for e in ds.examples(word_tokenizer(), None, 0, False)}
     # [answer, is, paris] vs [paris]: P = 1/3, R = 1 -> F1 = 2 * (1/3) / (4/3) = 1/2
     assert ds.score("The answer is Paris.", by_id["hotpotqa-hp0"]) == pytest.approx(0.5)
@@ -80,9 +85,11 @@ def test_n_samples_is_a_seeded_subset_and_query_aware():
     assert len(a) == 2 and a == [e.id for e in ds.examples(word_tokenizer(), 2, 7, False)]
     assert a == sorted(a, key=lambda i: int(i[-1]))  # file order kept
     (qa,) = LongBenchDataset(tasks=["passage_retrieval_en"], source=str(FIXTURES)).examples(
-        word_tokenizer(), None, 0, True)
-    assert qa.question == "" and qa.context.endswith("The answer format must be like \"Paragraph 1\", "
-                                                     "\"Paragraph 2\", etc.\n\n")
+        word_tokenizer(), None, 0, True
+    )
+    assert qa.question == "" and qa.context.endswith(
+        'The answer format must be like "Paragraph 1", "Paragraph 2", etc.\n\n'
+    )
 
 
 def test_middle_truncation_keeps_head_and_tail():
@@ -92,9 +99,10 @@ def test_middle_truncation_keeps_head_and_tail():
     assert truncate_middle(tok, text, 500) == text
     full = LongBenchDataset(tasks=["gov_report"], source=str(FIXTURES)).examples(tok, None, 0, False)[0]
     (ex,) = LongBenchDataset(tasks=["gov_report"], source=str(FIXTURES), max_context_length=300).examples(
-        tok, None, 0, False)
+        tok, None, 0, False
+    )
     budget = 300 - len((ex.question + ex.answer_prefix).encode())
-    assert ex.context == full.context[:budget // 2] + full.context[-(budget - budget // 2):]
+    assert ex.context == full.context[: budget // 2] + full.context[-(budget - budget // 2) :]
     assert ex.metadata["truncated"] and ex.metadata["prompt_tokens"] <= 300
     assert ex.metadata["original_tokens"] == full.metadata["prompt_tokens"] > 300
     assert ex.context.startswith("You are given a report") and "Section 20:" not in ex.context

@@ -81,8 +81,7 @@ def test_classification_splits_credit_across_named_labels():
     assert M.classification_score("Country", "City", all_classes=CLASSES) == 0.0
     assert M.classification_score("no label", "City", all_classes=CLASSES) == 0.0
     # a label that is a proper substring of the reference is not counted against it
-    assert M.classification_score("Other location", "Other location",
-                                  all_classes=["location", "Other location"]) == 1.0
+    assert M.classification_score("Other location", "Other location", all_classes=["location", "Other location"]) == 1.0
     with pytest.raises(ValueError, match="all_classes"):
         M.classification_score("City", "City", all_classes=None)
 

@@ -8,19 +8,36 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_models import FAMILIES, make_tiny_family
+from test_robustness import (
+    PRESSES,
+    PROMPT_IDS,
+    T_LONG,
+    TOK,
+    VOCAB,
+    build,
+    decode,
+    logical_kept,
+    page_entrokv_kept,
+    prefill,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from _tiny_models import FAMILIES, make_tiny_family
 from evaluation.guards import check_model, check_press_input
 from presses.core.observer import window_queries
-from test_robustness import (PRESSES, PROMPT_IDS, T_LONG, TOK, VOCAB, build, decode, logical_kept,
-                             page_entrokv_kept, prefill)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HALF = T_LONG - int(T_LONG * 0.5)  # kvpress's ScorerPress keeps int(T (1 - ratio)) entries per head
-EXACT = {"snapkv": HALF, "tova": HALF, "knorm": HALF, "streaming_llm": HALF, "expected_attention": HALF,
-         "observed_attention": HALF, "adakv": HALF}  # AdaKV: the same count on average over the heads
+EXACT = {
+    "snapkv": HALF,
+    "tova": HALF,
+    "knorm": HALF,
+    "streaming_llm": HALF,
+    "expected_attention": HALF,
+    "observed_attention": HALF,
+    "adakv": HALF,
+}  # AdaKV: the same count on average over the heads
 #: Page-EntroKV runs at 0.25 here: more pages to choose beyond the protected ones than at 0.5
 RATIO = {"page_entrokv": 0.25}
 #: The hub families of configs/model/; the embedded SmolLM2 (a Llama) runs end to end in other tests, and its
@@ -32,8 +49,9 @@ _MODELS: dict = {}
 def _model(family: str, attn: str):
     if (family, attn) not in _MODELS:
         # float64: eager and sdpa then differ by ~1e-15, so a near tie between two scores does not flip the choice
-        _MODELS[(family, attn)] = make_tiny_family(family, vocab=VOCAB, attn_implementation=attn, seed=2,
-                                                   dtype=torch.float64)
+        _MODELS[(family, attn)] = make_tiny_family(
+            family, vocab=VOCAB, attn_implementation=attn, seed=2, dtype=torch.float64
+        )
     return _MODELS[(family, attn)]
 
 
@@ -87,7 +105,8 @@ def test_window_queries_are_the_models_own_queries(family, monkeypatch):
     seen = {}
     handle = attn.register_forward_pre_hook(
         lambda module, args, kwargs: seen.update(h=kwargs["hidden_states"], pe=kwargs["position_embeddings"]),
-        with_kwargs=True)
+        with_kwargs=True,
+    )
     inner = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def spy(module, query, *args, **kwargs):

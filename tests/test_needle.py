@@ -21,7 +21,7 @@ def tokenizer():
 
 def sublist_at(seq, sub):
     """Indices where ``sub`` starts inside ``seq``."""
-    return [i for i in range(len(seq) - len(sub) + 1) if seq[i:i + len(sub)] == sub]
+    return [i for i in range(len(seq) - len(sub) + 1) if seq[i : i + len(sub)] == sub]
 
 
 @pytest.mark.parametrize("length, tol", [(256, 0.3), (1024, 0.1)])
@@ -53,8 +53,16 @@ def test_single_bos_through_pipeline_preprocessing(tokenizer):
 
     ex = NeedleDataset(context_length=256, n_per_depth=1).examples(tokenizer, 1, seed=0, query_aware=False)[0]
     assert tokenizer.bos_token not in ex.context and tokenizer.eos_token not in ex.context
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer)
     ids = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))["context_ids"][0].tolist()
     assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
@@ -85,8 +93,9 @@ def test_scorer():
     assert ds.score("", ex) == 0.0
 
 
-@pytest.mark.parametrize("kwargs, match", [({"depths": [-5]}, r"\[-5\].*\[0, 100\]"),
-                                           ({"context_length": 10}, "context_length=10")])
+@pytest.mark.parametrize(
+    "kwargs, match", [({"depths": [-5]}, r"\[-5\].*\[0, 100\]"), ({"context_length": 10}, "context_length=10")]
+)
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         NeedleDataset(**kwargs)

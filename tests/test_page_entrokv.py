@@ -9,16 +9,17 @@ import math
 
 import pytest
 import torch
+from _tiny_tokenizer import char_tokenizer
 from transformers import DynamicCache
 
-from _tiny_tokenizer import char_tokenizer
 from presses.page_entrokv import PageEntroKVPress
 
 W, B, N_SINK = 16, 8, 4
 
 
 def expected_kept(T: int, ratio: float, page_size: int = B, n_sink: int = N_SINK, window: int = W) -> int:
-    """Strict-budget count from the formula of docs/methods.md §1 step 8, computed independently of presses.core.paging."""
+    """Strict-budget count from the formula of docs/methods.md §1 step 8, computed independently of
+    presses.core.paging."""
     b = math.floor(round(T * (1 - ratio), 9))
     pages = {j // page_size for j in range(T) if j < n_sink or j >= T - window}
     prot = sum(1 for j in range(T) if j // page_size in pages)
@@ -37,18 +38,21 @@ def rand_ids(T, batch=1, seed=0):
     return torch.randint(3, 128, (batch, T), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"compression_ratio": 1.0}, r"compression_ratio=1.0 must be in \[0, 1\)"),
-    ({"compression_ratio": -0.1}, r"compression_ratio=-0.1"),
-    ({"page_size": 0}, "page_size=0 must be an integer >= 1"),
-    ({"window_size": 0}, "window_size=0 must be an integer >= 1"),
-    ({"n_sink": -1}, "n_sink=-1 must be an integer >= 0"),
-    ({"alpha": 0.0}, "alpha=0.0 must be > 0"),
-    ({"tau": -1.0}, "tau=-1.0 must be > 0"),
-    ({"pooling": "median"}, r"pooling='median' is not one of \('entropy', 'raw_entropy', 'mean', 'max'\)"),
-    ({"page_score": "sum"}, r"page_score='sum' is not one of \('block_max', 'mass'\)"),
-    ({"on_budget_conflict": "skip"}, "on_budget_conflict='skip' is not one of"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"compression_ratio": 1.0}, r"compression_ratio=1.0 must be in \[0, 1\)"),
+        ({"compression_ratio": -0.1}, r"compression_ratio=-0.1"),
+        ({"page_size": 0}, "page_size=0 must be an integer >= 1"),
+        ({"window_size": 0}, "window_size=0 must be an integer >= 1"),
+        ({"n_sink": -1}, "n_sink=-1 must be an integer >= 0"),
+        ({"alpha": 0.0}, "alpha=0.0 must be > 0"),
+        ({"tau": -1.0}, "tau=-1.0 must be > 0"),
+        ({"pooling": "median"}, r"pooling='median' is not one of \('entropy', 'raw_entropy', 'mean', 'max'\)"),
+        ({"page_score": "sum"}, r"page_score='sum' is not one of \('block_max', 'mass'\)"),
+        ({"on_budget_conflict": "skip"}, "on_budget_conflict='skip' is not one of"),
+    ],
+)
 def test_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PageEntroKVPress(**kwargs)
@@ -86,11 +90,12 @@ def test_generate_continues_at_position_T_and_gathers_kept_positions(tiny_llama,
     ids = rand_ids(T, seed=r)
     press = PageEntroKVPress(compression_ratio=ratio, window_size=W, page_size=B, n_sink=N_SINK, record=True)
     with torch.no_grad(), press(model):
-        gen = model.generate(ids, max_new_tokens=2, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
+        gen = model.generate(
+            ids, max_new_tokens=2, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0
+        )
     n = expected_kept(T, ratio)
     assert [rec["kept_tokens"] for rec in press.records] == [n, n]
-    first = gen.sequences[:, T:T + 1]
+    first = gen.sequences[:, T : T + 1]
 
     # reference: full prefill without a press, gather the recorded pages, decode at explicit position T
     full = DynamicCache()
@@ -174,8 +179,15 @@ def test_ablations_and_batch_rows(tiny_llama, pooling):
     """Batches are supported: each row selects its own pages (as it would alone), same count."""
     model = tiny_llama(num_heads=4, num_kv_heads=2, num_layers=2, attn_implementation="sdpa", seed=4)
     ids = torch.cat([rand_ids(128, seed=8), rand_ids(128, seed=9)])
-    kw = {"compression_ratio": 0.75, "window_size": W, "page_size": B, "n_sink": N_SINK, "pooling": pooling,
-          "page_score": "mass" if pooling == "max" else "block_max", "record": True}
+    kw = {
+        "compression_ratio": 0.75,
+        "window_size": W,
+        "page_size": B,
+        "n_sink": N_SINK,
+        "pooling": pooling,
+        "page_score": "mass" if pooling == "max" else "block_max",
+        "record": True,
+    }
     press = PageEntroKVPress(**kw)
     cache = prefill(model, ids, press)
     n = expected_kept(128, 0.75)

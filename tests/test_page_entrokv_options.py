@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 from hydra.utils import instantiate
 from transformers import DynamicCache
 
-from conftest import make_tiny_llama
 from evaluation.harness import compose_config
 from presses import PageEntroKVPress
 from presses.core.observer import observer_attention_reference, window_queries
@@ -46,8 +46,14 @@ def _prefill(model, press, T=100, seed=0):
 
 @pytest.mark.parametrize(("observer_window", "expected"), [(48, 48), ("all", 100), (None, 16)])
 def test_observer_window_averages_the_last_queries_in_blocks(model, observer_window, expected):
-    press = _Spy(compression_ratio=0.5, window_size=16, page_size=8, observer_window=observer_window,
-                 observer_block=16, record=True)
+    press = _Spy(
+        compression_ratio=0.5,
+        window_size=16,
+        page_size=8,
+        observer_window=observer_window,
+        observer_block=16,
+        record=True,
+    )
     _prefill(model, press)
     assert press.summary()["observers"] == expected
     for module, hidden_states, keys, pe, out in press.seen:
@@ -68,8 +74,7 @@ def test_protect_none_is_plain_top_k_over_pages(model):
 
 
 def test_group_selection_union_keeps_every_groups_pages(model):
-    press = PageEntroKVPress(compression_ratio=0.75, window_size=16, page_size=8, group_selection="union",
-                             record=True)
+    press = PageEntroKVPress(compression_ratio=0.75, window_size=16, page_size=8, group_selection="union", record=True)
     cache = _prefill(model, press, T=128)
     alone = PageEntroKVPress(compression_ratio=0.75, window_size=16, page_size=8, record=True)
     _prefill(model, alone, T=128)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from presses.core.paging import (
-    protected_page_mask,
     allocation_bytes,
     page_budget,
     page_scores,
     page_union,
+    protected_page_mask,
     select_pages,
     select_positions,
     token_budget,
@@ -75,7 +75,7 @@ def test_block_max_selects_top_pages_and_mass_ablation():
     B, T = 4, 40  # 10 pages; protected: page 0 (sink) and pages touching the last 4 positions (page 9)
     scores = torch.full((1, 1, T), 0.01)
     scores[0, 0, 4 * 3 + 1] = 0.5  # page 3: one spike
-    scores[0, 0, 4 * 6:4 * 7] = 0.2  # page 6: high mass, lower max
+    scores[0, 0, 4 * 6 : 4 * 7] = 0.2  # page 6: high mass, lower max
     scores[0, 0, 4 * 5] = 0.3  # page 5
     ps_max = page_scores(scores, B, "block_max")
     ps_mass = page_scores(scores, B, "mass")
@@ -125,19 +125,22 @@ def test_budget_conflict_message_and_keep_protected(caplog):
         page_budget(100, 0.5, 16, 4, 64, on_budget_conflict="ignore")
 
 
-@pytest.mark.parametrize(("T", "ratio", "expected"), [
-    # T=100, B=16, W=64, n_sink=4, b=50: sink page 0 and window pages 2..6 (84 tokens). Window pages drop
-    # oldest first until it fits: 2 (68), 3 (52), 4 (36 <= 50); K = floor(14 / 16) = 0.
-    (100, 0.5, {"protected": [0, 5, 6], "K": 0, "kept": 36}),
-    # T=128, b=25: pages 4..7 are window pages, 0 the sink page (80 tokens): 4, 5, 6, 7 drop, {0} = 16 fits.
-    (128, 0.8, {"protected": [0], "K": 0, "kept": 16}),
-    # T=23, b=4: page 0 (sink and window) drops, the partial last page (7 tokens > b) stays: one page over b.
-    (23, 0.8, {"protected": [1], "K": 0, "kept": 7}),
-    # T=23, b=11: the same, and 11 - 7 leaves no room for a full page.
-    (23, 0.5, {"protected": [1], "K": 0, "kept": 7}),
-    # T=32, b=3, two full pages: both drop (window first, then the sink page); nothing protected, K = 0.
-    (32, 0.9, {"protected": [], "K": 0, "kept": 0}),
-])
+@pytest.mark.parametrize(
+    ("T", "ratio", "expected"),
+    [
+        # T=100, B=16, W=64, n_sink=4, b=50: sink page 0 and window pages 2..6 (84 tokens). Window pages drop
+        # oldest first until it fits: 2 (68), 3 (52), 4 (36 <= 50); K = floor(14 / 16) = 0.
+        (100, 0.5, {"protected": [0, 5, 6], "K": 0, "kept": 36}),
+        # T=128, b=25: pages 4..7 are window pages, 0 the sink page (80 tokens): 4, 5, 6, 7 drop, {0} = 16 fits.
+        (128, 0.8, {"protected": [0], "K": 0, "kept": 16}),
+        # T=23, b=4: page 0 (sink and window) drops, the partial last page (7 tokens > b) stays: one page over b.
+        (23, 0.8, {"protected": [1], "K": 0, "kept": 7}),
+        # T=23, b=11: the same, and 11 - 7 leaves no room for a full page.
+        (23, 0.5, {"protected": [1], "K": 0, "kept": 7}),
+        # T=32, b=3, two full pages: both drop (window first, then the sink page); nothing protected, K = 0.
+        (32, 0.9, {"protected": [], "K": 0, "kept": 0}),
+    ],
+)
 def test_protection_shrinks_window_first_sink_last(T, ratio, expected):
     """docs/methods.md §1.12, worked by hand: every length compresses, within one page of the budget."""
     plan = page_budget(T, ratio, 16, 4, 64)  # default on_budget_conflict="shrink"

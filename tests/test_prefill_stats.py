@@ -9,7 +9,8 @@
   (prefill statistics off, proposal recomputed after the prefill): the same attention outputs (bit for bit on
   CPU), proposals equal to float32 round-off, and the same kept entries for a fixed seed, for every all-row
   proposal and both budgets, on tiny models and on the embedded model;
-- the wrapper of :mod:`presses.probabilistic.prefill_attention` changes nothing without a request, falls back where it cannot
+- the wrapper of :mod:`presses.probabilistic.prefill_attention` changes nothing without a request, falls back where it
+cannot
   fuse (eager's mask, padded batches), composes with the SNIS decode wrapper and leaves decoding alone.
 
 Tolerances: attention outputs as the decode kernels of ``tests/test_kernels.py`` (fp32 ``1e-5 / 1e-4``; bf16
@@ -25,24 +26,24 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported in this process
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-import presses.probabilistic.press as snis_press  # noqa: E402
-import presses.probabilistic.proposals as proposals  # noqa: E402
-from presses.probabilistic.prefill_attention import (  # noqa: E402
+import presses.probabilistic.press as snis_press
+import presses.probabilistic.proposals as proposals
+from presses.attention_bias import install_bias_attention
+from presses.core.columns import column_sums, harmonic_prior
+from presses.core.prefill_stats import attention_with_column_sums
+from presses.probabilistic import ProbabilisticEvictionPress
+from presses.probabilistic.prefill_attention import (
     PrefillStats,
     attention_modules,
     install_prefill_attention,
     prefill_statistics,
     take_prefill_stats,
 )
-from presses.attention_bias import install_bias_attention  # noqa: E402
-from presses.core.columns import column_sums, harmonic_prior  # noqa: E402
-from presses.core.prefill_stats import attention_with_column_sums  # noqa: E402
-from presses.probabilistic import ProbabilisticEvictionPress  # noqa: E402
 
 OUT_TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
 STAT_TOL = {torch.float32: (1e-6, 1e-4), torch.bfloat16: (1e-5, 1e-3), torch.float16: (1e-5, 1e-3)}
@@ -59,8 +60,9 @@ def _qkv(B, G, r, T, dtype=torch.float32, seed=0, scale=1.5, dv=D):
 
 
 def _sdpa(q, k, v, scaling):
-    out = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
-                                                           scale=scaling, enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, scale=scaling, enable_gqa=True
+    )
     return out.to(q.dtype)
 
 
@@ -78,8 +80,11 @@ TORCH_CASES = [
 @pytest.mark.parametrize(("B", "G", "r", "T", "block", "workers", "weights", "dv"), TORCH_CASES)
 def test_torch_path_equals_sdpa_and_column_sums(B, G, r, T, block, workers, weights, dv):
     q, k, v = _qkv(B, G, r, T, seed=T + r, dv=dv)
-    w = {"harmonic": harmonic_prior(T), "random": torch.rand(T, generator=torch.Generator().manual_seed(1)),
-         None: None}[weights]
+    w = {
+        "harmonic": harmonic_prior(T),
+        "random": torch.rand(T, generator=torch.Generator().manual_seed(1)),
+        None: None,
+    }[weights]
     threads = torch.get_num_threads()
     with torch.inference_mode():  # the workers write the caller's inference tensors
         out, sums = attention_with_column_sums(q, k, v, w, 0.3, block, workers)
@@ -157,9 +162,11 @@ def test_torch_path_bad_input():
 # ------------------------------------------------------------------------------ Triton kernel (interpreter)
 # (G, r, T): T never a multiple of the 64-row / 64-key tiles; r in {1, 3, 4}
 TRITON_CASES = [(2, 1, 37), (1, 3, 70), (2, 4, 100)]
-TRITON_PARAMS = ([(*c, torch.float32) for c in TRITON_CASES]
-                 + [(*TRITON_CASES[i], torch.bfloat16) for i in (0, 1)]
-                 + [(*TRITON_CASES[i], torch.float16) for i in (1, 2)])
+TRITON_PARAMS = (
+    [(*c, torch.float32) for c in TRITON_CASES]
+    + [(*TRITON_CASES[i], torch.bfloat16) for i in (0, 1)]
+    + [(*TRITON_CASES[i], torch.float16) for i in (1, 2)]
+)
 
 
 @pytest.mark.parametrize(("G", "r", "T", "dtype"), TRITON_PARAMS)
@@ -199,8 +206,9 @@ def test_dispatch_routes_by_mode(monkeypatch):
 
     calls = []
     real = fused_prefill.attention_with_column_sums_triton
-    monkeypatch.setattr(fused_prefill, "attention_with_column_sums_triton",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(
+        fused_prefill, "attention_with_column_sums_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     q, k, v = _qkv(1, 1, 3, 20, seed=2)
     monkeypatch.delenv("KVPRESS_RESEARCH_KERNELS", raising=False)
     ref = dispatch(q, k, v)  # CPU tensors: the torch path
@@ -216,12 +224,17 @@ def test_dispatch_routes_by_mode(monkeypatch):
 def _run_press(model, ids, fused: bool, monkeypatch, **press_kwargs):
     """Prefill with the press; returns (last hidden state, proposals, biases, cache, recompute calls, taken)."""
     captured, recomputed, taken = [], [], []
-    real_compute, real_cols, real_take = proposals.compute_proposal, proposals.attention_column_sums, \
-        proposals.take_prefill_stats
-    monkeypatch.setattr(snis_press, "compute_proposal", lambda *a, **kw: captured.append(real_compute(*a, **kw))
-                        or captured[-1])
-    monkeypatch.setattr(proposals, "attention_column_sums", lambda *a, **kw: recomputed.append(1)
-                        or real_cols(*a, **kw))
+    real_compute, real_cols, real_take = (
+        proposals.compute_proposal,
+        proposals.attention_column_sums,
+        proposals.take_prefill_stats,
+    )
+    monkeypatch.setattr(
+        snis_press, "compute_proposal", lambda *a, **kw: captured.append(real_compute(*a, **kw)) or captured[-1]
+    )
+    monkeypatch.setattr(
+        proposals, "attention_column_sums", lambda *a, **kw: recomputed.append(1) or real_cols(*a, **kw)
+    )
     monkeypatch.setattr(proposals, "take_prefill_stats", lambda *a: taken.append(real_take(*a)) or taken[-1])
     if not fused:  # today's path: no statistics requested, the proposal is recomputed after the prefill
         monkeypatch.setattr(snis_press, "request_statistics", lambda *a: None)
@@ -267,8 +280,11 @@ def test_press_through_forced_triton_keeps_the_same_entries(tiny_llama, monkeypa
     for mode in ("reference", "triton"):
         monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", mode)
         real = fused_prefill.attention_with_column_sums_triton
-        monkeypatch.setattr(fused_prefill, "attention_with_column_sums_triton",
-                            lambda *a, _mode=mode, _real=real, **kw: calls.append(_mode) or _real(*a, **kw))
+        monkeypatch.setattr(
+            fused_prefill,
+            "attention_with_column_sums_triton",
+            lambda *a, _mode=mode, _real=real, **kw: calls.append(_mode) or _real(*a, **kw),
+        )
         press = ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o_h", budget="head", seed=0)
         with torch.no_grad(), press(model):
             hidden = model.model(input_ids=ids, past_key_values=DynamicCache()).last_hidden_state
@@ -348,8 +364,10 @@ def test_wrapper_is_a_passthrough_without_request_and_decoding_is_untouched(tiny
 def test_install_is_idempotent_in_either_order_with_the_snis_wrapper(tiny_llama):
     model = tiny_llama(num_heads=4, num_kv_heads=2, num_layers=2, attn_implementation="sdpa")
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
-    for first, second in ((install_bias_attention, install_prefill_attention),
-                          (install_prefill_attention, install_bias_attention)):
+    for first, second in (
+        (install_bias_attention, install_prefill_attention),
+        (install_prefill_attention, install_bias_attention),
+    ):
         first()
         second()
         chain = ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS["eager"]

@@ -62,7 +62,7 @@ def test_column_sums_random_tensors_match_naive():
     logits = (q @ kr.transpose(-1, -2)) / math.sqrt(d)
     logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
     full = torch.softmax(logits, -1).sum(-2)
-    parts = sum(column_sums(q[:, :, s:s + 3], k, rows=torch.arange(s, min(s + 3, t))) for s in range(0, t, 3))
+    parts = sum(column_sums(q[:, :, s : s + 3], k, rows=torch.arange(s, min(s + 3, t))) for s in range(0, t, 3))
     assert torch.allclose(parts, full, atol=1e-5)
     with pytest.raises(ValueError, match="row positions"):
         column_sums(q[:, :, :2], k, rows=torch.tensor([3, 11]))
@@ -125,13 +125,14 @@ def test_score_to_proposal():
         score_to_proposal(s, normalization="l1")
 
 
-@pytest.mark.parametrize("name,scorer", [("snapkv", SnapKVPress(window_size=4, kernel_size=3)),
-                                         ("tova", TOVAPress()), ("knorm", KnormPress())])
+@pytest.mark.parametrize(
+    "name,scorer",
+    [("snapkv", SnapKVPress(window_size=4, kernel_size=3)), ("tova", TOVAPress()), ("knorm", KnormPress())],
+)
 def test_scorer_adapters_are_softmax_of_kvpress_scores(captured, name, scorer):
     module, hs, keys, values, attn, kwargs = captured
     scores = scorer.score(module, hs, keys, values, attn, kwargs)
-    pi = compute_proposal(name, module, hs, keys, values, attn, kwargs, temperature=0.3, window_size=4,
-                          kernel_size=3)
+    pi = compute_proposal(name, module, hs, keys, values, attn, kwargs, temperature=0.3, window_size=4, kernel_size=3)
     assert pi.shape == (2, 2, keys.shape[2])
     assert torch.allclose(pi, torch.softmax(scores.float() / 0.3, -1), atol=1e-6)
 

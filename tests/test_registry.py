@@ -27,8 +27,10 @@ from presses import EntroPrefillPress, PageEntroKVPress, ProbabilisticEvictionPr
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = [p for p in sorted((ROOT / "evaluation").rglob("*.py")) if "uor" not in p.relative_to(ROOT).parts]
-PRESS_CLASSES = sorted({name for name in dir(kvpress) if name.endswith("Press") and name != "BasePress"}
-                       | {"PageEntroKVPress", "ProbabilisticEvictionPress", "EntroPrefillPress", "ResearchPress"})
+PRESS_CLASSES = sorted(
+    {name for name in dir(kvpress) if name.endswith("Press") and name != "BasePress"}
+    | {"PageEntroKVPress", "ProbabilisticEvictionPress", "EntroPrefillPress", "ResearchPress"}
+)
 CONFIG_NAMES = sorted(p.stem for p in (ROOT / "configs" / "press").glob("*.yaml") if p.stem != "no_press")
 
 

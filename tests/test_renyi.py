@@ -22,14 +22,15 @@ def test_table10_needle_bound(T):
     r, tau, eps = 8, 0.5, 0.05
     attn, needle = needle_group_attention(T, r)
     assert torch.allclose(attn.double().sum(-1), torch.ones(1, r, dtype=torch.float64), atol=1e-5)
-    pooled, diag = pooled_group_scores(attn, num_groups=1, n_sink=4, alpha=2.0, tau=tau, pooling="entropy",
-                                       diagnostics=True)
+    pooled, diag = pooled_group_scores(
+        attn, num_groups=1, n_sink=4, alpha=2.0, tau=tau, pooling="entropy", diagnostics=True
+    )
     mean, _ = pooled_group_scores(attn, num_groups=1, n_sink=4, alpha=2.0, tau=tau, pooling="mean")
     got, got_mean = pooled[0, 0, needle].item(), mean[0, 0, needle].item()
 
     # closed form in float64: w_0 = C_0^(1/tau) / (C_0^(1/tau) + (r-1) C_s^(1/tau)), C = collision
     N = T - 4
-    c0 = (1 - eps) ** 2 + eps ** 2 / (N - 1)
+    c0 = (1 - eps) ** 2 + eps**2 / (N - 1)
     cs = 1.0 / (N - 1)
     w0 = c0 ** (1 / tau) / (c0 ** (1 / tau) + (r - 1) * cs ** (1 / tau))
     assert got == pytest.approx((1 - eps) * w0, abs=1e-6)  # float32 accumulation
@@ -130,7 +131,7 @@ def test_entropy_range_after_isolation(alpha):
     elif alpha == 1.0:
         ref = -torch.special.xlogy(p, p).sum(-1)
     else:
-        ref = torch.log((p ** alpha).sum(-1)) / (1 - alpha)
+        ref = torch.log((p**alpha).sum(-1)) / (1 - alpha)
     assert torch.allclose(h.double(), ref, atol=2e-4)
     assert h[0, 4].item() == pytest.approx(0.0, abs=1e-6)  # one-hot
     assert h[0, 5].item() == pytest.approx(math.log(N), abs=1e-4)  # uniform
@@ -144,7 +145,7 @@ def test_group_layout_and_errors():
     w = diag["weights"]
     assert w.shape == (1, 3, 2)
     assert torch.allclose(w.sum(-1), torch.ones(1, 3))
-    manual = (w[0, 1, 0] * attn[0, 2] + w[0, 1, 1] * attn[0, 3])
+    manual = w[0, 1, 0] * attn[0, 2] + w[0, 1, 1] * attn[0, 3]
     assert torch.allclose(pooled[0, 1], manual, atol=1e-7)
     mx, _ = pooled_group_scores(attn, 3, pooling="max")
     assert torch.equal(mx[0, 2], torch.maximum(attn[0, 4], attn[0, 5]))

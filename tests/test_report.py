@@ -12,17 +12,37 @@ from evaluation.metrics import t_interval, wilson_interval
 from evaluation.report import build_report, main, scan
 
 
-def _write_run(root: Path, press: str, ratio: str, rows: list[tuple[str, str, float]], shard: str | None = None,
-               finished: bool = True, dataset: str = "ruler", model: str = "tiny") -> None:
+def _write_run(
+    root: Path,
+    press: str,
+    ratio: str,
+    rows: list[tuple[str, str, float]],
+    shard: str | None = None,
+    finished: bool = True,
+    dataset: str = "ruler",
+    model: str = "tiny",
+) -> None:
     d = root / dataset / model / press / f"cr{ratio}"
     if shard:
         d = d / shard
     d.mkdir(parents=True)
     with open(d / "predictions.jsonl", "w") as f:
         for ex_id, task, score in rows:
-            f.write(json.dumps({"id": ex_id, "task": task, "score": score, "prediction": "p", "answers": ["a"],
-                                "context_length": 100, "effective_compression": float(ratio),
-                                "metadata": {"context_length": 128}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": ex_id,
+                        "task": task,
+                        "score": score,
+                        "prediction": "p",
+                        "answers": ["a"],
+                        "context_length": 100,
+                        "effective_compression": float(ratio),
+                        "metadata": {"context_length": 128},
+                    }
+                )
+                + "\n"
+            )
         f.write('{"id": "torn", "sco')  # a killed run's torn last line must be ignored
     if finished:
         cmd = f"python -m evaluation.run dataset={dataset} press={press} compression_ratio={ratio}"
@@ -39,9 +59,12 @@ def results(tmp_path):
     _write_run(root, "knorm", "0.5", [("a1", "A", 1), ("a2", "A", 1), ("b1", "B", 0.5)])
     _write_run(root, "streaming_llm", "0.5", [("a1", "A", 0), ("a2", "A", 0), ("b1", "B", 1)])
     _write_run(root, "knorm", "0.25", [("a1", "A", 1), ("a2", "A", 1), ("b1", "B", 1)])
-    _write_run(root, "streaming_llm", "0.25", [("a1", "A", 0)], shard="shard_0_of_2", finished=False)  # shard 1 never ran
+    _write_run(
+        root, "streaming_llm", "0.25", [("a1", "A", 0)], shard="shard_0_of_2", finished=False
+    )  # shard 1 never ran
     (root / "ruler" / "tiny" / "streaming_llm" / "cr0.25" / "shard_0_of_2" / "commands.txt").write_text(
-        "python -m evaluation.fused dataset=ruler shard=0/2\n")  # the unfinished shard's command log
+        "python -m evaluation.fused dataset=ruler shard=0/2\n"
+    )  # the unfinished shard's command log
     (root / ".hydra" / "x").mkdir(parents=True)
     (root / ".hydra" / "x" / "predictions.jsonl").write_text('{"id": "zz", "task": "A", "score": 1}\n')
     return root
@@ -137,11 +160,26 @@ def test_length_and_depth_breakdowns(tmp_path):
     d = root / "needle" / "tiny" / "snapkv" / "cr0.5"
     d.mkdir(parents=True)
     rows = [  # (length, depth, score): length 512 -> mean 1, 1024 -> mean 0.5; depth 0 -> 1, depth 50 -> 0.5
-        (512, 0, 1.0), (512, 50, 1.0), (1024, 0, 1.0), (1024, 50, 0.0)]
+        (512, 0, 1.0),
+        (512, 50, 1.0),
+        (1024, 0, 1.0),
+        (1024, 50, 0.0),
+    ]
     with open(d / "predictions.jsonl", "w") as f:
         for i, (length, depth, score) in enumerate(rows):
-            f.write(json.dumps({"id": f"e{i}", "task": "needle", "score": score, "depth": depth,
-                                "context_length": length - 3, "metadata": {"context_length": length}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"e{i}",
+                        "task": "needle",
+                        "score": score,
+                        "depth": depth,
+                        "context_length": length - 3,
+                        "metadata": {"context_length": length},
+                    }
+                )
+                + "\n"
+            )
     out = tmp_path / "results"
     text = build_report(root, out, plots=False).read_text()
     by_length = _csv(out / "tables" / "needle__tiny__by_length.csv")
@@ -152,8 +190,18 @@ def test_length_and_depth_breakdowns(tmp_path):
     # RULER-like continuous depths (more than 12 distinct values) get no depth table
     with open(d / "predictions.jsonl", "a") as f:
         for i in range(20):
-            f.write(json.dumps({"id": f"x{i}", "task": "needle", "score": 1.0, "depth": 1.5 * i,
-                                "metadata": {"context_length": 512}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"x{i}",
+                        "task": "needle",
+                        "score": 1.0,
+                        "depth": 1.5 * i,
+                        "metadata": {"context_length": 512},
+                    }
+                )
+                + "\n"
+            )
     build_report(root, out, plots=False)
     assert not (out / "tables" / "needle__tiny__by_depth.csv").exists()  # pruned
 
@@ -215,17 +263,31 @@ def test_longbench_e_by_length_range(tmp_path):
     for press, scores in (("snapkv", [1, 0, 0, 1, 1, 0]), ("page_entrokv", [1, 1, 0, 1, 0, 1])):
         d = root / "longbench_e" / "tiny" / press / "cr0.5"
         d.mkdir(parents=True)
-        rows = [{"id": f"trec-{i}", "task": "trec", "score": s, "effective_compression": 0.5,
-                 "metadata": {"length": n, "longbench_e": True}} for i, (n, s) in enumerate(zip(lengths, scores))]
+        rows = [
+            {
+                "id": f"trec-{i}",
+                "task": "trec",
+                "score": s,
+                "effective_compression": 0.5,
+                "metadata": {"length": n, "longbench_e": True},
+            }
+            for i, (n, s) in enumerate(zip(lengths, scores))
+        ]
         (d / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (d / "metrics.json").write_text(json.dumps({"command": "x"}))
     readme = build_report(root, tmp_path / "out", plots=False).read_text()
     table = _csv(tmp_path / "out" / "tables" / "longbench_e__tiny__by_length_range.csv")
     got = {(r["press"], r["task"], r["range"]): (float(r["score"]), int(r["n"])) for r in table}
-    assert {k[2]: v for k, v in got.items() if k[:2] == ("snapkv", "all")} == \
-        {"0-4k": (1.0, 2), "4-8k": (0.5, 2), "8k+": (0.0, 2)}
-    assert {k[2]: v for k, v in got.items() if k[:2] == ("page_entrokv", "all")} == \
-        {"0-4k": (1.0, 2), "4-8k": (0.5, 2), "8k+": (0.5, 2)}
+    assert {k[2]: v for k, v in got.items() if k[:2] == ("snapkv", "all")} == {
+        "0-4k": (1.0, 2),
+        "4-8k": (0.5, 2),
+        "8k+": (0.0, 2),
+    }
+    assert {k[2]: v for k, v in got.items() if k[:2] == ("page_entrokv", "all")} == {
+        "0-4k": (1.0, 2),
+        "4-8k": (0.5, 2),
+        "8k+": (0.5, 2),
+    }
     assert got[("snapkv", "trec", "4-8k")] == (0.5, 2)
     assert "### LongBench-E by length range" in readme
     assert "| snapkv @ 0.5 | 1.000 | 0.500 | 0.000 |" in readme
@@ -236,11 +298,19 @@ def test_length_range_table_averages_tasks_and_skips_other_rows():
     from evaluation.report import Run, length_range, length_range_table
 
     assert [length_range(n) for n in (0, 3999, 4000, 7999, 8000)] == ["0-4k", "0-4k", "4-8k", "4-8k", "8k+"]
-    run = Run("longbench_e", "tiny", "knorm", 0.5, Path("."), rows=[
-        {"id": "a", "task": "A", "score": 1.0, "metadata": {"length": 100, "longbench_e": True}},
-        {"id": "b", "task": "A", "score": 1.0, "metadata": {"length": 200, "longbench_e": True}},
-        {"id": "c", "task": "B", "score": 0.0, "metadata": {"length": 300, "longbench_e": True}},
-        {"id": "d", "task": "B", "score": 1.0, "metadata": {"length": 300}}])  # not LongBench-E: left out
+    run = Run(
+        "longbench_e",
+        "tiny",
+        "knorm",
+        0.5,
+        Path("."),
+        rows=[
+            {"id": "a", "task": "A", "score": 1.0, "metadata": {"length": 100, "longbench_e": True}},
+            {"id": "b", "task": "A", "score": 1.0, "metadata": {"length": 200, "longbench_e": True}},
+            {"id": "c", "task": "B", "score": 0.0, "metadata": {"length": 300, "longbench_e": True}},
+            {"id": "d", "task": "B", "score": 1.0, "metadata": {"length": 300}},
+        ],
+    )  # not LongBench-E: left out
     (row,) = [r for r in length_range_table([run]) if r["task"] == "all"]
     assert row["range"] == "0-4k" and row["n"] == 3 and row["score"] == 0.5  # (1.0 + 0.0) / 2 tasks, not 2/3
 
@@ -249,8 +319,10 @@ def test_protocols_side_by_side_compare_the_same_presses(tmp_path):
     """A dataset run in both protocols gets one side-by-side table; its win scores are computed among the presses
     present in both protocols (a press run only with the question inside does not change the 'inside' column)."""
     root = tmp_path / "runs"
-    for dataset, scores in (("needle", {"snapkv": (1, 0), "tova": (0, 0)}),
-                            ("needle-qa", {"snapkv": (0, 1), "tova": (1, 0), "knorm": (1, 0)})):
+    for dataset, scores in (
+        ("needle", {"snapkv": (1, 0), "tova": (0, 0)}),
+        ("needle-qa", {"snapkv": (0, 1), "tova": (1, 0), "knorm": (1, 0)}),
+    ):
         for press, (s1, s2) in scores.items():
             _write_run(root, press, "0.5", [("e1", "needle", s1), ("e2", "needle", s2)], dataset=dataset)
     out = tmp_path / "report"
@@ -265,10 +337,10 @@ def test_protocols_side_by_side_compare_the_same_presses(tmp_path):
     assert float(rows["snapkv"]["win_inside"]) == 0.5 and float(rows["tova"]["win_inside"]) == 0.5
     # a protocol still running (e3 only after, e2 missing from one inside run): both columns use e1 only
     root2 = tmp_path / "partial"
-    _write_run(root2, "snapkv", "0.5", [("e1", "needle", 1), ("e2", "needle", 0), ("e3", "needle", 0)],
-               dataset="needle")
-    _write_run(root2, "tova", "0.5", [("e1", "needle", 0), ("e2", "needle", 1), ("e3", "needle", 1)],
-               dataset="needle")
+    _write_run(
+        root2, "snapkv", "0.5", [("e1", "needle", 1), ("e2", "needle", 0), ("e3", "needle", 0)], dataset="needle"
+    )
+    _write_run(root2, "tova", "0.5", [("e1", "needle", 0), ("e2", "needle", 1), ("e3", "needle", 1)], dataset="needle")
     _write_run(root2, "snapkv", "0.5", [("e1", "needle", 0), ("e2", "needle", 1)], dataset="needle-qa")
     _write_run(root2, "tova", "0.5", [("e1", "needle", 1)], dataset="needle-qa")
     for proto in ("needle", "needle-qa"):  # another ratio, complete in both protocols, keeps its 3 examples
@@ -276,7 +348,9 @@ def test_protocols_side_by_side_compare_the_same_presses(tmp_path):
     build_report(root2, tmp_path / "r3", plots=False)
     table = _csv(tmp_path / "r3" / "tables" / "needle__tiny__protocols.csv")
     assert {(r["ratio"], r["n_after"], r["n_inside"]) for r in table if r["press"] == "snapkv"} == {
-        ("0.5", "1", "1"), ("0.75", "3", "3")}
+        ("0.5", "1", "1"),
+        ("0.75", "3", "3"),
+    }
     rows = {r["press"]: r for r in table if r["ratio"] == "0.5"}
     assert {r["n_after"] for r in rows.values()} == {r["n_inside"] for r in rows.values()} == {"1"}
     assert float(rows["snapkv"]["score_after"]) == 1.0 and float(rows["tova"]["score_after"]) == 0.0
@@ -291,16 +365,18 @@ def test_shards_whose_press_target_only_moved_are_one_run(tmp_path):
     same settings, whichever shard is older."""
     from evaluation.registry import MOVED_TARGETS
 
-    (old_target, new_target), = MOVED_TARGETS.items()
+    ((old_target, new_target),) = MOVED_TARGETS.items()
     root = tmp_path / "runs"
     for shard, target in (("shard_0_of_2", new_target), ("shard_1_of_2", old_target)):
         _write_run(root, "snis_min_h", "0.5", [(f"{shard}-e", "A", 1)], shard=shard)
         (root / "ruler" / "tiny" / "snis_min_h" / "cr0.5" / shard / "config.yaml").write_text(
-            f"compression_ratio: 0.5\nshard: {shard[6]}/2\npress:\n  _target_: {target}\n")
+            f"compression_ratio: 0.5\nshard: {shard[6]}/2\npress:\n  _target_: {target}\n"
+        )
     (run,) = scan(root)
     assert run.complete, run.problems
     (root / "ruler" / "tiny" / "snis_min_h" / "cr0.5" / "shard_1_of_2" / "config.yaml").write_text(
-        f"compression_ratio: 0.5\nshard: 1/2\npress:\n  _target_: {new_target}\n  tau: 2.0\n")
+        f"compression_ratio: 0.5\nshard: 1/2\npress:\n  _target_: {new_target}\n  tau: 2.0\n"
+    )
     (run,) = scan(root)
     assert not run.complete and "tau" in run.problems[0]
 
@@ -327,9 +403,15 @@ def test_effective_compression_counts_kept_entries_not_padding(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _write_run(root, "tova", "0.5", [("e1", "A", 1), ("e2", "A", 1)])
     build_report(root, tmp_path / "out", plots=False)
-    eff = {r["press"]: float(r["effective_compression"])
-           for r in _csv(tmp_path / "out" / "tables" / "ruler__tiny__summary.csv")}
+    eff = {
+        r["press"]: float(r["effective_compression"])
+        for r in _csv(tmp_path / "out" / "tables" / "ruler__tiny__summary.csv")
+    }
     assert eff == pytest.approx({"snis_min": 0.50, "tova": 0.5})
     assert row_effective_compression({"effective_compression": 0.3, "press_stats": None}) == 0.3
-    assert row_effective_compression({"effective_compression": 0.0, "press_stats": {"logical_compression": 0.0,
-                                                                                    "num_layers_evicted": 0}}) == 0.0
+    assert (
+        row_effective_compression(
+            {"effective_compression": 0.0, "press_stats": {"logical_compression": 0.0, "num_layers_evicted": 0}}
+        )
+        == 0.0
+    )

@@ -16,20 +16,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from conftest import make_tiny_llama
 from evaluation import harness
-from evaluation.registry import capabilities
 from evaluation import run as entry
 from evaluation.guards import check_model_layout, check_press_input
+from evaluation.registry import capabilities
 
 CONFIG_DIR = Path(harness.__file__).resolve().parent.parent / "configs"
 OURS = ("page_entrokv", "snis_h2o", "entroprefill")
-BASELINES = ("snapkv", "tova", "knorm", "streaming_llm", "expected_attention", "observed_attention", "pyramidkv",
-             "adakv")
+BASELINES = (
+    "snapkv",
+    "tova",
+    "knorm",
+    "streaming_llm",
+    "expected_attention",
+    "observed_attention",
+    "pyramidkv",
+    "adakv",
+)
 PRESSES = OURS + BASELINES
 VOCAB = 260  # 256 byte tokens + <s>, </s>
 T_LONG = 320  # a multiple of the yaml's page sizes (16, 32); W=64, n_sink=4: at 0.5 Page-EntroKV keeps its
@@ -80,6 +88,7 @@ def page_entrokv_kept(press, T: int) -> tuple[int, int]:
     protected = B * (1 + -(-W // B))
     return protected, protected + max(0, budget - protected) // B * B
 
+
 _MODELS: dict = {}
 
 
@@ -89,8 +98,9 @@ def model_for(name: str, attn: str = "sdpa", dtype=torch.float32, heads=(4, 2)):
     attn = "eager" if name == "observed_attention" else attn
     key = (attn, dtype, heads)
     if key not in _MODELS:
-        _MODELS[key] = make_tiny_llama(num_heads=heads[0], num_kv_heads=heads[1], num_layers=2, vocab=VOCAB,
-                                       attn_implementation=attn, dtype=dtype)
+        _MODELS[key] = make_tiny_llama(
+            num_heads=heads[0], num_kv_heads=heads[1], num_layers=2, vocab=VOCAB, attn_implementation=attn, dtype=dtype
+        )
     return _MODELS[key]
 
 
@@ -122,8 +132,12 @@ def prefill(press, model, ids, attention_mask=None):
 def decode(model, cache, T: int, batch: int = 1, **kwargs):
     """One decode step at position ``T`` (after the prompt); returns the model output."""
     with torch.no_grad():
-        return model(input_ids=torch.full((batch, 1), 65), past_key_values=cache,
-                     position_ids=torch.full((batch, 1), T), **kwargs)
+        return model(
+            input_ids=torch.full((batch, 1), 65),
+            past_key_values=cache,
+            position_ids=torch.full((batch, 1), T),
+            **kwargs,
+        )
 
 
 def logical_kept(model, cache) -> list[float]:
@@ -152,8 +166,14 @@ def root_cause(err: BaseException) -> BaseException:
 # ---------------------------------------------------------------------------------------------- short contexts
 # T values where the press fails on its own (kvpress asserts / TOVA's Tensor.max on an empty score);
 # check_press_input turns them into ValueErrors. T = 64 is exactly the yaml observation window.
-GUARDED_SHORT = {"snapkv": {1, 2, 64}, "pyramidkv": {1, 2, 64}, "adakv": {1, 2, 64}, "tova": {1},
-                 "streaming_llm": {1, 2}, "expected_attention": {1, 2}}
+GUARDED_SHORT = {
+    "snapkv": {1, 2, 64},
+    "pyramidkv": {1, 2, 64},
+    "adakv": {1, 2, 64},
+    "tova": {1},
+    "streaming_llm": {1, 2},
+    "expected_attention": {1, 2},
+}
 
 
 @pytest.mark.parametrize("name", PRESSES)
@@ -406,17 +426,17 @@ def test_batch_of_two(name):
     if name == "snis_h2o":  # one generator for the batch, layer padded to the batch's largest kept count
         stats = build(name, 0.5)
         for b in range(2):
-            single = prefill(stats, model, rows[b: b + 1])
+            single = prefill(stats, model, rows[b : b + 1])
             assert 1 <= single.get_seq_length(0) < T_LONG
         assert all(1 <= n < T_LONG for n in n_batch)
         return
     masked_batch = [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
     for b in range(2):
-        single = prefill(build(name, 0.5), model, rows[b: b + 1])
+        single = prefill(build(name, 0.5), model, rows[b : b + 1])
         for i, (a, s) in enumerate(zip(batch.layers, single.layers)):
             assert n_batch[i] == s.keys.shape[2]
             if name != "adakv":
-                torch.testing.assert_close(a.keys[b: b + 1, :, : n_batch[i]], s.keys, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(a.keys[b : b + 1, :, : n_batch[i]], s.keys, atol=1e-5, rtol=1e-5)
                 continue
             # AdaKV: the same keys masked in row b as in the single run, and the same unmasked keys (a masked
             # slot holds a "fake key" that kvpress fits to the whole batch's queries, so it may differ)
@@ -509,9 +529,16 @@ def _tiny_harness(monkeypatch, tmp_path, press: str, *overrides, n_samples=2, de
         return model, TOK
 
     monkeypatch.setattr(harness, "get_model", tiny)
-    cfg = _compose(f"press={press}", "compression_ratio=0.5", f"output_dir={tmp_path / 'runs'}",
-                   f"n_samples={n_samples}", "max_new_tokens=2", "dataset.context_length=640",
-                   f"dataset.depths={depths}", *overrides)
+    cfg = _compose(
+        f"press={press}",
+        "compression_ratio=0.5",
+        f"output_dir={tmp_path / 'runs'}",
+        f"n_samples={n_samples}",
+        "max_new_tokens=2",
+        "dataset.context_length=640",
+        f"dataset.depths={depths}",
+        *overrides,
+    )
     return cfg, {"press": press, "dataset": "needle", "model": "smollm2-135m"}
 
 
@@ -535,8 +562,15 @@ def test_needle_depth_0_and_100_through_the_harness(name, monkeypatch, tmp_path)
     for row in rows:
         assert isinstance(row["prediction"], str) and 0 <= row["score"] <= 1
         assert 0 <= row["effective_compression"] < 1
-        if name in ("page_entrokv", "snapkv", "knorm", "tova", "streaming_llm", "expected_attention",
-                    "observed_attention"):
+        if name in (
+            "page_entrokv",
+            "snapkv",
+            "knorm",
+            "tova",
+            "streaming_llm",
+            "expected_attention",
+            "observed_attention",
+        ):
             assert row["effective_compression"] >= 0.5 - 1 / row["context_length"]
         if name == "page_entrokv":
             assert row["press_stats"]["kept_tokens"] <= row["context_length"] // 2
@@ -568,5 +602,7 @@ def test_killed_run_resumes_without_lost_or_duplicated_rows(monkeypatch, tmp_pat
 
 def test_harness_raises_clear_error_for_too_short_context(monkeypatch, tmp_path):
     cfg, names = _tiny_harness(monkeypatch, tmp_path, "snapkv", "press.window_size=1024")
-    with pytest.raises(ValueError, match=r"SnapKVPress: the context has T=\d+ tokens but needs more than window_size=1024"):
+    with pytest.raises(
+        ValueError, match=r"SnapKVPress: the context has T=\d+ tokens but needs more than window_size=1024"
+    ):
         entry.run(cfg, names)

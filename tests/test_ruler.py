@@ -51,7 +51,7 @@ def test_niah_needles_questions_and_depth(examples):
             assert e.question.startswith("What are all the special magic ") and e.answer_prefix.endswith(" are")
         keys = re.findall(r"special magic \w+ for (.+) mentioned", e.question)[0]
         assert keys in e.answer_prefix
-        haystack = e.context[e.context.index("\n") + 1:-1]  # between the instruction line and the question
+        haystack = e.context[e.context.index("\n") + 1 : -1]  # between the instruction line and the question
         starts = [haystack.rfind("One of the special magic", 0, haystack.find(f"is: {a}.")) for a in e.answers]
         assert e.metadata["depth"] == pytest.approx(100 * min(starts) / len(haystack), abs=0.051)
     haystacks = {e.task: e.metadata["haystack"] for e in exs if e.task.startswith("niah")}
@@ -65,7 +65,7 @@ def test_vt_chain_resolves_to_the_answers(examples):
     _, exs = examples
     for e in (e for e in exs if e.task == "vt"):
         value = re.search(r"assigned the value (\d+) in the text above", e.question).group(1)
-        task_part = e.context[e.context.rfind("Memorize and track"):]  # after the few-shot example
+        task_part = e.context[e.context.rfind("Memorize and track") :]  # after the few-shot example
         assign = dict(re.findall(r"VAR ([A-Z]+) = (VAR [A-Z]+|\d+)", task_part))
         found, frontier = set(), {value}
         while frontier:  # follow the chain from the value to every variable that holds it
@@ -79,17 +79,18 @@ def test_vt_chain_resolves_to_the_answers(examples):
 def test_cwe_answers_are_the_most_common_words(examples):
     _, exs = examples
     for e in (e for e in exs if e.task == "cwe"):
-        listing = e.context[e.context.rfind("Memorize the ones that appear most often."):]
+        listing = e.context[e.context.rfind("Memorize the ones that appear most often.") :]
         counts = Counter(re.findall(r"\d+\. (\S+)", listing))
         top = {w for w, _ in counts.most_common(10)}
         assert top == set(e.answers) and min(counts[a] for a in e.answers) > max(
-            c for w, c in counts.items() if w not in top)
+            c for w, c in counts.items() if w not in top
+        )
 
 
 def test_fwe_answers_are_the_most_frequent_coded_words(examples):
     _, exs = examples
     for e in (e for e in exs if e.task == "fwe"):
-        words = e.context[e.context.find("coded words. ") + 13:].split()
+        words = e.context[e.context.find("coded words. ") + 13 :].split()
         counts = Counter(w for w in words if w != "...")
         assert [w for w, _ in counts.most_common(3)] == e.answers
 
@@ -126,7 +127,8 @@ def test_query_aware_and_lengths_scale():
     assert e.question == "" and e.context.endswith("mentioned in the provided text?")
     for length in (512, 2048):  # the prompt fills length - max_new_tokens at every length
         (ex,) = RulerDataset(tasks=["niah_single_3"], context_lengths=[length], num_samples=1).examples(
-            tok, None, 0, False)
+            tok, None, 0, False
+        )
         assert 0.95 * (length - 128) <= ex.metadata["prompt_tokens"] <= length - 128
 
 
@@ -151,9 +153,19 @@ def test_qa_offline_error_names_the_dataset(monkeypatch):
 
 
 def test_qa_from_a_local_squad_file(tmp_path):
-    paragraphs = [{"context": f"Paragraph {i} says the code word is token{i}.",
-                   "qas": [{"question": f"What is the code word of paragraph {i}?", "is_impossible": False,
-                            "answers": [{"text": f"token{i}"}]}]} for i in range(30)]
+    paragraphs = [
+        {
+            "context": f"Paragraph {i} says the code word is token{i}.",
+            "qas": [
+                {
+                    "question": f"What is the code word of paragraph {i}?",
+                    "is_impossible": False,
+                    "answers": [{"text": f"token{i}"}],
+                }
+            ],
+        }
+        for i in range(30)
+    ]
     (tmp_path / "squad.json").write_text(json.dumps({"data": [{"paragraphs": paragraphs}]}))
     ds = RulerDataset(tasks=["qa_1"], context_lengths=[512], num_samples=2, qa_data_dir=str(tmp_path))
     exs = ds.examples(word_tokenizer(), None, 0, False)

@@ -13,13 +13,13 @@ import threading
 import time
 
 import pytest
-
 from _tiny_models import make_tiny_family
 from _tiny_tokenizer import char_tokenizer
+from test_harness import composed
+
 from evaluation import harness
 from evaluation import run as entry
 from evaluation.report import build_report, scan
-from test_harness import composed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,8 +28,17 @@ CTX = multiprocessing.get_context("fork")
 
 
 def _settings(out, seed: int) -> list[str]:
-    return ["press=knorm", "compression_ratio=0.5", f"seed={seed}", "n_samples=4", "shard=0/2", "max_new_tokens=2",
-            "dataset.context_length=200", "dataset.depths=[0,100]", f"output_dir={out}"]
+    return [
+        "press=knorm",
+        "compression_ratio=0.5",
+        f"seed={seed}",
+        "n_samples=4",
+        "shard=0/2",
+        "max_new_tokens=2",
+        "dataset.context_length=200",
+        "dataset.depths=[0,100]",
+        f"output_dir={out}",
+    ]
 
 
 def _tiny():
@@ -83,8 +92,11 @@ def test_other_settings_are_refused_before_any_row(tiny, tmp_path):
         assert not (_run_dir(tmp_path) / "predictions.jsonl").exists()
         assert harness.run_in_progress(_run_dir(tmp_path))
         start = time.perf_counter()
-        with pytest.raises(ValueError, match=r"is being written by another process with other settings "
-                                             r"\(seed: 1 -> 2\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"is being written by another process with other settings "
+            r"\(seed: 1 -> 2\)",
+        ):
             entry.run(composed(*_settings(tmp_path, seed=2)), NAMES)
         assert time.perf_counter() - start < 30  # refused while the writer still holds it, not after
     finally:
@@ -104,8 +116,10 @@ def test_same_settings_wait_a_killed_writer_frees_the_directory_and_the_report_s
     run_dir = _run_dir(tmp_path)
     (first,) = harness.read_predictions(run_dir / "predictions.jsonl")
     (run,) = scan(tmp_path)
-    assert run.problems == ["cr0.5/shard_0_of_2 is in progress (another process is writing it)",
-                            "shards [1] of 2 missing"]
+    assert run.problems == [
+        "cr0.5/shard_0_of_2 is in progress (another process is writing it)",
+        "shards [1] of 2 missing",
+    ]
     readme = build_report(tmp_path, tmp_path / "report", plots=False).read_text()
     assert "shard_0_of_2 is in progress" in readme and " *" in readme  # incomplete, never finished
     proc.kill()  # the kernel drops its lock

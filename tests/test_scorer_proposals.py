@@ -23,16 +23,15 @@ from kvpress import (
     StreamingLLMPress,
     TOVAPress,
 )
+from test_harness import composed
 from transformers import DynamicCache
 
 import presses.probabilistic.press as snis_press
 from evaluation import replay
 from evaluation.registry import capabilities, press_input_problem
 from presses.core.coupon import expected_unique
-from presses.probabilistic import ProbabilisticEvictionPress
-from presses.probabilistic import proposals
-from presses.probabilistic.proposals import compute_proposal, score_to_proposal
-from test_harness import composed
+from presses.probabilistic import ProbabilisticEvictionPress, proposals
+from presses.probabilistic.proposals import compute_proposal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,8 +91,11 @@ def _record_draws(monkeypatch):
     """Record every ``(pi, m)`` the press draws from (real draws still happen)."""
     draws = []
     real = snis_press.sample_counts
-    monkeypatch.setattr(snis_press, "sample_counts",
-                        lambda pi, m, generator=None: draws.append((pi.clone(), m.clone())) or real(pi, m, generator))
+    monkeypatch.setattr(
+        snis_press,
+        "sample_counts",
+        lambda pi, m, generator=None: draws.append((pi.clone(), m.clone())) or real(pi, m, generator),
+    )
     return draws
 
 
@@ -109,8 +111,9 @@ def test_scorer_proposal_is_the_normalised_score_per_group(captured, name, norma
     scorer = scorers()[name]
     scores = scorer.score(module, hs, keys, values, attn, kwargs).float()
     assert scores.shape == keys.shape[:3]  # per KV head
-    pi = compute_proposal(scorer, module, hs, keys, values, attn, kwargs, temperature=0.7,
-                          score_normalization=normalization)
+    pi = compute_proposal(
+        scorer, module, hs, keys, values, attn, kwargs, temperature=0.7, score_normalization=normalization
+    )
     assert pi.shape == (2, 2, keys.shape[2]) and pi.dtype == torch.float32
     assert torch.allclose(pi.sum(-1), torch.ones(2, 2), atol=1e-5)
     assert bool((pi >= 0).all())
@@ -120,13 +123,22 @@ def test_scorer_proposal_is_the_normalised_score_per_group(captured, name, norma
         powered = scores.pow(1 / 0.7)
         expected = powered / powered.sum(-1, keepdim=True)
     assert torch.allclose(pi, expected, atol=1e-6)
-    mixed = compute_proposal(scorer, module, hs, keys, values, attn, kwargs, temperature=0.7, uniform_mix=0.2,
-                             score_normalization=normalization)
+    mixed = compute_proposal(
+        scorer,
+        module,
+        hs,
+        keys,
+        values,
+        attn,
+        kwargs,
+        temperature=0.7,
+        uniform_mix=0.2,
+        score_normalization=normalization,
+    )
     assert torch.allclose(mixed, 0.8 * pi + 0.2 / keys.shape[2], atol=1e-6)  # appendix D.1
 
 
-@pytest.mark.parametrize("name,kwargs", [("snapkv", {"window_size": 8, "kernel_size": 3}), ("tova", {}),
-                                         ("knorm", {})])
+@pytest.mark.parametrize("name,kwargs", [("snapkv", {"window_size": 8, "kernel_size": 3}), ("tova", {}), ("knorm", {})])
 @pytest.mark.parametrize("normalization", ["softmax", "sum"])
 def test_named_adapters_are_the_instance_path_bit_for_bit(captured, name, kwargs, normalization):
     """The names snapkv, tova and knorm stand for SnapKVPress(window_size, kernel_size), TOVAPress(), KnormPress()
@@ -136,10 +148,12 @@ def test_named_adapters_are_the_instance_path_bit_for_bit(captured, name, kwargs
     if normalization == "sum" and name == "knorm":
         pytest.skip("negative scores")
     for attentions in (attn, None):  # SnapKV and TOVA read the weights when the attention returns them
-        by_name = compute_proposal(name, module, hs, keys, values, attentions, kw, temperature=0.5,
-                                   score_normalization=normalization, **kwargs)
-        by_instance = compute_proposal(instance, module, hs, keys, values, attentions, kw, temperature=0.5,
-                                       score_normalization=normalization)
+        by_name = compute_proposal(
+            name, module, hs, keys, values, attentions, kw, temperature=0.5, score_normalization=normalization, **kwargs
+        )
+        by_instance = compute_proposal(
+            instance, module, hs, keys, values, attentions, kw, temperature=0.5, score_normalization=normalization
+        )
         assert torch.equal(by_name, by_instance)
     press = ProbabilisticEvictionPress(proposal=name, **kwargs)
     assert type(press.scorer) is type(instance) and press.scorer == instance
@@ -174,8 +188,7 @@ def test_expected_count_meets_its_target(tiny_llama, monkeypatch, name, budget):
     draws = _record_draws(monkeypatch)
     model = _model(tiny_llama, name)
     r = 0.6
-    press = ProbabilisticEvictionPress(compression_ratio=r, proposal=scorers()[name], budget=budget,
-                                       uniform_mix=0.01)
+    press = ProbabilisticEvictionPress(compression_ratio=r, proposal=scorers()[name], budget=budget, uniform_mix=0.01)
     _prefill(model, press, _prompt(3))
     assert len(draws) == 2  # one draw per layer
     counts = torch.stack([expected_unique(pi.double(), m.expand(pi.shape[:-1]).double()) for pi, m in draws])
@@ -208,8 +221,12 @@ def test_global_budget_kept_count_hits_target_on_average(tiny_llama):
     ids, r = _prompt(6, 64), 0.5
     kept = []
     for seed in range(8):
-        press = ProbabilisticEvictionPress(compression_ratio=r, proposal=ExpectedAttentionPress(n_future_positions=16),
-                                           score_normalization="sum", seed=seed)
+        press = ProbabilisticEvictionPress(
+            compression_ratio=r,
+            proposal=ExpectedAttentionPress(n_future_positions=16),
+            score_normalization="sum",
+            seed=seed,
+        )
         _prefill(model, press, ids)
         kept.append((1 - press.summary()["logical_compression"]) * 64)
     kept = torch.tensor(kept)
@@ -228,14 +245,17 @@ class _Wrapper(ScorerPress):
         return self.press.score(*args)
 
 
-@pytest.mark.parametrize("bad,match", [
-    ("bogus", "proposal='bogus'"),
-    (object(), "proposal=<object object"),
-    (KnormPress, "proposal=<class 'kvpress.presses.knorm_press.KnormPress'>"),
-    (ProbabilisticEvictionPress(), r"proposal=ProbabilisticEvictionPress\(.*ScorerPress instance"),
-    (CriticalKVPress(KnormPress()), r"proposal=.*CriticalKVPress.* wraps another press \(field 'press'\)"),
-    (_Wrapper(TOVAPress()), r"_Wrapper.* wraps another press .*TOVAPress"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ("bogus", "proposal='bogus'"),
+        (object(), "proposal=<object object"),
+        (KnormPress, "proposal=<class 'kvpress.presses.knorm_press.KnormPress'>"),
+        (ProbabilisticEvictionPress(), r"proposal=ProbabilisticEvictionPress\(.*ScorerPress instance"),
+        (CriticalKVPress(KnormPress()), r"proposal=.*CriticalKVPress.* wraps another press \(field 'press'\)"),
+        (_Wrapper(TOVAPress()), r"_Wrapper.* wraps another press .*TOVAPress"),
+    ],
+)
 def test_bad_proposals_raise_naming_the_value(bad, match):
     with pytest.raises(ValueError, match=match):
         ProbabilisticEvictionPress(compression_ratio=0.5, proposal=bad)
@@ -258,8 +278,9 @@ def test_scorer_input_limits_raise_naming_the_scorer(tiny_llama, captured):
         problem = press_input_problem(ProbabilisticEvictionPress(0.5, proposal=proposal), model, 40)
         assert "ProbabilisticEvictionPress(proposal=SnapKVPress)" in problem and where in problem
     assert press_input_problem(ProbabilisticEvictionPress(0.5, proposal=SnapKVPress()), model, 65) is None
-    assert "n_sink=4" in press_input_problem(ProbabilisticEvictionPress(0.5, proposal=ExpectedAttentionPress()),
-                                             model, 4)
+    assert "n_sink=4" in press_input_problem(
+        ProbabilisticEvictionPress(0.5, proposal=ExpectedAttentionPress()), model, 4
+    )
     assert press_input_problem(ProbabilisticEvictionPress(0.5, proposal="h2o"), model, 2) is None
 
 
@@ -339,7 +360,9 @@ def test_shared_proposals_share_equal_scorers_only(captured, monkeypatch):
     module, hs, keys, values, attn, kwargs = captured
     calls = []
     real = proposals.scorer_scores
-    monkeypatch.setattr(proposals, "scorer_scores", lambda s, *a, **k: calls.append(type(s).__name__) or real(s, *a, **k))
+    monkeypatch.setattr(
+        proposals, "scorer_scores", lambda s, *a, **k: calls.append(type(s).__name__) or real(s, *a, **k)
+    )
     with proposals.shared_proposals():
         a = compute_proposal(ExpectedAttentionPress(), module, hs, keys, values, attn, kwargs)
         b = compute_proposal(ExpectedAttentionPress(), module, hs, keys, values, attn, kwargs)  # equal: shared
@@ -357,8 +380,13 @@ def test_hydra_config_with_a_nested_scorer_target():
     press = instantiate(cfg.press)
     assert isinstance(press, ProbabilisticEvictionPress) and press.compression_ratio == 0.5
     assert type(press.proposal) is ExpectedAttentionPress and press.score_normalization == "sum"
-    cfg = composed("press=snis_expected_attention", "compression_ratio=0.25", "press.proposal._target_=kvpress.SnapKVPress",
-                   "+press.proposal.window_size=16", "press.score_normalization=softmax")
+    cfg = composed(
+        "press=snis_expected_attention",
+        "compression_ratio=0.25",
+        "press.proposal._target_=kvpress.SnapKVPress",
+        "+press.proposal.window_size=16",
+        "press.score_normalization=softmax",
+    )
     press = instantiate(cfg.press)
     assert press.proposal == SnapKVPress(window_size=16) and press.score_normalization == "softmax"
     press = instantiate(composed("press=snis_h2o", "press.proposal=tova").press)
@@ -368,13 +396,12 @@ def test_hydra_config_with_a_nested_scorer_target():
 def test_harness_runs_the_config_and_the_shared_prefill_sweep_equals_it(tmp_path, monkeypatch):
     """``python -m evaluation.run press=snis_expected_attention`` through the harness (the nested config saved and
     resumed), and the shared-prefill sweep gives the same rows (its capability ``shares_prefill`` is true)."""
-    from test_fused import _rows, _runs
-
-    from evaluation import fused
-    from evaluation import run as entry
-    from evaluation import harness
     from _tiny_tokenizer import char_tokenizer
     from conftest import make_tiny_llama
+    from test_fused import _rows, _runs
+
+    from evaluation import fused, harness
+    from evaluation import run as entry
 
     model = make_tiny_llama(num_heads=4, num_kv_heads=2, num_layers=3, hidden=64, attn_implementation="sdpa", seed=4)
     with torch.no_grad():
@@ -405,8 +432,11 @@ def test_expected_attention_proposal_through_kvpress_pipeline(embedded_model):
 
     model, tokenizer = embedded_model
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device("cpu"))
-    context = "The quick brown fox jumps over the lazy dog. " * 30 + "The secret word is pineapple. " + \
-        "The quick brown fox jumps over the lazy dog. " * 10
+    context = (
+        "The quick brown fox jumps over the lazy dog. " * 30
+        + "The secret word is pineapple. "
+        + "The quick brown fox jumps over the lazy dog. " * 10
+    )
     press = ProbabilisticEvictionPress(compression_ratio=0.5, proposal=ExpectedAttentionPress())
     cache = DynamicCache()
     answer = pipe(context, question="What is the secret word?", press=press, max_new_tokens=6, cache=cache)["answer"]

@@ -1,18 +1,19 @@
-"""Probabilistic eviction with pages as the sampling unit (presses/probabilistic/page_sampling.py; paper 003 Alg. 1-2, eq. 10)."""
+"""Probabilistic eviction with pages as the sampling unit (presses/probabilistic/page_sampling.py; paper 003 Alg. 1-2,
+eq. 10)."""
 
 import math
 
 import pytest
 import torch
+from test_snis_press import _attend, _Attn, _decode, _prefill, _prompt
 from transformers import DynamicCache
 
 import presses.probabilistic.press as snis_press
 from presses.core.coupon import expected_unique
-from presses.probabilistic.budget import search_num_samples
-from presses.probabilistic.page_sampling import expand_pages, page_proposal, page_target, page_tolerance
-from presses.probabilistic.correction import snis_bias
 from presses.probabilistic import ProbabilisticEvictionPress
-from test_snis_press import _attend, _Attn, _decode, _prefill, _prompt
+from presses.probabilistic.budget import search_num_samples
+from presses.probabilistic.correction import snis_bias
+from presses.probabilistic.page_sampling import expand_pages, page_proposal, page_target, page_tolerance
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -44,8 +45,9 @@ def test_page_size_one_equals_token_unit(tiny_llama, monkeypatch, budget, propos
     runs = []
     for kw in ({}, {"unit": "page", "page_size": 1}):
         calls = _record_draws(monkeypatch)
-        press = ProbabilisticEvictionPress(compression_ratio=ratio, proposal=proposal, budget=budget, seed=5,
-                                           uniform_mix=0.01, **kw)
+        press = ProbabilisticEvictionPress(
+            compression_ratio=ratio, proposal=proposal, budget=budget, seed=5, uniform_mix=0.01, **kw
+        )
         cache = _prefill(model, press, ids)
         biases = [layer.self_attn._attention_bias.bias.clone() for layer in model.model.layers]
         keys = [layer.keys.clone() for layer in cache.layers]
@@ -83,8 +85,9 @@ def test_counts_at_expectation_give_full_attention(tiny_llama, monkeypatch, budg
     monkeypatch.setattr(snis_press, "sample_counts", expected_counts)
     model = tiny_llama(num_layers=2, attn_implementation="sdpa")
     ids, question = _prompt(22, T), _prompt(23, 5)
-    press = ProbabilisticEvictionPress(compression_ratio=0.6, proposal="h2o_h", budget=budget, uniform_mix=0.05,
-                                       unit="page", page_size=4)
+    press = ProbabilisticEvictionPress(
+        compression_ratio=0.6, proposal="h2o_h", budget=budget, uniform_mix=0.05, unit="page", page_size=4
+    )
     got = _decode(model, _prefill(model, press, ids), question, T)
     assert seen == [11, 11]  # the draws are over ceil(42 / 4) = 11 pages
     ref = _decode(model, _prefill(model, ProbabilisticEvictionPress(compression_ratio=0.0), ids), question, T)
@@ -179,8 +182,11 @@ def test_press_searches_pages_with_page_target(tiny_llama, monkeypatch, budget):
         pis, m = torch.stack([pi for pi, _, _ in calls], 1), calls[0][1][:, :1].view(1, 1, 1)  # (1, L, G, 11)
         rows = [(expected_unique(pis, m).mean(), expected_unique(pis, m - 1).mean())]
     else:
-        rows = [(e, e_less) for pi, m, _ in calls
-                for e, e_less in zip(expected_unique(pi, m).flatten(), expected_unique(pi, m - 1).flatten())]
+        rows = [
+            (e, e_less)
+            for pi, m, _ in calls
+            for e, e_less in zip(expected_unique(pi, m).flatten(), expected_unique(pi, m - 1).flatten())
+        ]
     for e, e_less in rows:  # a hit of Algorithm 2, or the smallest m above the band
         assert abs(e - target) <= tol or (e > target + tol and e_less < target - tol), (e, e_less, target)
 
@@ -195,8 +201,16 @@ def test_drawn_pages_are_kept_whole_with_one_bias_per_page(tiny_llama, monkeypat
     full = DynamicCache()
     with torch.no_grad():
         model.model(input_ids=ids, past_key_values=full)
-    press = ProbabilisticEvictionPress(compression_ratio=0.6, proposal="min", budget="head", unit="page",
-                                       page_size=B, tau=tau, proposal_temperature=0.3, seed=3)
+    press = ProbabilisticEvictionPress(
+        compression_ratio=0.6,
+        proposal="min",
+        budget="head",
+        unit="page",
+        page_size=B,
+        tau=tau,
+        proposal_temperature=0.3,
+        seed=3,
+    )
     cache = _prefill(model, press, ids)
     assert len(calls) == 2
     n_pages_kept = []
@@ -209,8 +223,11 @@ def test_drawn_pages_are_kept_whole_with_one_bias_per_page(tiny_llama, monkeypat
             n = len(positions)
             assert torch.isfinite(bias[g, :n]).all() and torch.isinf(bias[g, n:]).all() and (bias[g, n:] < 0).all()
             assert torch.equal(cache.layers[idx].keys[0, g, :n], full.layers[idx].keys[0, g, positions])
-            want = [(math.log(counts[0, g, i // B].item()) - math.log(m[0, g].item())
-                     - math.log(pi[0, g, i // B].item())) / tau for i in positions]
+            want = [
+                (math.log(counts[0, g, i // B].item()) - math.log(m[0, g].item()) - math.log(pi[0, g, i // B].item()))
+                / tau
+                for i in positions
+            ]
             assert torch.allclose(bias[g, :n].double(), torch.tensor(want, dtype=torch.float64), atol=1e-5)
             n_pages_kept.append(len(drawn))
     s = press.summary()
@@ -225,8 +242,15 @@ def test_padding_gets_zero_attention_and_pages_share_weights(tiny_llama, dtype):
     and the kept tokens of one page share one bias."""
     model = tiny_llama(num_layers=2, attn_implementation="eager", dtype=dtype)
     for seed in range(10):  # a sharp proposal and per-group m: find a draw where groups keep different counts
-        press = ProbabilisticEvictionPress(compression_ratio=0.6, proposal="min", budget="head", seed=seed,
-                                           proposal_temperature=0.1, unit="page", page_size=4)
+        press = ProbabilisticEvictionPress(
+            compression_ratio=0.6,
+            proposal="min",
+            budget="head",
+            seed=seed,
+            proposal_temperature=0.1,
+            unit="page",
+            page_size=4,
+        )
         cache = _prefill(model, press, _prompt(26, T))
         biases = [layer.self_attn._attention_bias.bias for layer in model.model.layers]
         pads = [~torch.isfinite(b) for b in biases]
@@ -237,8 +261,12 @@ def test_padding_gets_zero_attention_and_pages_share_weights(tiny_llama, dtype):
         kept = torch.isfinite(bias).sum(-1)
         assert bool(((kept % 4 == 0) | (kept % 4 == 2)).all())
     with torch.no_grad():
-        out = model(input_ids=_prompt(27, 3), past_key_values=cache, position_ids=torch.arange(T, T + 3)[None],
-                    output_attentions=True)
+        out = model(
+            input_ids=_prompt(27, 3),
+            past_key_values=cache,
+            position_ids=torch.arange(T, T + 3)[None],
+            output_attentions=True,
+        )
     assert torch.isfinite(out.logits).all()
     for pad, attn in zip(pads, out.attentions):  # attn (B, H_Q, q, K)
         P = pad.shape[-1]
@@ -295,8 +323,13 @@ def test_config_instantiates_page_unit():
 
     from evaluation import harness
 
-    for name, correction in (("snis_min_page", True), ("snis_min_h_page", True), ("snis_min_h_page_uncorrected", False),
-                             ("snis_h2o_page", True), ("snis_h2o_h_page", True)):
+    for name, correction in (
+        ("snis_min_page", True),
+        ("snis_min_h_page", True),
+        ("snis_min_h_page_uncorrected", False),
+        ("snis_h2o_page", True),
+        ("snis_h2o_h_page", True),
+    ):
         press = instantiate(harness.compose_config([f"press={name}", "compression_ratio=0.5", "seed=1"]).press)
         assert (press.unit, press.page_size, press.correction) == ("page", 16, correction)
 

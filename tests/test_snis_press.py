@@ -9,8 +9,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import presses.attention_bias as snis_attention
 import presses.probabilistic.press as snis_press
-from presses.probabilistic.budget import sample_counts
 from presses.attention_bias import AttentionBias, install_bias_attention
+from presses.probabilistic.budget import sample_counts
 from presses.probabilistic.correction import snis_bias
 from presses.probabilistic.press import ProbabilisticEvictionPress
 
@@ -196,16 +196,21 @@ def test_physical_length_is_largest_kept_count(tiny_llama, budget):
 def test_padding_gets_zero_attention_and_logits_stay_finite(tiny_llama, dtype):
     model = tiny_llama(num_layers=2, attn_implementation="eager", dtype=dtype)
     for seed in range(10):  # a sharp proposal and per-group m: find a draw where groups keep different counts
-        press = ProbabilisticEvictionPress(compression_ratio=0.6, proposal="min", budget="head", seed=seed,
-                                           proposal_temperature=0.1)
+        press = ProbabilisticEvictionPress(
+            compression_ratio=0.6, proposal="min", budget="head", seed=seed, proposal_temperature=0.1
+        )
         cache = _prefill(model, press, _prompt(5))
         pads = [~torch.isfinite(layer.self_attn._attention_bias.bias) for layer in model.model.layers]
         if any(p.any() for p in pads):
             break
     assert any(p.any() for p in pads), "the test needs padding: groups with different kept counts"
     with torch.no_grad():
-        out = model(input_ids=_prompt(6, 3), past_key_values=cache, position_ids=torch.arange(T, T + 3)[None],
-                    output_attentions=True)
+        out = model(
+            input_ids=_prompt(6, 3),
+            past_key_values=cache,
+            position_ids=torch.arange(T, T + 3)[None],
+            output_attentions=True,
+        )
     assert torch.isfinite(out.logits).all()
     for pad, attn in zip(pads, out.attentions):  # attn (B, H_Q, q, K)
         P = pad.shape[-1]
@@ -232,7 +237,10 @@ def test_question_forward_keeps_causal_mask(tiny_llama, impl):
     """A multi-token question in one forward == the same tokens fed one by one (causality kept)."""
     model = tiny_llama(num_layers=2, attn_implementation=impl)
     ids, question = _prompt(9), _prompt(10, 5)
-    make = lambda: ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o", budget="global", seed=4)
+
+    def make():
+        return ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o", budget="global", seed=4)
+
     cache = _prefill(model, make(), ids)
     with torch.no_grad():
         joint = model(input_ids=question, past_key_values=cache, position_ids=torch.arange(T, T + 5)[None]).logits
@@ -240,8 +248,11 @@ def test_question_forward_keeps_causal_mask(tiny_llama, impl):
     steps = []
     with torch.no_grad():
         for u in range(5):
-            steps.append(model(input_ids=question[:, u:u + 1], past_key_values=cache,
-                               position_ids=torch.tensor([[T + u]])).logits)
+            steps.append(
+                model(
+                    input_ids=question[:, u : u + 1], past_key_values=cache, position_ids=torch.tensor([[T + u]])
+                ).logits
+            )
     assert torch.allclose(joint, torch.cat(steps, 1), atol=1e-4)
 
 
@@ -250,7 +261,8 @@ def test_generate_positions_continue_from_prompt_length(tiny_llama):
     model.generation_config.pad_token_id = 0
     seen = []
     hook = model.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda mod, args, kwargs: seen.append(kwargs["position_ids"].flatten().tolist()), with_kwargs=True)
+        lambda mod, args, kwargs: seen.append(kwargs["position_ids"].flatten().tolist()), with_kwargs=True
+    )
     press = ProbabilisticEvictionPress(compression_ratio=0.6, proposal="min_h", seed=0)
     with torch.no_grad(), press(model):
         out = model.generate(_prompt(11), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
@@ -268,13 +280,17 @@ def test_pipeline_applies_bias_after_the_press_context(tiny_llama, monkeypatch):
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 128)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     model = tiny_llama(num_layers=2, attn_implementation="sdpa")
     calls = []
     real = snis_attention.bias_mask
-    monkeypatch.setattr(snis_attention, "bias_mask",
-                        lambda state, q, k, mask: calls.append((q.shape[2], k.shape[2])) or real(state, q, k, mask))
+    monkeypatch.setattr(
+        snis_attention,
+        "bias_mask",
+        lambda state, q, k, mask: calls.append((q.shape[2], k.shape[2])) or real(state, q, k, mask),
+    )
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok)
     context = " ".join(f"w{4 + (7 * i) % 120}" for i in range(T))
     press = ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o_h", seed=0)
@@ -320,8 +336,9 @@ def test_global_budget_hits_target_on_average(tiny_llama):
 def test_global_uses_one_m_for_all_layers(tiny_llama, monkeypatch):
     used = []
     real = snis_press.sample_counts
-    monkeypatch.setattr(snis_press, "sample_counts", lambda pi, m, generator=None: used.append(m.clone()) or
-                        real(pi, m, generator))
+    monkeypatch.setattr(
+        snis_press, "sample_counts", lambda pi, m, generator=None: used.append(m.clone()) or real(pi, m, generator)
+    )
     model = tiny_llama(num_layers=3, attn_implementation="sdpa")
     press = ProbabilisticEvictionPress(compression_ratio=0.5, proposal="min", budget="global")
     _prefill(model, press, _prompt(15))
@@ -368,8 +385,8 @@ def test_grouped_sdpa_equals_repeat_kv_sdpa_and_wrapper_uses_it(r, q_len, monkey
     state = AttentionBias(bias)
     mask = snis_attention.bias_mask(state, q, k, None)
     module = _Attn(r)
-    ref, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=d ** -0.5)
-    out, _ = snis_attention.grouped_sdpa(q, k, v, mask, d ** -0.5)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=d**-0.5)
+    out, _ = snis_attention.grouped_sdpa(q, k, v, mask, d**-0.5)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     calls, real = [], snis_attention.grouped_sdpa
 

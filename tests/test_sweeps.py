@@ -62,8 +62,9 @@ def test_joblib_launcher_composes(hydra_compose):
     assert cfg.hydra.launcher.n_jobs == 3
 
 
-@pytest.mark.parametrize("name", ["ruler", "ruler_paper003", "ruler_smoke", "longbench", "longbench_paper003",
-                                  "longbench_e"])
+@pytest.mark.parametrize(
+    "name", ["ruler", "ruler_paper003", "ruler_smoke", "longbench", "longbench_paper003", "longbench_e"]
+)
 def test_dataset_configs_instantiate(hydra_compose, name):
     from hydra.utils import instantiate
 

@@ -18,25 +18,46 @@ def _module():
 
 def _records(mod, name, win, eff_delta=0.0, n=20, cells=None):
     out = []
-    for dataset, protocol, ratio in itertools.islice(itertools.product(mod.SPLITS, mod.PROTOCOLS, mod.RATIOS),
-                                                     cells):
-        out.append({"candidate": name, "observer_window": "null", "protect": "sink_window",
-                    "group_selection": "group", "page_size": "null", "tau": "null", "max_fallback": "null",
-                    "dataset": dataset, "protocol": protocol, "ratio": ratio, "n": n, "win_score": win,
-                    "score": win / 2, "effective_compression": ratio + eff_delta})
+    for dataset, protocol, ratio in itertools.islice(itertools.product(mod.SPLITS, mod.PROTOCOLS, mod.RATIOS), cells):
+        out.append(
+            {
+                "candidate": name,
+                "observer_window": "null",
+                "protect": "sink_window",
+                "group_selection": "group",
+                "page_size": "null",
+                "tau": "null",
+                "max_fallback": "null",
+                "dataset": dataset,
+                "protocol": protocol,
+                "ratio": ratio,
+                "n": n,
+                "win_score": win,
+                "score": win / 2,
+                "effective_compression": ratio + eff_delta,
+            }
+        )
     return out
 
 
 def test_over_budget_and_incomplete_candidates_rank_last():
     mod = _module()
-    records = (_records(mod, "fair", 0.90) + _records(mod, "fair_low", 0.80)
-               + _records(mod, "union", 0.99, eff_delta=-0.16)      # keeps more than the budget
-               + _records(mod, "partial", 1.00, cells=4)            # half the cells
-               + _records(mod, "few", 1.00, n=2))                   # every cell, but 2 examples each
+    records = (
+        _records(mod, "fair", 0.90)
+        + _records(mod, "fair_low", 0.80)
+        + _records(mod, "union", 0.99, eff_delta=-0.16)  # keeps more than the budget
+        + _records(mod, "partial", 1.00, cells=4)  # half the cells
+        + _records(mod, "few", 1.00, n=2)
+    )  # every cell, but 2 examples each
     ranked = mod.ranking(records)
     assert [r["candidate"] for r in ranked] == ["fair", "fair_low", "union", "few", "partial"]
     flags = {r["candidate"]: (r["complete"], r["within_budget"]) for r in ranked}
-    assert flags == {"fair": (True, True), "fair_low": (True, True), "union": (True, False),
-                     "few": (False, True), "partial": (False, True)}
+    assert flags == {
+        "fair": (True, True),
+        "fair_low": (True, True),
+        "union": (True, False),
+        "few": (False, True),
+        "partial": (False, True),
+    }
     # a page's rounding (0.008 of a 2k prompt) stays within budget
     assert mod.ranking(_records(mod, "rounded", 0.9, eff_delta=-0.008))[0]["within_budget"]

@@ -10,7 +10,6 @@ from fractions import Fraction
 import pytest
 import torch
 
-from presses.core.paging import allocation_bytes, page_union, union_bytes
 from evaluation.uor.replay import (
     alpha_sweep,
     bonferroni_bound,
@@ -29,6 +28,7 @@ from evaluation.uor.replay import (
     tau_sweep,
     top_s,
 )
+from presses.core.paging import allocation_bytes, page_union, union_bytes
 
 
 def random_sets(r: int, s: int, T: int, n: int, seed: int) -> torch.Tensor:
@@ -40,7 +40,10 @@ def random_sets(r: int, s: int, T: int, n: int, seed: int) -> torch.Tensor:
 
 # -- certificates: Table 2 ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("r", "bonf", "sand"), [(4, Fraction(1, 6), Fraction(1, 5)), (8, Fraction(3, 28), Fraction(3, 11))])
+
+@pytest.mark.parametrize(
+    ("r", "bonf", "sand"), [(4, Fraction(1, 6), Fraction(1, 5)), (8, Fraction(3, 28), Fraction(3, 11))]
+)
 def test_table2_thresholds(r, bonf, sand):
     assert bonferroni_threshold(r) == pytest.approx(float(bonf), abs=1e-15)
     assert sandwich_threshold(r) == pytest.approx(float(sand), abs=1e-15)
@@ -84,6 +87,7 @@ def test_thresholds_need_two_heads():
 
 # -- r = 2 identity and the bounds on random set families -------------------------------------------
 
+
 @pytest.mark.parametrize(("s", "T"), [(1, 3), (3, 8), (5, 10), (20, 64), (7, 7)])
 def test_r2_identity_on_random_pairs(s, T):
     st = set_statistics(random_sets(2, s, T, 200, seed=s * 31 + T))
@@ -117,6 +121,7 @@ def test_set_statistics_rejects_unequal_sets():
 
 # -- replay on synthetic selections with a known union -----------------------------------------------
 
+
 def synthetic_scores() -> torch.Tensor:
     """``(2, 6, 40)``: 2 layers, H_Q = 6, G = 2 (r = 3), s = 5 at k/T = 0.125.
 
@@ -125,8 +130,7 @@ def synthetic_scores() -> torch.Tensor:
     Layer 1: every head of both groups picks {30..34}       -> UOR 1, J = 1
     """
     x = torch.rand(2, 6, 40, generator=torch.Generator().manual_seed(0)) * 0.1
-    picks = [[range(0, 5), range(0, 5), range(5, 10), range(10, 15), range(15, 20), range(20, 25)],
-             [range(30, 35)] * 6]
+    picks = [[range(0, 5), range(0, 5), range(5, 10), range(10, 15), range(15, 20), range(20, 25)], [range(30, 35)] * 6]
     for layer, heads in enumerate(picks):
         for h, pos in enumerate(heads):
             x[layer, h, list(pos)] += 1.0 + torch.arange(5) * 0.01
@@ -166,8 +170,10 @@ def test_top_s_ties_go_to_lower_index():
     assert top_s(torch.tensor([1.0, 2.0, 2.0, 0.5, 2.0]), 2).tolist() == [1, 2]
 
 
-@pytest.mark.parametrize(("k", "T", "match"), [(0.0, 100, r"k_over_t=0.0 must be in \(0, 1\]"),
-                                               (1.5, 100, r"k_over_t=1.5"), (0.02, 10, "selects s=0")])
+@pytest.mark.parametrize(
+    ("k", "T", "match"),
+    [(0.0, 100, r"k_over_t=0.0 must be in \(0, 1\]"), (1.5, 100, r"k_over_t=1.5"), (0.02, 10, "selects s=0")],
+)
 def test_selection_size_errors(k, T, match):
     with pytest.raises(ValueError, match=match):
         selection_size(T, k)
@@ -179,6 +185,7 @@ def test_replay_rejects_bad_groups():
 
 
 # -- the pooled Page-EntroKV row is exactly 1 ---------------------------------------------------------
+
 
 @pytest.mark.parametrize("k", [0.02, 0.05, 0.1, 0.2])
 def test_pooled_row_is_exactly_one(k):
@@ -197,6 +204,7 @@ def test_pooled_row_is_exactly_one(k):
 
 # -- bytes --------------------------------------------------------------------------------------------
 
+
 def test_bytes_formulas():
     d, B, e = 64, 16, 2
     # per-group allocation 2 e d B sum K_{l,g}
@@ -211,8 +219,10 @@ def test_bytes_formulas():
 def test_page_accounting_from_records():
     from evaluation.uor.study import page_accounting
 
-    recs = [{"layer_idx": 0, "kept_pages": torch.tensor([[0, 1, 5], [0, 2, 5], [0, 1, 5]])},
-            {"layer_idx": 1, "kept_pages": torch.tensor([[0, 3, 5], [0, 3, 5], [0, 3, 5]])}]
+    recs = [
+        {"layer_idx": 0, "kept_pages": torch.tensor([[0, 1, 5], [0, 2, 5], [0, 1, 5]])},
+        {"layer_idx": 1, "kept_pages": torch.tensor([[0, 3, 5], [0, 3, 5], [0, 3, 5]])},
+    ]
     rows = page_accounting(recs, head_dim=64, page_size=16, bytes_per_element=2)
     assert [r["union_pages"] for r in rows] == [4, 3]
     assert [r["pages_per_group"] for r in rows] == [3, 3]
@@ -223,6 +233,7 @@ def test_page_accounting_from_records():
 
 
 # -- ablations and census -----------------------------------------------------------------------------
+
 
 def test_tau_sweep_monotone_to_mean_pooling():
     ent = torch.rand(5, 9, generator=torch.Generator().manual_seed(2)) * 4
@@ -239,7 +250,7 @@ def test_alpha_sweep_range_and_order():
     T = 200
     attn = torch.softmax(torch.randn(3, 9, T, generator=torch.Generator().manual_seed(3)) * 2, -1)
     out = alpha_sweep(attn, 3, n_sink=4, alphas=[0.5, 1.0, 2.0, float("inf")])
-    for a, v in out.items():
+    for v in out.values():
         assert v["violations"] == 0 and 0 <= v["h_min"] <= v["h_max"] <= math.log(T - 4)
     # Rényi entropy is non-increasing in the order, head by head
     hs = [out[a]["entropy"] for a in (0.5, 1.0, 2.0, float("inf"))]
@@ -249,13 +260,13 @@ def test_alpha_sweep_range_and_order():
 def test_classify_heads_rule():
     T, n_sink = 50, 4
     attn = torch.full((4, T), 1.0 / T)
-    attn[0] = 0.1 / (T - n_sink)                 # sink: 0.9 of the mass on the first 4 positions
+    attn[0] = 0.1 / (T - n_sink)  # sink: 0.9 of the mass on the first 4 positions
     attn[0, :n_sink] = 0.9 / n_sink
-    attn[1] = 0.5 / (T - 1)                      # retrieval: peak on the needle position 20
+    attn[1] = 0.5 / (T - 1)  # retrieval: peak on the needle position 20
     attn[1, 20] = 0.5
-    attn[2] = 0.5 / (T - 1)                      # contextual: peak elsewhere
+    attn[2] = 0.5 / (T - 1)  # contextual: peak elsewhere
     attn[2, 30] = 0.5
-    attn[3, :n_sink] = 0.6 / n_sink              # sink whose residual peaks on the needle: still a sink
+    attn[3, :n_sink] = 0.6 / n_sink  # sink whose residual peaks on the needle: still a sink
     attn[3, n_sink:] = 0.3 / (T - n_sink - 1)
     attn[3, 20] = 0.1
     attn[3] /= attn[3].sum()
@@ -268,18 +279,20 @@ def test_classify_heads_rule():
 
 # -- capture driver on a tiny random GQA Llama --------------------------------------------------------
 
+
 def test_capture_on_tiny_llama(tiny_llama):
+    from evaluation.uor.study import capture
     from presses.observers import observer_attention  # noqa: F401  (the capture must agree with it)
     from presses.page_entrokv import PageEntroKVPress
-    from evaluation.uor.study import capture
 
     torch.manual_seed(0)
     model = tiny_llama(num_heads=6, num_kv_heads=2, num_layers=2, attn_implementation="eager")
     T, W = 96, 16
     ids = torch.randint(3, 128, (1, T), generator=torch.Generator().manual_seed(0))
-    presses = {"entropy": PageEntroKVPress(compression_ratio=0.5, window_size=W, page_size=8, record=True),
-               "mean": PageEntroKVPress(compression_ratio=0.5, window_size=W, page_size=8, pooling="mean",
-                                        record=True)}
+    presses = {
+        "entropy": PageEntroKVPress(compression_ratio=0.5, window_size=W, page_size=8, record=True),
+        "mean": PageEntroKVPress(compression_ratio=0.5, window_size=W, page_size=8, pooling="mean", record=True),
+    }
     cap = capture(model, ids, presses, window_size=W)
     for name in ("h2o", "last_row", "snapkv"):
         assert cap.scores[name].shape == (2, 6, T)
@@ -289,7 +302,7 @@ def test_capture_on_tiny_llama(tiny_llama):
     assert torch.allclose(cap.scores["snapkv"].sum(-1), torch.ones(2, 6), atol=1e-5)
     # the full cache is untouched; each press cache holds exactly its strict budget
     assert [cap.full_cache.get_seq_length(i) for i in range(2)] == [T, T]
-    for name, press in presses.items():
+    for name in presses:
         assert len(cap.records[name]) == 2
         kept = cap.records[name][0]["kept_tokens"]
         assert kept <= T // 2
@@ -317,14 +330,23 @@ def test_slot_mass_from_records_and_pooled_rows():
 
     L, G, r, B, T = 2, 2, 2, 4, 18  # 4 full pages and a partial one
     rows = torch.full((L, G * r, T), 1.0)
-    rows[..., 0::B] = 5.0   # slot 0 of every page carries more
-    rows[..., 1] = 20.0     # slot 1 of page 0, the protected page: only in the share over all kept pages
+    rows[..., 0::B] = 5.0  # slot 0 of every page carries more
+    rows[..., 1] = 20.0  # slot 1 of page 0, the protected page: only in the share over all kept pages
     rows[..., 16:] = 100.0  # the partial page: never counted
     rows = rows / rows.sum(-1, keepdim=True)
-    records = [{"layer_idx": layer, "T": T, "page_size": B, "protected_pages": torch.tensor([0]),
-                "kept_pages": torch.tensor([[0, 2, 4], [1, 3, 4]])} for layer in range(L)]
-    cap = Capture(scores={"snapkv": rows}, full_cache=None, caches={}, records={"page_entrokv": records},
-                  cache_lengths={})
+    records = [
+        {
+            "layer_idx": layer,
+            "T": T,
+            "page_size": B,
+            "protected_pages": torch.tensor([0]),
+            "kept_pages": torch.tensor([[0, 2, 4], [1, 3, 4]]),
+        }
+        for layer in range(L)
+    ]
+    cap = Capture(
+        scores={"snapkv": rows}, full_cache=None, caches={}, records={"page_entrokv": records}, cache_lengths={}
+    )
     out = slot_mass_rows([cap], pooled_rows([cap], G, n_sink=1, alpha=2.0, tau=0.5))
     assert [x["slot"] for x in out] == [0, 1, 2, 3]
     # every head has the same row, so the pooled row is that row (the scale cancels in the shares); kept full

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 from kvpress import (
     AdaKVPress,
     BlockPress,
@@ -26,13 +27,12 @@ from kvpress import (
     PrefillDecodingPress,
 )
 from kvpress.utils import compute_n_kept
-from transformers import DynamicCache
-
-from conftest import make_tiny_llama
-from presses import EntroPrefillPress, PageEntroKVPress, ProbabilisticEvictionPress
-from presses.core.paging import page_budget
 from test_entroprefill import TOK as CHAR_TOK
 from test_entroprefill import prompt as passages_prompt
+from transformers import DynamicCache
+
+from presses import EntroPrefillPress, PageEntroKVPress, ProbabilisticEvictionPress
+from presses.core.paging import page_budget
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -124,15 +124,18 @@ def test_entroprefill_with_autograd_on():
 
 def _logical_kept(model, T):
     """Mean over layers and groups of the kept (finite-bias) prompt entries, as a fraction of ``T``."""
-    kept = [torch.isfinite(layer.self_attn._attention_bias.bias).sum(-1).double().mean() for layer in model.model.layers]
+    kept = [
+        torch.isfinite(layer.self_attn._attention_bias.bias).sum(-1).double().mean() for layer in model.model.layers
+    ]
     return float(torch.stack(kept).mean()) / T
 
 
 def test_composed_snis_then_knorm_keeps_what_it_reports(model):
     n = 512
     ids = _ids(n, seed=4)
-    composed = ComposedPress([ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o", seed=1),
-                              KnormPress(compression_ratio=0.5)])
+    composed = ComposedPress(
+        [ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o", seed=1), KnormPress(compression_ratio=0.5)]
+    )
     cache = DynamicCache()
     with torch.no_grad(), composed(model):
         model(input_ids=ids, past_key_values=cache)
@@ -154,16 +157,23 @@ def test_composed_snis_then_knorm_keeps_what_it_reports(model):
         layer.self_attn._attention_bias = None
 
 
-@pytest.mark.parametrize(("make", "match"), [
-    (lambda: ComposedPress([KnormPress(0.5), ProbabilisticEvictionPress(0.5, proposal="h2o")]), "first press"),
-    (lambda: ComposedPress([ProbabilisticEvictionPress(0.5, budget="head"), KnormPress(0.5)]), "budget='head'"),
-    (lambda: PrefillDecodingPress(prefilling_press=ProbabilisticEvictionPress(0.5),
-                                  decoding_press=DecodingPress(base_press=KnormPress(), target_size=64)),
-     "decoding press"),
-    (lambda: ComposedPress([KnormPress(0.5), PageEntroKVPress(0.5, window_size=16)]), "first press"),
-    (lambda: ComposedPress([ProbabilisticEvictionPress(0.5, unit="page"), KnormPress(0.5)]), "unit='page'"),
-    (lambda: ComposedPress([EntroPrefillPress(tokenizer=CHAR_TOK), KnormPress(0.5)]), "cannot share"),
-])
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: ComposedPress([KnormPress(0.5), ProbabilisticEvictionPress(0.5, proposal="h2o")]), "first press"),
+        (lambda: ComposedPress([ProbabilisticEvictionPress(0.5, budget="head"), KnormPress(0.5)]), "budget='head'"),
+        (
+            lambda: PrefillDecodingPress(
+                prefilling_press=ProbabilisticEvictionPress(0.5),
+                decoding_press=DecodingPress(base_press=KnormPress(), target_size=64),
+            ),
+            "decoding press",
+        ),
+        (lambda: ComposedPress([KnormPress(0.5), PageEntroKVPress(0.5, window_size=16)]), "first press"),
+        (lambda: ComposedPress([ProbabilisticEvictionPress(0.5, unit="page"), KnormPress(0.5)]), "unit='page'"),
+        (lambda: ComposedPress([EntroPrefillPress(tokenizer=CHAR_TOK), KnormPress(0.5)]), "cannot share"),
+    ],
+)
 def test_refused_combinations(model, make, match):
     press = make()
     with pytest.raises(ValueError, match=match), torch.no_grad(), press(model):
@@ -179,14 +189,17 @@ def _inner():
 
 def _rows_of(kept: torch.Tensor, original: torch.Tensor) -> bool:
     """Every row of ``kept (G, n, d)`` is a row of ``original (G, T, d)`` of the same group."""
-    return all(bool((kept[g].unsqueeze(1) == original[g].unsqueeze(0)).all(-1).any(-1).all())
-               for g in range(kept.shape[0]))
+    return all(
+        bool((kept[g].unsqueeze(1) == original[g].unsqueeze(0)).all(-1).any(-1).all()) for g in range(kept.shape[0])
+    )
 
 
 SCORE_WRAPPERS = {
     "adakv": (lambda: AdaKVPress(_inner()), lambda T, r: T),  # masks instead of removing
-    "chunk": (lambda: ChunkPress(_inner(), chunk_length=64),
-              lambda T, r: sum(max(1, int(min(64, T - i) * (1 - r))) for i in range(0, T, 64))),
+    "chunk": (
+        lambda: ChunkPress(_inner(), chunk_length=64),
+        lambda T, r: sum(max(1, int(min(64, T - i) * (1 - r))) for i in range(0, T, 64)),
+    ),
     "key_rerotation": (lambda: KeyRerotationPress(_inner()), compute_n_kept),
     "critical": (lambda: CriticalKVPress(_inner()), compute_n_kept),
     "block": (lambda: BlockPress(_inner(), block_size=32), compute_n_kept),
@@ -226,8 +239,9 @@ def test_page_entrokv_per_layer_ratios_keep_its_page_plan(model):
 
 
 def test_page_entrokv_as_decoding_press(model):
-    press = DecodingPress(base_press=PageEntroKVPress(window_size=16, page_size=8), compression_interval=4,
-                          target_size=96)
+    press = DecodingPress(
+        base_press=PageEntroKVPress(window_size=16, page_size=8), compression_interval=4, target_size=96
+    )
     cache = DynamicCache()
     ids = _ids()
     with torch.no_grad(), press(model):
@@ -256,7 +270,7 @@ def test_page_entrokv_score_ranks_protected_pages_first(model):
     for scores in seen.values():
         protected = torch.zeros(T, dtype=torch.bool)
         protected[:8] = True  # the sink page (n_sink=4, page_size=8)
-        protected[(T - 16) // 8 * 8:] = True  # pages touching the last window_size=16 positions
+        protected[(T - 16) // 8 * 8 :] = True  # pages touching the last window_size=16 positions
         assert float(scores[..., protected].min()) > float(scores[..., ~protected].max())
         pages = scores[..., ~protected].reshape(*scores.shape[:2], -1, 8)
         assert bool((pages == pages[..., :1]).all())  # one score per page
@@ -276,8 +290,11 @@ def test_page_entrokv_adakv_pipeline_with_cache(model):
 def test_adakv_page_entrokv_on_the_embedded_model(embedded_model):
     model, tokenizer = embedded_model
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device("cpu"))
-    context = "The quick brown fox jumps over the lazy dog. " * 40 + "The secret word is pineapple. " + \
-        "The quick brown fox jumps over the lazy dog. " * 10
+    context = (
+        "The quick brown fox jumps over the lazy dog. " * 40
+        + "The secret word is pineapple. "
+        + "The quick brown fox jumps over the lazy dog. " * 10
+    )
     press = AdaKVPress(PageEntroKVPress(compression_ratio=0.5))
     answer = pipe(context, question="What is the secret word?", press=press, max_new_tokens=8)["answer"]
     assert isinstance(answer, str) and answer.strip()

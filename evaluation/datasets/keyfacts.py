@@ -31,11 +31,20 @@ from evaluation.datasets.base import Example
 from evaluation.datasets.prose import check_passage_count, check_passage_lengths, fill_body, prose_sentences
 from presses.entroprefill.chunking import passage_marker
 
-__all__ = ["KeyFactsDataset", "INSTRUCTION", "FACT_TEMPLATE", "QUESTION_TEMPLATE", "ANSWER_PREFIX", "KEYS", "OTHER_KINDS",
-           "DISTRACTOR_MODES"]
+__all__ = [
+    "KeyFactsDataset",
+    "INSTRUCTION",
+    "FACT_TEMPLATE",
+    "QUESTION_TEMPLATE",
+    "ANSWER_PREFIX",
+    "KEYS",
+    "OTHER_KINDS",
+    "DISTRACTOR_MODES",
+]
 
-INSTRUCTION = ("Answer the question based on the given passages. Only give me the answer and do not output "
-               "any other words.")
+INSTRUCTION = (
+    "Answer the question based on the given passages. Only give me the answer and do not output any other words."
+)
 HEADER = INSTRUCTION + "\n\nThe following are given passages.\n\n"
 FACT_TEMPLATE = "The special magic {kind} for {key} is {value}."
 QUESTION_TEMPLATE = "What is the special magic number for {key} mentioned in the passages?"
@@ -49,14 +58,16 @@ OTHER_KINDS = {
 }
 DISTRACTOR_MODES = ("number", "other", "none")
 #: the keys: distinct concrete nouns, so no two keys share a word (an example draws its keys without replacement)
-KEYS = tuple("""apple anchor badger banjo beetle bison blossom bottle bucket cabin camel candle canyon carpet castle
+KEYS = tuple(
+    """apple anchor badger banjo beetle bison blossom bottle bucket cabin camel candle canyon carpet castle
 cedar cherry chimney cobra comet copper cotton crater crystal dagger desert diamond dragon eagle ember falcon
 feather fiddle forest fossil fountain galaxy garlic ginger glacier goblet granite guitar hammer harbor hazel
 helmet hornet iceberg ivory jaguar jasmine kettle koala ladder lagoon lantern lemon lizard lobster magnet mango
 marble meadow meteor mirror monkey mustard nectar needle nickel nutmeg oasis octopus olive onion orchid otter
 oyster panda parrot peach pebble pelican pepper pillow pirate planet pocket puzzle quartz rabbit radish raven
 ribbon rocket saddle salmon sapphire scarf shovel silver spider sponge squirrel statue temple thistle thunder
-tiger tomato trumpet tulip turtle velvet violin walnut walrus whistle willow wizard zebra""".split())
+tiger tomato trumpet tulip turtle velvet violin walnut walrus whistle willow wizard zebra""".split()
+)
 
 
 @dataclass
@@ -117,7 +128,9 @@ class KeyFactsDataset:
         sent_len = [len(x) for x in enc]
         probe = QUESTION_TEMPLATE.format(key="sapphire")  # the longest key: budget for the question
         tail_probe = "\n\n" + INSTRUCTION + "\n\nQuestion: " + probe + "\nAnswer:"
-        fact_len = count_tokens(tokenizer, " " + FACT_TEMPLATE.format(kind="weekday", key="sapphire", value="Wednesday"))
+        fact_len = count_tokens(
+            tokenizer, " " + FACT_TEMPLATE.format(kind="weekday", key="sapphire", value="Wednesday")
+        )
         out = []
         for length, i in ((int(ln), i) for ln in self.context_lengths for i in range(n)):
             rng = random.Random(f"{seed}-keyfacts-{length}-{i}")
@@ -140,7 +153,7 @@ class KeyFactsDataset:
             with_fact = sorted(rng.sample(range(n_pass), n_facts))
             asked_fact = rng.randrange(n_facts)
             keys = rng.sample(KEYS, n_facts)
-            values = [str(v) for v in rng.sample(range(10 ** 6, 10 ** 7), n_facts)]
+            values = [str(v) for v in rng.sample(range(10**6, 10**7), n_facts)]
             for f, (p, key, value) in enumerate(zip(with_fact, keys, values)):
                 kind = "number"
                 if f != asked_fact and self.distractor_facts == "other":
@@ -154,18 +167,25 @@ class KeyFactsDataset:
             asked = "\n\n" + INSTRUCTION + "\n\nQuestion: " + QUESTION_TEMPLATE.format(key=key) + "\nAnswer:"
             if query_aware:
                 context, asked = context + asked, ""
-            out.append(Example(
-                id=f"keyfacts-{length}-{i}",
-                context=context,
-                question=asked.lstrip("\n"),
-                answers=[values[asked_fact]],
-                answer_prefix=ANSWER_PREFIX.format(key=key),
-                max_new_tokens=self.max_new_tokens,
-                task="keyfacts",
-                metadata={"context_length": count_tokens(tokenizer, context + asked), "target_length": length,
-                          "n_passages": n_pass, "answer_passage": answer_idx + 1,
-                          "depth": 100.0 * answer_idx / max(1, n_pass - 1), "key": key},
-            ))
+            out.append(
+                Example(
+                    id=f"keyfacts-{length}-{i}",
+                    context=context,
+                    question=asked.lstrip("\n"),
+                    answers=[values[asked_fact]],
+                    answer_prefix=ANSWER_PREFIX.format(key=key),
+                    max_new_tokens=self.max_new_tokens,
+                    task="keyfacts",
+                    metadata={
+                        "context_length": count_tokens(tokenizer, context + asked),
+                        "target_length": length,
+                        "n_passages": n_pass,
+                        "answer_passage": answer_idx + 1,
+                        "depth": 100.0 * answer_idx / max(1, n_pass - 1),
+                        "key": key,
+                    },
+                )
+            )
         return out
 
     def score(self, prediction: str, example: Example) -> float:

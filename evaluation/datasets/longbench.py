@@ -31,35 +31,52 @@ from evaluation.datasets.tokens import count_tokens, truncate_middle
 from evaluation.metrics import LONGBENCH_METRICS, longbench_score
 
 DATASET2PROMPT: dict[str, str] = {
-    "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",  # noqa: E501
-    "qasper": "You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",  # noqa: E501
-    "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
+    "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
+    "qasper": 'You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:',
+    "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
     "multifieldqa_zh": "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：{input}\n回答：",
-    "hotpotqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
-    "2wikimqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
-    "musique": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
+    "hotpotqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
+    "2wikimqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
+    "musique": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
     "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",
-    "gov_report": "You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",  # noqa: E501
-    "qmsum": "You are given a meeting transcript and a query containing a question or instruction. Answer the query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:",  # noqa: E501
-    "multi_news": "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:",  # noqa: E501
+    "gov_report": "You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",
+    "qmsum": "You are given a meeting transcript and a query containing a question or instruction. Answer the query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:",
+    "multi_news": "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:",
     "vcsum": "下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n会议记录：\n{context}\n\n会议总结：",
-    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",  # noqa: E501
-    "triviaqa": "Answer the question based on the given passage. Only give me the answer and do not output any other words. The following are some examples.\n\n{context}\n\n{input}",  # noqa: E501
-    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",  # noqa: E501
+    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",
+    "triviaqa": "Answer the question based on the given passage. Only give me the answer and do not output any other words. The following are some examples.\n\n{context}\n\n{input}",
+    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
     "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
-    "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ",  # noqa: E501
-    "passage_retrieval_en": "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like \"Paragraph 1\", \"Paragraph 2\", etc.\n\nThe answer is: ",  # noqa: E501
-    "passage_retrieval_zh": "以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是\"段落1\"，\"段落2\"等格式\n\n答案是：",  # noqa: E501
+    "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ",
+    "passage_retrieval_en": 'Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like "Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: ',
+    "passage_retrieval_zh": '以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：',
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
 """LongBench's ``config/dataset2prompt.json``, verbatim."""
 
 DATASET2MAXLEN: dict[str, int] = {
-    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64, "hotpotqa": 32,
-    "2wikimqa": 32, "musique": 32, "dureader": 128, "gov_report": 512, "qmsum": 512, "multi_news": 512,
-    "vcsum": 512, "trec": 64, "triviaqa": 32, "samsum": 128, "lsht": 64, "passage_count": 32,
-    "passage_retrieval_en": 32, "passage_retrieval_zh": 32, "lcc": 64, "repobench-p": 64,
+    "narrativeqa": 128,
+    "qasper": 128,
+    "multifieldqa_en": 64,
+    "multifieldqa_zh": 64,
+    "hotpotqa": 32,
+    "2wikimqa": 32,
+    "musique": 32,
+    "dureader": 128,
+    "gov_report": 512,
+    "qmsum": 512,
+    "multi_news": 512,
+    "vcsum": 512,
+    "trec": 64,
+    "triviaqa": 32,
+    "samsum": 128,
+    "lsht": 64,
+    "passage_count": 32,
+    "passage_retrieval_en": 32,
+    "passage_retrieval_zh": 32,
+    "lcc": 64,
+    "repobench-p": 64,
 }
 """LongBench's ``config/dataset2maxlen.json`` (generation length per task, in tokens)."""
 
@@ -88,20 +105,47 @@ SPLITS: dict[str, tuple[str, str]] = {
 }
 """task -> (where the question starts in the template, the template's trailing answer prefix)."""
 
-INPUT_ANSWER_PREFIXES: dict[str, str] = {"trec": "Type:", "triviaqa": "Answer:", "samsum": "Summary:",
-                                         "lsht": "类别："}
+INPUT_ANSWER_PREFIXES: dict[str, str] = {"trec": "Type:", "triviaqa": "Answer:", "samsum": "Summary:", "lsht": "类别："}
 """Few-shot tasks whose ``input`` ends with the answer cue; it is moved to ``answer_prefix``."""
 
 NO_CHAT_TEMPLATE = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
 """Tasks that official ``pred.py`` prompts without the chat template."""
 
-ENGLISH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
-                 "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en",
-                 "lcc", "repobench-p")
+ENGLISH_TASKS = (
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+)
 """The 16 English (and code) tasks of LongBench."""
 
-LONGBENCH_E_TASKS = ("qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec",
-                     "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")
+LONGBENCH_E_TASKS = (
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+)
 """Tasks that have a LongBench-E (length-balanced) file."""
 
 HUB_ID = "THUDM/LongBench"
@@ -119,7 +163,7 @@ def split_prompt(task: str, context: str, inp: str) -> tuple[str, str, str]:
         raise KeyError(f"unknown LongBench task {task!r}; known: {sorted(DATASET2PROMPT)}")
     template = DATASET2PROMPT[task]
     marker, prefix = SPLITS[task]
-    body = template[:len(template) - len(prefix)]
+    body = template[: len(template) - len(prefix)]
     cut = body.index(marker) if marker != prefix else len(body)
     fill = {"{context}": context, "{input}": inp}
 
@@ -170,15 +214,18 @@ def load_rows(source: str, task: str, longbench_e: bool = False) -> list[dict]:
     if source.count("/") != 1 or path.suffix:
         raise FileNotFoundError(f"LongBench source={source!r} is neither a directory nor a hub id like {HUB_ID!r}")
     try:
-        import huggingface_hub  # noqa: PLC0415
+        import huggingface_hub
 
-        from evaluation.hub import hub_reachable  # noqa: PLC0415
+        from evaluation.hub import hub_reachable
 
         online = hub_reachable()  # seconds; offline, the download below reads the local cache only
         archive = huggingface_hub.hf_hub_download(repo_id=source, filename="data.zip", repo_type="dataset")
-    except Exception as err:  # noqa: BLE001 - any hub/network failure becomes one actionable error
-        why = (f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}" if online else
-               "the hub is unreachable and it is not in the local cache")
+    except Exception as err:  # any hub/network failure becomes one actionable error
+        why = (
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            if online
+            else "the hub is unreachable and it is not in the local cache"
+        )
         raise DataUnavailableError(
             f"LongBench needs the Hugging Face dataset {source!r} (its data.zip), which could not be loaded "
             f"({why}). Either run once with hub access so it is cached, "
@@ -246,8 +293,9 @@ class LongBenchDataset:
         task = min(self.tasks, key=lambda t: len(self._rows[t]))
         return len(self._rows[task]), f"the rows of LongBench{'-E' if self.longbench_e else ''} task {task!r}"
 
-    def examples(self, tokenizer, n_samples: int | None = None, seed: int = 0,
-                 query_aware: bool = False) -> list[Example]:
+    def examples(
+        self, tokenizer, n_samples: int | None = None, seed: int = 0, query_aware: bool = False
+    ) -> list[Example]:
         """Examples of every task, in file order; ``n_samples`` keeps a seeded random subset per task.
 
         The subset is drawn before ``skip_longer_than`` filtering (so at most ``n_samples`` remain).
@@ -283,21 +331,36 @@ class LongBenchDataset:
         if self.max_context_length is not None and full > self.max_context_length:
             budget = self.max_context_length - count_tokens(tokenizer, question + prefix)
             if budget < 1:
-                raise ValueError(f"max_context_length={self.max_context_length} leaves no room for the context of "
-                                 f"{task} example {index} (question + answer prefix fill it)")
+                raise ValueError(
+                    f"max_context_length={self.max_context_length} leaves no room for the context of "
+                    f"{task} example {index} (question + answer prefix fill it)"
+                )
             context, truncated = truncate_middle(tokenizer, context, budget), True
         length = count_tokens(tokenizer, context + question + prefix) if truncated else full
         if query_aware:
             context, question = context + question, ""
         row_id = row.get("_id", index)
         meta = {
-            "prompt_tokens": length, "original_tokens": full, "truncated": truncated,
-            "length": row.get("length"), "language": row.get("language"), "all_classes": row.get("all_classes"),
-            "chat_template": task not in NO_CHAT_TEMPLATE, "index": index, "longbench_e": self.longbench_e,
+            "prompt_tokens": length,
+            "original_tokens": full,
+            "truncated": truncated,
+            "length": row.get("length"),
+            "language": row.get("language"),
+            "all_classes": row.get("all_classes"),
+            "chat_template": task not in NO_CHAT_TEMPLATE,
+            "index": index,
+            "longbench_e": self.longbench_e,
         }
-        return Example(id=f"{task}-{row_id}", context=context, question=question,
-                       answers=[str(a) for a in row["answers"]],
-                       answer_prefix=prefix, max_new_tokens=DATASET2MAXLEN[task], task=task, metadata=meta)
+        return Example(
+            id=f"{task}-{row_id}",
+            context=context,
+            question=question,
+            answers=[str(a) for a in row["answers"]],
+            answer_prefix=prefix,
+            max_new_tokens=DATASET2MAXLEN[task],
+            task=task,
+            metadata=meta,
+        )
 
     def score(self, prediction: str, example: Example) -> float:
         """The task's official metric (``LONGBENCH_METRICS``), max over the reference answers."""

@@ -21,25 +21,111 @@ from presses.entroprefill.chunking import passage_marker
 
 __all__ = ["MultiDocQADataset", "INSTRUCTION", "FACTS"]
 
-INSTRUCTION = ("Answer the question based on the given passages. Only give me the answer and do not output "
-               "any other words.")
+INSTRUCTION = (
+    "Answer the question based on the given passages. Only give me the answer and do not output any other words."
+)
 HEADER = INSTRUCTION + "\n\nThe following are given passages.\n\n"
 #: fact kind -> (fact sentence, question); ``{name}`` and ``{value}`` are filled in.
 FACTS = {
     "city": ("{name} lives in the city of {value}.", "In which city does {name} live?"),
     "code": ("The access code of {name} is {value}.", "What is the access code of {name}?"),
 }
-_FIRST = ["Alma", "Bruno", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Leon",
-          "Mara", "Nils", "Olga", "Pavel", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wanda", "Xavier", "Yara",
-          "Zeno"]
-_LAST = ["Abbott", "Brennan", "Castillo", "Dalton", "Eriksen", "Fischer", "Gallo", "Hartley", "Ivanova", "Jansen",
-         "Kowalski", "Lindqvist", "Moreau", "Nakamura", "Okafor", "Petrov", "Quinn", "Rossi", "Schmidt", "Tanaka",
-         "Ueda", "Varga", "Weber", "Yilmaz", "Zamora"]
-_CITIES = ["Lisbon", "Oslo", "Nairobi", "Montreal", "Kyoto", "Valparaiso", "Tbilisi", "Marrakesh", "Reykjavik",
-           "Hanoi", "Bergen", "Cusco", "Krakow", "Adelaide", "Tallinn", "Porto", "Dakar", "Zagreb", "Busan",
-           "Ljubljana", "Cordoba", "Tromso", "Windhoek", "Hobart", "Salzburg", "Quito", "Izmir", "Gdansk",
-           "Lyon", "Seville", "Bologna", "Antwerp", "Kathmandu", "Bratislava", "Vilnius", "Mombasa", "Tucson",
-           "Halifax", "Dunedin", "Galway"]
+_FIRST = [
+    "Alma",
+    "Bruno",
+    "Clara",
+    "Dmitri",
+    "Elena",
+    "Farid",
+    "Greta",
+    "Hugo",
+    "Ines",
+    "Jonas",
+    "Kira",
+    "Leon",
+    "Mara",
+    "Nils",
+    "Olga",
+    "Pavel",
+    "Rosa",
+    "Sven",
+    "Tariq",
+    "Uma",
+    "Viktor",
+    "Wanda",
+    "Xavier",
+    "Yara",
+    "Zeno",
+]
+_LAST = [
+    "Abbott",
+    "Brennan",
+    "Castillo",
+    "Dalton",
+    "Eriksen",
+    "Fischer",
+    "Gallo",
+    "Hartley",
+    "Ivanova",
+    "Jansen",
+    "Kowalski",
+    "Lindqvist",
+    "Moreau",
+    "Nakamura",
+    "Okafor",
+    "Petrov",
+    "Quinn",
+    "Rossi",
+    "Schmidt",
+    "Tanaka",
+    "Ueda",
+    "Varga",
+    "Weber",
+    "Yilmaz",
+    "Zamora",
+]
+_CITIES = [
+    "Lisbon",
+    "Oslo",
+    "Nairobi",
+    "Montreal",
+    "Kyoto",
+    "Valparaiso",
+    "Tbilisi",
+    "Marrakesh",
+    "Reykjavik",
+    "Hanoi",
+    "Bergen",
+    "Cusco",
+    "Krakow",
+    "Adelaide",
+    "Tallinn",
+    "Porto",
+    "Dakar",
+    "Zagreb",
+    "Busan",
+    "Ljubljana",
+    "Cordoba",
+    "Tromso",
+    "Windhoek",
+    "Hobart",
+    "Salzburg",
+    "Quito",
+    "Izmir",
+    "Gdansk",
+    "Lyon",
+    "Seville",
+    "Bologna",
+    "Antwerp",
+    "Kathmandu",
+    "Bratislava",
+    "Vilnius",
+    "Mombasa",
+    "Tucson",
+    "Halifax",
+    "Dunedin",
+    "Galway",
+]
 
 
 def _code(rng: random.Random) -> str:
@@ -133,19 +219,26 @@ class MultiDocQADataset:
             answer = values[answer_idx]
             if query_aware:
                 context, asked = context + asked, ""
-            out.append(Example(
-                id=f"multidoc-{kind}-{length}-{i}",
-                context=context,
-                question=asked.lstrip("\n"),
-                answers=[answer],
-                answer_prefix="",
-                max_new_tokens=self.max_new_tokens,
-                task=f"multidoc_{kind}",
-                metadata={"context_length": count_tokens(tokenizer, context + asked),
-                          "target_length": length, "n_passages": n_pass, "answer_passage": answer_idx + 1,
-                          "depth": 100.0 * answer_idx / max(1, n_pass - 1), "fact_kind": kind,
-                          "person": names[answer_idx]},
-            ))
+            out.append(
+                Example(
+                    id=f"multidoc-{kind}-{length}-{i}",
+                    context=context,
+                    question=asked.lstrip("\n"),
+                    answers=[answer],
+                    answer_prefix="",
+                    max_new_tokens=self.max_new_tokens,
+                    task=f"multidoc_{kind}",
+                    metadata={
+                        "context_length": count_tokens(tokenizer, context + asked),
+                        "target_length": length,
+                        "n_passages": n_pass,
+                        "answer_passage": answer_idx + 1,
+                        "depth": 100.0 * answer_idx / max(1, n_pass - 1),
+                        "fact_kind": kind,
+                        "person": names[answer_idx],
+                    },
+                )
+            )
         return out
 
     def score(self, prediction: str, example: Example) -> float:

@@ -20,11 +20,50 @@ __all__ = ["NeedleDataset", "NEEDLE_TEMPLATE", "QUESTION_TEMPLATE", "ANSWER_PREF
 NEEDLE_TEMPLATE = "One of the special magic numbers for {key} is: {value}."
 QUESTION_TEMPLATE = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
-_ADJECTIVES = ["amber", "brave", "calm", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly",
-               "kind", "lucky", "misty", "noble", "odd", "proud", "quiet", "rapid", "silent", "tidy"]
-_NOUNS = ["anchor", "badger", "candle", "dolphin", "engine", "falcon", "garden", "harbor", "island",
-          "jacket", "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quarry", "river",
-          "saddle", "tunnel"]
+_ADJECTIVES = [
+    "amber",
+    "brave",
+    "calm",
+    "dusty",
+    "eager",
+    "fancy",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "kind",
+    "lucky",
+    "misty",
+    "noble",
+    "odd",
+    "proud",
+    "quiet",
+    "rapid",
+    "silent",
+    "tidy",
+]
+_NOUNS = [
+    "anchor",
+    "badger",
+    "candle",
+    "dolphin",
+    "engine",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchard",
+    "pepper",
+    "quarry",
+    "river",
+    "saddle",
+    "tunnel",
+]
 
 
 @dataclass
@@ -90,17 +129,24 @@ class NeedleDataset:
             n_tokens = len(tokenizer.encode(context, add_special_tokens=False))
             if query_aware:
                 context, question = context + "\n\n" + question, ""
-            out.append(Example(
-                id=f"needle-{self.context_length}-d{depth:g}-{i}",
-                context=context,
-                question=question,
-                answers=[value],
-                answer_prefix=ANSWER_PREFIX.format(key=key),
-                max_new_tokens=self.max_new_tokens,
-                task="needle",
-                metadata={"depth": depth, "context_length": n_tokens, "needle": needle, "key": key,
-                          "needle_token_start": needle_start},
-            ))
+            out.append(
+                Example(
+                    id=f"needle-{self.context_length}-d{depth:g}-{i}",
+                    context=context,
+                    question=question,
+                    answers=[value],
+                    answer_prefix=ANSWER_PREFIX.format(key=key),
+                    max_new_tokens=self.max_new_tokens,
+                    task="needle",
+                    metadata={
+                        "depth": depth,
+                        "context_length": n_tokens,
+                        "needle": needle,
+                        "key": key,
+                        "needle_token_start": needle_start,
+                    },
+                )
+            )
         return out
 
     def score(self, prediction: str, example: Example) -> float:

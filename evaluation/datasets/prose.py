@@ -61,8 +61,10 @@ def check_passage_lengths(passage_tokens: int, context_lengths) -> None:
         raise ValueError(f"passage_tokens={passage_tokens} must be >= 32")
     short = [n for n in context_lengths if int(n) < 2 * passage_tokens + 128]
     if short:
-        raise ValueError(f"context_lengths {short} must be >= 2 * passage_tokens + 128 = "
-                         f"{2 * passage_tokens + 128} tokens (room for two passages)")
+        raise ValueError(
+            f"context_lengths {short} must be >= 2 * passage_tokens + 128 = "
+            f"{2 * passage_tokens + 128} tokens (room for two passages)"
+        )
 
 
 def fill_body(sentences, sent_len, start: int, budget: int) -> tuple[list[str], int]:
@@ -90,5 +92,6 @@ def check_passage_count(length: int, n_pass: int, passage_tokens: int) -> None:
         ValueError: naming the length, the passage count and the passage size.
     """
     if n_pass < 2:
-        raise ValueError(f"context_length={length} holds {n_pass} passage(s) of ~{passage_tokens} "
-                         "tokens; at least two are needed")
+        raise ValueError(
+            f"context_length={length} holds {n_pass} passage(s) of ~{passage_tokens} tokens; at least two are needed"
+        )

@@ -79,8 +79,7 @@ TEMPLATES = {
 }
 """RULER task template (``{context}`` then the question) and answer prefix, per task kind."""
 
-QUESTION_MARKERS = {"niah": "What ", "vt": "Question: ", "cwe": "Question: ", "fwe": "Question: ",
-                    "qa": "Question: "}
+QUESTION_MARKERS = {"niah": "What ", "vt": "Question: ", "cwe": "Question: ", "fwe": "Question: ", "qa": "Question: "}
 """Where the question starts in the template text after ``{context}``: the split context | question."""
 
 MAX_NEW_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
@@ -104,8 +103,17 @@ class RulerTask:
 
 
 def _niah(haystack, key, value, k=1, v=1, q=1):
-    return RulerTask("niah", dict(type_haystack=haystack, type_needle_k=key, type_needle_v=value,
-                                  num_needle_k=k, num_needle_v=v, num_needle_q=q))
+    return RulerTask(
+        "niah",
+        dict(
+            type_haystack=haystack,
+            type_needle_k=key,
+            type_needle_v=value,
+            num_needle_k=k,
+            num_needle_v=v,
+            num_needle_q=q,
+        ),
+    )
 
 
 RULER_TASKS: dict[str, RulerTask] = {
@@ -129,10 +137,14 @@ SYNTHETIC_TASKS = tuple(t for t, spec in RULER_TASKS.items() if spec.kind != "qa
 """The 11 tasks generated fully offline."""
 
 QA_SOURCES = {
-    "squad": ("rajpurkar/squad_v2", None, "validation", "squad.json",
-              "the official SQuAD 2.0 dev file dev-v2.0.json"),
-    "hotpotqa": ("hotpotqa/hotpot_qa", "distractor", "validation", "hotpotqa.json",
-                 "the official HotpotQA dev distractor file hotpot_dev_distractor_v1.json"),
+    "squad": ("rajpurkar/squad_v2", None, "validation", "squad.json", "the official SQuAD 2.0 dev file dev-v2.0.json"),
+    "hotpotqa": (
+        "hotpotqa/hotpot_qa",
+        "distractor",
+        "validation",
+        "hotpotqa.json",
+        "the official HotpotQA dev distractor file hotpot_dev_distractor_v1.json",
+    ),
 }
 """qa source -> (hub id, hub config, split, local file name, what the local file is)."""
 
@@ -147,10 +159,11 @@ DEPTHS = [round(100 * i / 39) for i in range(40)]
 
 @lru_cache(maxsize=1)
 def _wonderwords() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    from wonderwords import random_word  # noqa: PLC0415
+    from wonderwords import random_word
 
-    return tuple(random_word._get_words_from_text_file(f) for f in  # noqa: SLF001
-                 ("nounlist.txt", "adjectivelist.txt", "verblist.txt"))
+    return tuple(
+        random_word._get_words_from_text_file(f) for f in ("nounlist.txt", "adjectivelist.txt", "verblist.txt")
+    )
 
 
 @lru_cache(maxsize=1)
@@ -217,14 +230,26 @@ class _Rendered:
         return self.context + self.question + self.answer_prefix
 
 
-def _render(kind: str, context: str, answers: list[str], metadata: dict, prefix_text: str = "",
-            template: tuple[str, str] | None = None, **fmt) -> _Rendered:
+def _render(
+    kind: str,
+    context: str,
+    answers: list[str],
+    metadata: dict,
+    prefix_text: str = "",
+    template: tuple[str, str] | None = None,
+    **fmt,
+) -> _Rendered:
     """Format the task template around ``context`` and split it into context | question | answer prefix."""
     body, prefix = template or TEMPLATES[kind]
     pre, post = body.split("{context}")
     q = post.find(QUESTION_MARKERS[kind])
-    return _Rendered(prefix_text + pre.format(**fmt) + context + post[:q].format(**fmt), post[q:].format(**fmt),
-                     prefix.format(**fmt), answers, metadata)
+    return _Rendered(
+        prefix_text + pre.format(**fmt) + context + post[:q].format(**fmt),
+        post[q:].format(**fmt),
+        prefix.format(**fmt),
+        answers,
+        metadata,
+    )
 
 
 def _niah_render(rng_seed: int, n: int, args: dict) -> _Rendered:
@@ -249,7 +274,7 @@ def _niah_render(rng_seed: int, n: int, args: dict) -> _Rendered:
         cuts = [0] + [int(len(sents) * d / 100) for d in depths] + [len(sents)]
         parts = []
         for i in range(1, len(cuts)):
-            parts.append(" ".join(sents[cuts[i - 1]:cuts[i]]))
+            parts.append(" ".join(sents[cuts[i - 1] : cuts[i]]))
             if i - 1 < len(needles):
                 parts.append(needles[i - 1])
         context = " ".join(p for p in parts if p)
@@ -278,11 +303,17 @@ def _niah_render(rng_seed: int, n: int, args: dict) -> _Rendered:
         body, prefix = full.replace("answers", "answer").split("\x00")
         type_v = tv[:-1]
     # depth of the earliest queried needle, in percent of the haystack characters
-    first = min(context.find(NEEDLE.format(type_needle_v=tv, key=keys[i], value=v)) for i in indices
-                for v in values[i])
+    first = min(context.find(NEEDLE.format(type_needle_v=tv, key=keys[i], value=v)) for i in indices for v in values[i])
     meta = {"depth": round(100 * first / max(1, len(context)), 1), "haystack": hay}
-    return _render("niah", context, answers, meta, template=(body, prefix), type_needle_v=type_v,
-                   query=_join_query([keys[i] for i in indices]))
+    return _render(
+        "niah",
+        context,
+        answers,
+        meta,
+        template=(body, prefix),
+        type_needle_v=type_v,
+        query=_join_query([keys[i] for i in indices]),
+    )
 
 
 def _vt_chains(rng: random.Random, num_chains: int, num_hops: int, is_icl: bool):
@@ -295,7 +326,7 @@ def _vt_chains(rng: random.Random, num_chains: int, num_hops: int, is_icl: bool)
             names.append(name)
     variables, chains = [], []
     for c in range(num_chains):
-        vs = names[c * (hops + 1):(c + 1) * (hops + 1)]
+        vs = names[c * (hops + 1) : (c + 1) * (hops + 1)]
         value = "12345" if is_icl else str(rng.randint(10000, 99998))
         variables.append(vs)
         chains.append([f"VAR {vs[0]} = {value}"] + [f"VAR {vs[j + 1]} = VAR {vs[j]} " for j in range(hops)])
@@ -312,8 +343,9 @@ def _vt_render(rng_seed: int, n: int, args: dict, icl: str = "", is_icl: bool = 
         for j, pos in enumerate(positions):
             sentences.insert(pos + j, chain[j])
     context = "\n".join(sentences).replace(". \n", ".\n")
-    return _render("vt", context, list(variables[0]), {"haystack": "noise"}, prefix_text=icl, query=value,
-                   num_v=len(variables[0]))
+    return _render(
+        "vt", context, list(variables[0]), {"haystack": "noise"}, prefix_text=icl, query=value, num_v=len(variables[0])
+    )
 
 
 def _vt_icl(rng_seed: int, n: int, args: dict) -> str:
@@ -335,8 +367,9 @@ def _cwe_words(num_words: int) -> tuple[str, ...]:
     return words + tuple(extra)
 
 
-def _cwe_example(rng: random.Random, num_words: int, common_repeats: int, uncommon_repeats: int,
-                 num_cw: int) -> tuple[str, list[str]]:
+def _cwe_example(
+    rng: random.Random, num_words: int, common_repeats: int, uncommon_repeats: int, num_cw: int
+) -> tuple[str, list[str]]:
     chosen = rng.sample(_cwe_words(num_words), num_words)
     common, uncommon = chosen[:num_cw], chosen[num_cw:]
     word_list = common * common_repeats + uncommon * uncommon_repeats
@@ -354,13 +387,17 @@ def _cwe_render(rng_seed: int, n: int, args: dict, context_length: int) -> _Rend
         shot = _cwe_example(rng, 40, 10, 3, num_cw)
         context, answers = _cwe_example(rng, n, args["freq_cw"], args["freq_ucw"], num_cw)
     body, prefix = TEMPLATES["cwe"]
-    shot_text = (body.format(context=shot[0], num_cw=num_cw) + prefix.format(num_cw=num_cw) + " "
-                 + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot[1])))
+    shot_text = (
+        body.format(context=shot[0], num_cw=num_cw)
+        + prefix.format(num_cw=num_cw)
+        + " "
+        + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot[1]))
+    )
     return _render("cwe", context, answers, {}, prefix_text=shot_text + "\n", num_cw=num_cw)
 
 
 def _fwe_render(rng_seed: int, n: int, args: dict, context_length: int) -> _Rendered:
-    from scipy.special import zeta  # noqa: PLC0415
+    from scipy.special import zeta
 
     rng = random.Random(rng_seed)
     alpha, wordlen = float(args["alpha"]), int(args["coded_wordlen"])
@@ -372,7 +409,7 @@ def _fwe_render(rng_seed: int, n: int, args: dict, context_length: int) -> _Rend
     rng.shuffle(words)
     words[0] = "..."  # RULER: the top-ranked word is noise
     z = float(zeta(alpha))
-    sampled = [w for k, w in enumerate(words, start=1) for _ in range(int(n * k ** -alpha / z))]
+    sampled = [w for k, w in enumerate(words, start=1) for _ in range(int(n * k**-alpha / z))]
     rng.shuffle(sampled)
     return _render("fwe", " ".join(sampled), words[1:4], {})
 
@@ -393,8 +430,14 @@ def _qa_from_squad_json(data: dict) -> tuple[list[dict], list[str]]:
             for qa in p["qas"]:
                 if not qa.get("is_impossible", False) and qa["answers"]:
                     own = index[p["context"]]
-                    qas.append({"query": qa["question"], "outputs": [a["text"] for a in qa["answers"]],
-                                "context": [own], "more_context": [i for i in more if i != own]})
+                    qas.append(
+                        {
+                            "query": qa["question"],
+                            "outputs": [a["text"] for a in qa["answers"]],
+                            "context": [own],
+                            "more_context": [i for i in more if i != own],
+                        }
+                    )
     return qas, docs
 
 
@@ -402,14 +445,20 @@ def _qa_from_hotpot_json(data: list) -> tuple[list[dict], list[str]]:
     """RULER's ``read_hotpotqa`` on the official HotpotQA dev (distractor) JSON."""
     docs = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
     index = {c: i for i, c in enumerate(docs)}
-    qas = [{"query": d["question"], "outputs": [d["answer"]],
-            "context": [index[f"{t}\n{''.join(p)}"] for t, p in d["context"]]} for d in data]
+    qas = [
+        {
+            "query": d["question"],
+            "outputs": [d["answer"]],
+            "context": [index[f"{t}\n{''.join(p)}"] for t, p in d["context"]],
+        }
+        for d in data
+    ]
     return qas, docs
 
 
 def _qa_from_hub(source: str):
     """Convert the hub rows to the official JSON layout RULER reads."""
-    import datasets  # noqa: PLC0415
+    import datasets
 
     hub_id, config, split, _, _ = QA_SOURCES[source]
     rows = datasets.load_dataset(hub_id, config, split=split)
@@ -418,13 +467,26 @@ def _qa_from_hub(source: str):
         for r in rows:
             paras = by_title.setdefault(r["title"], {})
             paras.setdefault(r["context"], []).append(
-                {"question": r["question"], "answers": [{"text": t} for t in r["answers"]["text"]],
-                 "is_impossible": len(r["answers"]["text"]) == 0})
-        data = {"data": [{"paragraphs": [{"context": c, "qas": q} for c, q in paras.items()]}
-                         for paras in by_title.values()]}
+                {
+                    "question": r["question"],
+                    "answers": [{"text": t} for t in r["answers"]["text"]],
+                    "is_impossible": len(r["answers"]["text"]) == 0,
+                }
+            )
+        data = {
+            "data": [
+                {"paragraphs": [{"context": c, "qas": q} for c, q in paras.items()]} for paras in by_title.values()
+            ]
+        }
         return _qa_from_squad_json(data)
-    data = [{"question": r["question"], "answer": r["answer"],
-             "context": list(zip(r["context"]["title"], r["context"]["sentences"]))} for r in rows]
+    data = [
+        {
+            "question": r["question"],
+            "answer": r["answer"],
+            "context": list(zip(r["context"]["title"], r["context"]["sentences"])),
+        }
+        for r in rows
+    ]
     return _qa_from_hotpot_json(data)
 
 
@@ -452,11 +514,11 @@ def load_qa(source: str, data_dir: str | None = None) -> tuple[list[dict], list[
         data = json.loads(path.read_text(encoding="utf-8"))
         return _qa_from_squad_json(data) if source == "squad" else _qa_from_hotpot_json(data)
     try:
-        from evaluation.hub import hub_reachable  # noqa: PLC0415
+        from evaluation.hub import hub_reachable
 
         hub_reachable()  # seconds; offline, datasets reads its local cache only
         return _qa_from_hub(source)
-    except Exception as err:  # noqa: BLE001 - any hub/network failure becomes one actionable error
+    except Exception as err:  # any hub/network failure becomes one actionable error
         cfg = f", config {config!r}" if config else ""
         raise DataUnavailableError(
             f"RULER qa task needs the Hugging Face dataset {hub_id!r}{cfg} (split {split!r}), which could not be "
@@ -559,12 +621,15 @@ class RulerDataset:
         if not qa:
             return None
         name = min(qa, key=lambda t: len(load_qa(RULER_TASKS[t].args["dataset"], self.qa_data_dir)[0]))
-        return len(load_qa(RULER_TASKS[name].args["dataset"], self.qa_data_dir)[0]), f"the questions of RULER task {name!r}"
+        return len(
+            load_qa(RULER_TASKS[name].args["dataset"], self.qa_data_dir)[0]
+        ), f"the questions of RULER task {name!r}"
 
     # -- generation ------------------------------------------------------------------------------
 
-    def _renderer(self, name: str, context_length: int, seed: int, index: int,
-                  tokenizer) -> tuple[Callable[[int], _Rendered], int]:
+    def _renderer(
+        self, name: str, context_length: int, seed: int, index: int, tokenizer
+    ) -> tuple[Callable[[int], _Rendered], int]:
         """A function haystack-size -> rendered prompt for one example, and the example's minimum size."""
         task = RULER_TASKS[name]
         rseed = _seed("ruler", seed, name, context_length, index)
@@ -573,8 +638,14 @@ class RulerDataset:
         if task.kind == "vt":
             icl_seed = _seed("ruler-vt-icl", seed, context_length, index)
             min_n = _min_size(task)
-            n_icl = _fit(lambda n: _vt_render(icl_seed, n, task.args, is_icl=True),
-                         tokenizer, min(500, context_length // 8), min_n, 5, strict=False)
+            n_icl = _fit(
+                lambda n: _vt_render(icl_seed, n, task.args, is_icl=True),
+                tokenizer,
+                min(500, context_length // 8),
+                min_n,
+                5,
+                strict=False,
+            )
             icl = _vt_icl(icl_seed, n_icl, task.args)
             return (lambda n: _vt_render(rseed, n, task.args, icl=icl + "\n")), min_n
         if task.kind == "cwe":
@@ -585,8 +656,9 @@ class RulerDataset:
         qa = qas[index % len(qas)]
         return (lambda n: _qa_render(rseed, n, qa, docs)), len(qa["context"])
 
-    def examples(self, tokenizer, n_samples: int | None = None, seed: int = 0,
-                 query_aware: bool = False) -> list[Example]:
+    def examples(
+        self, tokenizer, n_samples: int | None = None, seed: int = 0, query_aware: bool = False
+    ) -> list[Example]:
         """Generate ``n_samples`` (default ``num_samples``) examples per task and context length.
 
         Deterministic in ``seed``: example ``i`` of a (task, length) only depends on
@@ -604,8 +676,17 @@ class RulerDataset:
         count = self.num_samples if n_samples is None else int(n_samples)
         if count < 1:
             raise ValueError(f"n_samples={count} must be >= 1 (examples per task and length)")
-        key = (tuple(self.tasks), tuple(self.context_lengths), self.qa_data_dir, count, seed, query_aware,
-               id(tokenizer), getattr(tokenizer, "name_or_path", None), len(tokenizer))
+        key = (
+            tuple(self.tasks),
+            tuple(self.context_lengths),
+            self.qa_data_dir,
+            count,
+            seed,
+            query_aware,
+            id(tokenizer),
+            getattr(tokenizer, "name_or_path", None),
+            len(tokenizer),
+        )
         if key not in _EXAMPLE_CACHE:  # a multirun re-instantiates the dataset for every press and ratio
             if len(_EXAMPLE_CACHE) >= 4:
                 _EXAMPLE_CACHE.pop(next(iter(_EXAMPLE_CACHE)))
@@ -622,8 +703,9 @@ class RulerDataset:
                 for i in range(count):
                     render, min_n = self._renderer(name, length, seed, i, tokenizer)
                     if size is None:  # RULER: binary search the haystack size once per task and length
-                        size = _fit(render, tokenizer, budget, min_n, _increment(task, length), name=name,
-                                    length=length)
+                        size = _fit(
+                            render, tokenizer, budget, min_n, _increment(task, length), name=name, length=length
+                        )
                     n, step = size, _increment(task, length)
                     rendered = render(n)
                     tokens = count_tokens(tokenizer, rendered.text)
@@ -636,16 +718,22 @@ class RulerDataset:
                     out.append(self._example(name, length, i, rendered, tokens, query_aware))
         return out
 
-    def _example(self, name: str, length: int, index: int, r: _Rendered, tokens: int,
-                 query_aware: bool) -> Example:
+    def _example(self, name: str, length: int, index: int, r: _Rendered, tokens: int, query_aware: bool) -> Example:
         task = RULER_TASKS[name]
         context, question = r.context, r.question
         if query_aware:
             context, question = context + question, ""
         meta = {"context_length": length, "prompt_tokens": tokens, "index": index, **r.metadata}
-        return Example(id=f"{name}_{length}_{index}", context=context, question=question, answers=r.answers,
-                       answer_prefix=r.answer_prefix, max_new_tokens=task.max_new_tokens, task=name,
-                       metadata=meta)
+        return Example(
+            id=f"{name}_{length}_{index}",
+            context=context,
+            question=question,
+            answers=r.answers,
+            answer_prefix=r.answer_prefix,
+            max_new_tokens=task.max_new_tokens,
+            task=name,
+            metadata=meta,
+        )
 
     # -- scoring ---------------------------------------------------------------------------------
 
@@ -659,12 +747,22 @@ _EXAMPLE_CACHE: dict[tuple, list[Example]] = {}
 
 
 def _too_short(name: str, length: int, needed: int) -> str:
-    return (f"context_length={length} is too short for RULER task {name!r}: its smallest prompt plus "
-            f"max_new_tokens={RULER_TASKS[name].max_new_tokens} needs {needed} tokens")
+    return (
+        f"context_length={length} is too short for RULER task {name!r}: its smallest prompt plus "
+        f"max_new_tokens={RULER_TASKS[name].max_new_tokens} needs {needed} tokens"
+    )
 
 
-def _fit(render: Callable[[int], _Rendered], tokenizer, budget: int, min_n: int, step: int,
-         strict: bool = True, name: str = "", length: int = 0) -> int:
+def _fit(
+    render: Callable[[int], _Rendered],
+    tokenizer,
+    budget: int,
+    min_n: int,
+    step: int,
+    strict: bool = True,
+    name: str = "",
+    length: int = 0,
+) -> int:
     """Largest haystack size ``n >= min_n`` whose rendered prompt has at most ``budget`` tokens.
 
     Exponential then binary search (prompt length grows with ``n``). With ``strict=False`` a prompt
@@ -673,6 +771,7 @@ def _fit(render: Callable[[int], _Rendered], tokenizer, budget: int, min_n: int,
     Raises:
         ValueError: ``strict`` and the prompt at ``min_n`` exceeds ``budget``.
     """
+
     def fits(n: int) -> bool:
         return count_tokens(tokenizer, render(n).text) <= budget
 

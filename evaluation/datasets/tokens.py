@@ -32,6 +32,7 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> str:
         return text
     head = max_tokens // 2
     tail = max_tokens - head
-    kept_tail = ids[len(ids) - tail:] if tail else []
-    return (tokenizer.decode(ids[:head], skip_special_tokens=True)
-            + tokenizer.decode(kept_tail, skip_special_tokens=True))
+    kept_tail = ids[len(ids) - tail :] if tail else []
+    return tokenizer.decode(ids[:head], skip_special_tokens=True) + tokenizer.decode(
+        kept_tail, skip_special_tokens=True
+    )

@@ -217,14 +217,16 @@ def _cells(masks: torch.Tensor, finite: torch.Tensor) -> dict[str, torch.Tensor]
     lo_b = bonferroni_bound(r, st["j_bar"])
     lo_s, hi_s = sandwich_bounds(r, st["j_bar"], st["j_max"])
     eps = 1e-12
-    st.update({
-        "bonferroni_lower": lo_b,
-        "sandwich_lower": lo_s,
-        "sandwich_upper": hi_s,
-        "cert_bonferroni": lo_b >= 2.0 - eps,
-        "cert_sandwich": lo_s >= 2.0 - eps,
-        "finite": finite,
-    })
+    st.update(
+        {
+            "bonferroni_lower": lo_b,
+            "sandwich_lower": lo_s,
+            "sandwich_upper": hi_s,
+            "cert_bonferroni": lo_b >= 2.0 - eps,
+            "cert_sandwich": lo_s >= 2.0 - eps,
+            "finite": finite,
+        }
+    )
     return st
 
 
@@ -301,8 +303,18 @@ def summarize_cells(cells: Iterable[dict[str, torch.Tensor]]) -> dict[str, float
     n = int(ok.sum())
     if n == 0:
         nan = float("nan")
-        return {"cells": 0, "skipped": int((~ok).sum()), "uor_mean": nan, "uor_max": nan, "frac_uor_gt1": nan,
-                "cert_bonferroni": 0, "cert_sandwich": 0, "frac_uor_ge2": nan, "j_bar_mean": nan, "j_max_mean": nan}
+        return {
+            "cells": 0,
+            "skipped": int((~ok).sum()),
+            "uor_mean": nan,
+            "uor_max": nan,
+            "frac_uor_gt1": nan,
+            "cert_bonferroni": 0,
+            "cert_sandwich": 0,
+            "frac_uor_ge2": nan,
+            "j_bar_mean": nan,
+            "j_max_mean": nan,
+        }
     eps = 1e-12
     return {
         "cells": n,
@@ -391,8 +403,9 @@ def tau_sweep(entropy: torch.Tensor, num_groups: int, taus: Sequence[float]) -> 
     return {"taus": taus, "max_w": max_w, "std_w": std_w, "violations": violations, "monotone": violations == 0}
 
 
-def alpha_sweep(attn: torch.Tensor, num_groups: int, n_sink: int, alphas: Sequence[float],
-                tau: float = 0.5) -> dict[float, dict[str, object]]:
+def alpha_sweep(
+    attn: torch.Tensor, num_groups: int, n_sink: int, alphas: Sequence[float], tau: float = 0.5
+) -> dict[float, dict[str, object]]:
     """Rényi-order ablation (paper 000 Table 5b) on sink-isolated observer attention.
 
     Args:
@@ -430,8 +443,9 @@ def alpha_sweep(attn: torch.Tensor, num_groups: int, n_sink: int, alphas: Sequen
     return out
 
 
-def classify_heads(attn: torch.Tensor, n_sink: int, sink_threshold: float,
-                   needle_positions: torch.Tensor | None) -> torch.Tensor:
+def classify_heads(
+    attn: torch.Tensor, n_sink: int, sink_threshold: float, needle_positions: torch.Tensor | None
+) -> torch.Tensor:
     """Operational sink census (paper 000 section 6.3, Figs. 7-8).
 
     Rule, per head: ``sink`` when at least ``sink_threshold`` of its observer mass lies on the first

@@ -51,10 +51,6 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from evaluation.harness import CONFIG_DIR, command_line
-from presses.observers import observer_attention
-from presses.core.pooling import pooled_group_scores
-from presses.core.paging import allocation_bytes, page_union, union_bytes
-from presses.core.renyi import group_weights
 from evaluation.uor.replay import (
     HEAD_CLASSES,
     SCORERS,
@@ -74,32 +70,64 @@ from evaluation.uor.replay import (
     summarize_cells,
     tau_sweep,
 )
+from presses.core.paging import allocation_bytes, page_union, union_bytes
+from presses.core.pooling import pooled_group_scores
+from presses.core.renyi import group_weights
+from presses.observers import observer_attention
 
 logger = logging.getLogger("evaluation.uor")
 
-__all__ = ["CapturePress", "Capture", "capture", "needle_positions", "page_accounting", "slot_mass_rows", "run",
-           "PAPER"]
+__all__ = [
+    "CapturePress",
+    "Capture",
+    "capture",
+    "needle_positions",
+    "page_accounting",
+    "slot_mass_rows",
+    "run",
+    "PAPER",
+]
 
 #: The pilot numbers of paper 000 (Qwen2.5-1.5B-Instruct, r = 6, L = 28, B = 16) quoted beside ours.
 PAPER = {
-    "table4": {("h2o", 0.02): (2.849, 5.100, 1.000, 62, 290, 0.879), ("h2o", 0.05): (2.442, 4.471, 1.000, 22, 112, 0.820),
-               ("h2o", 0.1): (2.292, 3.971, 1.000, 6, 65, 0.769), ("last_row", 0.02): (2.982, 4.600, 1.000, 21, 329, 0.960),
-               ("last_row", 0.05): (2.703, 3.961, 1.000, 6, 196, 0.933)},
-    "tau": {0.1: (0.9632, 0.3922), 0.2: (0.9105, 0.3700), 0.5: (0.7502, 0.2994), 1.0: (0.5501, 0.2076),
-            2.0: (0.3656, 0.1179)},
-    "alpha": {0.5: (0.620, 3.530, 7.112), 1.0: (0.762, 1.820, 6.638), 2.0: (0.750, 1.091, 5.910),
-              float("inf"): (0.641, 0.624, 4.260)},
-    "census": {"sink": 152, "retrieval": 47, "contextual": 809, "w_sink": (0.303, 0.116), "w_ctx": (0.144, 0.176),
-               "ratio": (2.10, 0.66)},
+    "table4": {
+        ("h2o", 0.02): (2.849, 5.100, 1.000, 62, 290, 0.879),
+        ("h2o", 0.05): (2.442, 4.471, 1.000, 22, 112, 0.820),
+        ("h2o", 0.1): (2.292, 3.971, 1.000, 6, 65, 0.769),
+        ("last_row", 0.02): (2.982, 4.600, 1.000, 21, 329, 0.960),
+        ("last_row", 0.05): (2.703, 3.961, 1.000, 6, 196, 0.933),
+    },
+    "tau": {
+        0.1: (0.9632, 0.3922),
+        0.2: (0.9105, 0.3700),
+        0.5: (0.7502, 0.2994),
+        1.0: (0.5501, 0.2076),
+        2.0: (0.3656, 0.1179),
+    },
+    "alpha": {
+        0.5: (0.620, 3.530, 7.112),
+        1.0: (0.762, 1.820, 6.638),
+        2.0: (0.750, 1.091, 5.910),
+        float("inf"): (0.641, 0.624, 4.260),
+    },
+    "census": {
+        "sink": 152,
+        "retrieval": 47,
+        "contextual": 809,
+        "w_sink": (0.303, 0.116),
+        "w_ctx": (0.144, 0.176),
+        "ratio": (2.10, 0.66),
+    },
     "fig6": "slot 0 about 0.144, secondary peaks at slots 8 and 10",
     "table6": "pooled-selection criterion: mean pooling 0.0%, Page-EntroKV 100.0% at T = 959..2499; strict: "
-              "uncompressed 1.00 at every depth",
+    "uncompressed 1.00 at every depth",
 }
 
 
 # ------------------------------------------------------------------------------------------------------
 # Capture
 # ------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class CapturePress(BasePress):
@@ -124,14 +152,22 @@ class CapturePress(BasePress):
     scores: dict = field(default_factory=dict, init=False, repr=False)
     caches: dict = field(default_factory=dict, init=False, repr=False)
 
-    def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 attentions: torch.Tensor | None, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def compress(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Record the layer's score rows and the other presses' compressed keys/values (see the class)."""
         from transformers import DynamicCache
 
         if attentions is None:
-            raise ValueError("the UOR capture needs the layer's attention weights: load the model with "
-                             "attn_implementation='eager'")
+            raise ValueError(
+                "the UOR capture needs the layer's attention weights: load the model with attn_implementation='eager'"
+            )
         if keys.shape[0] != 1:
             raise ValueError(f"the UOR capture takes one prompt at a time, got a batch of {keys.shape[0]}")
         layer = module.layer_idx
@@ -140,8 +176,9 @@ class CapturePress(BasePress):
             self.caches = {name: DynamicCache() for name in self.presses}
         self.scores["h2o"].append(accumulated_attention(attentions)[0].cpu())
         self.scores["last_row"].append(last_row_attention(attentions)[0].cpu())
-        obs = observer_attention(module, hidden_states, keys, self.window_size, kwargs.get("position_embeddings"),
-                                 attentions)
+        obs = observer_attention(
+            module, hidden_states, keys, self.window_size, kwargs.get("position_embeddings"), attentions
+        )
         self.scores["snapkv"].append(obs[0].cpu())
         for name, press in self.presses.items():
             k, v = press.compress(module, hidden_states, keys, values, attentions, kwargs)
@@ -249,15 +286,24 @@ def page_accounting(records: list[dict], head_dim: int, page_size: int, bytes_pe
         U = page_union(pages)
         alloc = allocation_bytes(counts, head_dim, page_size, bytes_per_element)
         union = union_bytes([U], G, head_dim, page_size, bytes_per_element)
-        rows.append({"layer": int(rec["layer_idx"]), "groups": G, "pages_per_group": sum(counts) / G,
-                     "union_pages": U, "allocation_bytes": alloc, "union_bytes": union,
-                     "union_ratio": union / alloc if alloc else float("nan")})
+        rows.append(
+            {
+                "layer": int(rec["layer_idx"]),
+                "groups": G,
+                "pages_per_group": sum(counts) / G,
+                "union_pages": U,
+                "allocation_bytes": alloc,
+                "union_bytes": union,
+                "union_ratio": union / alloc if alloc else float("nan"),
+            }
+        )
     return rows
 
 
 # ------------------------------------------------------------------------------------------------------
 # Prompts
 # ------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Prompt:
@@ -284,27 +330,54 @@ def build_prompts(cfg: DictConfig, pipe, tokenizer) -> tuple[list[Prompt], objec
     nd = cfg.prompts.needle
     needle_ds = None
     for length in nd.lengths:
-        needle_ds = NeedleDataset(context_length=int(length), depths=list(nd.depths), n_per_depth=int(nd.n_per_depth),
-                                  max_new_tokens=int(nd.max_new_tokens))
+        needle_ds = NeedleDataset(
+            context_length=int(length),
+            depths=list(nd.depths),
+            n_per_depth=int(nd.n_per_depth),
+            max_new_tokens=int(nd.max_new_tokens),
+        )
         for ex in needle_ds.examples(tokenizer, None, cfg.seed, False):
             ids = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
             value = ex.answers[0]
             ntok, vtok = needle_positions(tokenizer, ids["context_ids"], ex.metadata["needle"], value)
-            out.append(Prompt(ex.id, "needle", "needle", int(length), float(ex.metadata["depth"]), ex,
-                              ids["context_ids"], ids["questions_ids"][0], ntok, vtok))
+            out.append(
+                Prompt(
+                    ex.id,
+                    "needle",
+                    "needle",
+                    int(length),
+                    float(ex.metadata["depth"]),
+                    ex,
+                    ids["context_ids"],
+                    ids["questions_ids"][0],
+                    ntok,
+                    vtok,
+                )
+            )
     rc = cfg.prompts.ruler
     if rc.tasks:
         ruler = RulerDataset(tasks=list(rc.tasks), context_lengths=list(rc.lengths), num_samples=int(rc.n_per_task))
         for ex in ruler.examples(tokenizer, None, cfg.seed, False):
             ids = pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
-            out.append(Prompt(ex.id, "ruler", ex.task, int(ex.metadata["context_length"]), None, ex,
-                              ids["context_ids"], ids["questions_ids"][0]))
+            out.append(
+                Prompt(
+                    ex.id,
+                    "ruler",
+                    ex.task,
+                    int(ex.metadata["context_length"]),
+                    None,
+                    ex,
+                    ids["context_ids"],
+                    ids["questions_ids"][0],
+                )
+            )
     return out, needle_ds
 
 
 # ------------------------------------------------------------------------------------------------------
 # Analyses (pure functions of the captured data)
 # ------------------------------------------------------------------------------------------------------
+
 
 def pooled_rows(caps: list[Capture], G: int, n_sink: int, alpha: float, tau: float) -> list[torch.Tensor]:
     """The pooled group rows ``p_g`` of every prompt, computed once for Table 4 and Fig. 6.
@@ -320,8 +393,9 @@ def pooled_rows(caps: list[Capture], G: int, n_sink: int, alpha: float, tau: flo
     return [pooled_group_scores(cap.scores["snapkv"], G, n_sink, alpha, tau, "entropy")[0] for cap in caps]
 
 
-def replay_tables(prompts: list[Prompt], caps: list[Capture], cfg: DictConfig, G: int, r: int,
-                  pooled: list[torch.Tensor]):
+def replay_tables(
+    prompts: list[Prompt], caps: list[Capture], cfg: DictConfig, G: int, r: int, pooled: list[torch.Tensor]
+):
     """Table 4: per-cell rows and summary rows for every scorer and ``k/T``, plus the pooled rows (``pooled``:
     :func:`pooled_rows` of ``caps``)."""
     cells, summary = [], []
@@ -337,18 +411,28 @@ def replay_tables(prompts: list[Prompt], caps: list[Capture], cfg: DictConfig, G
                 L = out["uor"].shape[0]
                 for layer in range(L):
                     for g in range(G):
-                        cells.append({
-                            "prompt": p.id, "kind": p.kind, "T": int(p.context_ids.shape[1]), "scorer": scorer,
-                            "k_over_t": float(k), "layer": layer, "group": g, "s": int(out["s"][layer, g]),
-                            "union": int(out["union"][layer, g]), "uor": float(out["uor"][layer, g]),
-                            "j_bar": float(out["j_bar"][layer, g]), "j_max": float(out["j_max"][layer, g]),
-                            "bonferroni_lower": float(out["bonferroni_lower"][layer, g]),
-                            "sandwich_lower": float(out["sandwich_lower"][layer, g]),
-                            "sandwich_upper": float(out["sandwich_upper"][layer, g]),
-                            "cert_bonferroni": bool(out["cert_bonferroni"][layer, g]),
-                            "cert_sandwich": bool(out["cert_sandwich"][layer, g]),
-                            "finite": bool(out["finite"][layer, g]),
-                        })
+                        cells.append(
+                            {
+                                "prompt": p.id,
+                                "kind": p.kind,
+                                "T": int(p.context_ids.shape[1]),
+                                "scorer": scorer,
+                                "k_over_t": float(k),
+                                "layer": layer,
+                                "group": g,
+                                "s": int(out["s"][layer, g]),
+                                "union": int(out["union"][layer, g]),
+                                "uor": float(out["uor"][layer, g]),
+                                "j_bar": float(out["j_bar"][layer, g]),
+                                "j_max": float(out["j_max"][layer, g]),
+                                "bonferroni_lower": float(out["bonferroni_lower"][layer, g]),
+                                "sandwich_lower": float(out["sandwich_lower"][layer, g]),
+                                "sandwich_upper": float(out["sandwich_upper"][layer, g]),
+                                "cert_bonferroni": bool(out["cert_bonferroni"][layer, g]),
+                                "cert_sandwich": bool(out["cert_sandwich"][layer, g]),
+                                "finite": bool(out["finite"][layer, g]),
+                            }
+                        )
             summary.append({"scorer": scorer, "k_over_t": float(k), **summarize_cells(outs)})
     # the press's own page decisions (records): every head of a group holds the group's pages
     outs = []
@@ -362,11 +446,22 @@ def replay_tables(prompts: list[Prompt], caps: list[Capture], cfg: DictConfig, G
             st = set_statistics(masks)
             lo_b = bonferroni_bound(r, st["j_bar"])
             lo_s, _ = sandwich_bounds(r, st["j_bar"], st["j_max"])
-            outs.append({**st, "cert_bonferroni": lo_b >= 2, "cert_sandwich": lo_s >= 2,
-                         "finite": torch.ones(G, dtype=torch.bool)})
+            outs.append(
+                {
+                    **st,
+                    "cert_bonferroni": lo_b >= 2,
+                    "cert_sandwich": lo_s >= 2,
+                    "finite": torch.ones(G, dtype=torch.bool),
+                }
+            )
     if outs:
-        summary.append({"scorer": "page_entrokv_press_pages", "k_over_t": 1.0 - float(cfg.compression_ratio),
-                        **summarize_cells(outs)})
+        summary.append(
+            {
+                "scorer": "page_entrokv_press_pages",
+                "k_over_t": 1.0 - float(cfg.compression_ratio),
+                **summarize_cells(outs),
+            }
+        )
     return cells, summary
 
 
@@ -393,7 +488,7 @@ def slot_mass_rows(caps: list[Capture], pooled: list[torch.Tensor]) -> list[dict
         for rec in (x for x in cap.records.get("page_entrokv", []) if x.get("kept_pages") is not None):
             B, n_full = int(rec["page_size"]), int(rec["T"]) // int(rec["page_size"])
             protected = set() if rec["protected_pages"] is None else set(rec["protected_pages"].tolist())
-            frames = rows[rec["layer_idx"], :, :n_full * B].double().view(G, n_full, B)
+            frames = rows[rec["layer_idx"], :, : n_full * B].double().view(G, n_full, B)
             for g in range(G):
                 kept = [p for p in rec["kept_pages"][g].tolist() if p < n_full]
                 for key, chosen in (("kept", kept), ("unprotected", [p for p in kept if p not in protected])):
@@ -403,10 +498,17 @@ def slot_mass_rows(caps: list[Capture], pooled: list[torch.Tensor]) -> list[dict
     if B is None:
         return []
     share = {k: v / v.sum() for k, v in sums.items()}
-    return [{"slot": s, "share_kept": float(share["kept"][s]) if "kept" in share else float("nan"),
-             "share_unprotected": float(share["unprotected"][s]) if "unprotected" in share else float("nan"),
-             "uniform": 1.0 / B, "pages_kept": pages_used["kept"], "pages_unprotected": pages_used["unprotected"]}
-            for s in range(B)]
+    return [
+        {
+            "slot": s,
+            "share_kept": float(share["kept"][s]) if "kept" in share else float("nan"),
+            "share_unprotected": float(share["unprotected"][s]) if "unprotected" in share else float("nan"),
+            "uniform": 1.0 / B,
+            "pages_kept": pages_used["kept"],
+            "pages_unprotected": pages_used["unprotected"],
+        }
+        for s in range(B)
+    ]
 
 
 def accounting_table(prompts, caps, cfg, head_dim: int, G: int, r: int):
@@ -420,18 +522,28 @@ def accounting_table(prompts, caps, cfg, head_dim: int, G: int, r: int):
     B, e = int(cfg.presses.page_entrokv.page_size), int(cfg.bytes_per_element)
     for p, cap in zip(prompts, caps):
         for name in cap.records:
-            for rec, acc in zip([x for x in cap.records[name] if x.get("kept_pages") is not None],
-                                page_accounting(cap.records[name], head_dim, B, e)):
+            for rec, acc in zip(
+                [x for x in cap.records[name] if x.get("kept_pages") is not None],
+                page_accounting(cap.records[name], head_dim, B, e),
+            ):
                 layer = acc["layer"]
                 T = int(p.context_ids.shape[1])
                 kept = int(rec["kept_tokens"])
                 hi = head_independent_replay(cap.scores["snapkv"][layer], G, kept / T)
                 idx = hi["indices"].reshape(G, -1)  # (G, r * s): the union of the heads' sets
                 hi_pages = pages_touched(idx, B)
-                rows.append({"prompt": p.id, "T": T, "press": name, **acc, "kept_tokens": kept,
-                             "hi_snapkv_uor": float(hi["uor"].mean()),
-                             "hi_snapkv_pages_per_group": float(hi_pages.double().mean()),
-                             "hi_snapkv_allocation_bytes": allocation_bytes(hi_pages.tolist(), head_dim, B, e)})
+                rows.append(
+                    {
+                        "prompt": p.id,
+                        "T": T,
+                        "press": name,
+                        **acc,
+                        "kept_tokens": kept,
+                        "hi_snapkv_uor": float(hi["uor"].mean()),
+                        "hi_snapkv_pages_per_group": float(hi_pages.double().mean()),
+                        "hi_snapkv_allocation_bytes": allocation_bytes(hi_pages.tolist(), head_dim, B, e),
+                    }
+                )
     return rows
 
 
@@ -444,19 +556,40 @@ def ablation_tables(prompts, caps, cfg, G: int):
         ents.append(torch.stack([x["entropy"] for x in recs]))  # (L, H_Q): the press's sink-isolated H_2
     ent = torch.cat(ents)
     ts = tau_sweep(ent, G, list(cfg.ablations.taus))
-    tau_rows = [{"tau": t, "max_w": float(m.mean()), "max_w_max": float(m.max()), "w_std": float(s.mean()),
-                 "cells": int(m.numel())} for t, m, s in zip(ts["taus"], ts["max_w"], ts["std_w"])]
+    tau_rows = [
+        {
+            "tau": t,
+            "max_w": float(m.mean()),
+            "max_w_max": float(m.max()),
+            "w_std": float(s.mean()),
+            "cells": int(m.numel()),
+        }
+        for t, m, s in zip(ts["taus"], ts["max_w"], ts["std_w"])
+    ]
     means = [row["max_w"] for row in tau_rows]
-    tau_check = {"per_cell_violations": ts["violations"], "monotone_per_cell": ts["monotone"],
-                 "monotone_mean": all(b <= a + 1e-9 for a, b in zip(means, means[1:]))}
+    tau_check = {
+        "per_cell_violations": ts["violations"],
+        "monotone_per_cell": ts["monotone"],
+        "monotone_mean": all(b <= a + 1e-9 for a, b in zip(means, means[1:])),
+    }
     alpha_rows = []
     by_alpha: dict = {}
     for p, cap in zip(prompts, caps):
         res = alpha_sweep(cap.scores["snapkv"], G, int(pc.n_sink), list(cfg.ablations.alphas), float(pc.tau))
         T = int(p.context_ids.shape[1])
         for a, v in res.items():
-            d = by_alpha.setdefault(a, {"max_w": [], "h_min": math.inf, "h_max": -math.inf, "violations": 0,
-                                        "at_clamp": 0, "n": 0, "ln_t": []})
+            d = by_alpha.setdefault(
+                a,
+                {
+                    "max_w": [],
+                    "h_min": math.inf,
+                    "h_max": -math.inf,
+                    "violations": 0,
+                    "at_clamp": 0,
+                    "n": 0,
+                    "ln_t": [],
+                },
+            )
             d["max_w"].append(v["max_w"].reshape(-1))
             d["h_min"], d["h_max"] = min(d["h_min"], v["h_min"]), max(d["h_max"], v["h_max"])
             d["violations"] += v["violations"]
@@ -464,9 +597,18 @@ def ablation_tables(prompts, caps, cfg, G: int):
             d["n"] += int(v["entropy"].numel())
             d["ln_t"].append(math.log(T))
     for a, d in by_alpha.items():
-        alpha_rows.append({"alpha": a, "max_w": float(torch.cat(d["max_w"]).mean()), "h_min": d["h_min"],
-                           "h_max": d["h_max"], "ln_T_min": min(d["ln_t"]), "violations": d["violations"],
-                           "at_clamp": d["at_clamp"], "entropies": d["n"]})
+        alpha_rows.append(
+            {
+                "alpha": a,
+                "max_w": float(torch.cat(d["max_w"]).mean()),
+                "h_min": d["h_min"],
+                "h_max": d["h_max"],
+                "ln_T_min": min(d["ln_t"]),
+                "violations": d["violations"],
+                "at_clamp": d["at_clamp"],
+                "entropies": d["n"],
+            }
+        )
     card = []
     for p, cap in zip(prompts, caps):
         for name, recs in cap.records.items():
@@ -478,10 +620,19 @@ def ablation_tables(prompts, caps, cfg, G: int):
                 last = (T - 1) // B
                 n_tok = (pages.numel() // pages.shape[0] - 1) * B + (T - last * B)
                 cache_len = cap.cache_lengths[name][int(rec["layer_idx"])]
-                card.append({"prompt": p.id, "press": name, "layer": int(rec["layer_idx"]), "T": T,
-                             "budget": int(rec["budget"]), "kept_tokens": int(rec["kept_tokens"]),
-                             "tokens_from_pages": n_tok, "cache_length": cache_len,
-                             "exact": n_tok == int(rec["kept_tokens"]) == cache_len <= int(rec["budget"])})
+                card.append(
+                    {
+                        "prompt": p.id,
+                        "press": name,
+                        "layer": int(rec["layer_idx"]),
+                        "T": T,
+                        "budget": int(rec["budget"]),
+                        "kept_tokens": int(rec["kept_tokens"]),
+                        "tokens_from_pages": n_tok,
+                        "cache_length": cache_len,
+                        "exact": n_tok == int(rec["kept_tokens"]) == cache_len <= int(rec["budget"]),
+                    }
+                )
     return tau_rows, tau_check, alpha_rows, card
 
 
@@ -506,10 +657,22 @@ def census_rows(prompts, caps, cfg, G: int, r: int):
         L, HQ = labels.shape
         for layer in range(L):
             for h in range(HQ):
-                rows.append({"prompt": p.id, "T": T, "depth": p.depth, "layer": layer, "head": h, "group": h // r,
-                             "class": HEAD_CLASSES[int(labels[layer, h])], "sink_mass": float(1 - z[layer, h]),
-                             "raw_entropy": float(raw[layer, h]), "isolated_entropy": float(iso[layer, h]),
-                             "raw_weight": float(w_raw[layer, h]), "isolated_weight": float(w_iso[layer, h])})
+                rows.append(
+                    {
+                        "prompt": p.id,
+                        "T": T,
+                        "depth": p.depth,
+                        "layer": layer,
+                        "head": h,
+                        "group": h // r,
+                        "class": HEAD_CLASSES[int(labels[layer, h])],
+                        "sink_mass": float(1 - z[layer, h]),
+                        "raw_entropy": float(raw[layer, h]),
+                        "isolated_entropy": float(iso[layer, h]),
+                        "raw_weight": float(w_raw[layer, h]),
+                        "isolated_weight": float(w_iso[layer, h]),
+                    }
+                )
     return rows
 
 
@@ -531,6 +694,7 @@ def retention_from_records(records: list[dict], value_tokens: torch.Tensor) -> t
 # ------------------------------------------------------------------------------------------------------
 # Output
 # ------------------------------------------------------------------------------------------------------
+
 
 def _fmt(x, nd=3):
     if isinstance(x, bool):
@@ -579,11 +743,19 @@ def plot_fig4(cells: list[dict], r: int, path: Path, k_values: list[float]) -> N
     lo_b = bonferroni_bound(r, j)
     for ax, k in zip(axes.flat, k_values):
         for scorer, color in colors.items():
-            pts = [(c["j_bar"], c["uor"]) for c in cells if c["scorer"] == scorer and c["k_over_t"] == k and c["finite"]]
+            pts = [
+                (c["j_bar"], c["uor"]) for c in cells if c["scorer"] == scorer and c["k_over_t"] == k and c["finite"]
+            ]
             if pts:
                 xs, ys = zip(*pts)
-                ax.scatter(xs, ys, s=6, alpha=0.35 if scorer != "page_entrokv_pooled" else 0.9, color=color,
-                           label=f"{scorer} (n={len(pts)})")
+                ax.scatter(
+                    xs,
+                    ys,
+                    s=6,
+                    alpha=0.35 if scorer != "page_entrokv_pooled" else 0.9,
+                    color=color,
+                    label=f"{scorer} (n={len(pts)})",
+                )
         ax.plot(j, lo_s, "r--", lw=1.5, label="sandwich lower envelope (Thm. 1)")
         ax.plot(j, lo_b, color="grey", ls="-.", lw=1, label="Bonferroni (Cor. 1)")
         ax.axhline(r, color="k", ls=":", lw=1.2, label=f"ceiling r = {r}")
@@ -613,8 +785,9 @@ def plot_census(rows: list[dict], ln_ceiling: float, fig7: Path, fig8: Path) -> 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     allv = [x[k] for x in rows for k in ("raw_entropy", "isolated_entropy")]
     bins = torch.linspace(0, max(allv + [ln_ceiling]) + 0.1, 41).tolist()
-    for ax, key, title in zip(axes, ("raw_entropy", "isolated_entropy"), ("(a) raw collision entropy",
-                                                                           "(b) sink-isolated collision entropy")):
+    for ax, key, title in zip(
+        axes, ("raw_entropy", "isolated_entropy"), ("(a) raw collision entropy", "(b) sink-isolated collision entropy")
+    ):
         for cls in HEAD_CLASSES:
             v = [x[key] for x in rows if x["class"] == cls]
             if v:
@@ -680,6 +853,7 @@ def _mean(xs):
 # Driver
 # ------------------------------------------------------------------------------------------------------
 
+
 def run(cfg: DictConfig) -> dict:
     """Capture, analyse and write every output (see the module docstring); returns ``run.json``'s dict."""
     from hydra.utils import instantiate
@@ -693,8 +867,13 @@ def run(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model(cfg.model.name, device=cfg.device, dtype=cfg.model.get("dtype"),
-                                  attn_implementation="eager", path=cfg.model.get("path"))
+    model, tokenizer = load_model(
+        cfg.model.name,
+        device=cfg.device,
+        dtype=cfg.model.get("dtype"),
+        attn_implementation="eager",
+        path=cfg.model.get("path"),
+    )
     mc = model.config
     HQ, G = mc.num_attention_heads, mc.num_key_value_heads
     r = HQ // G
@@ -702,8 +881,16 @@ def run(cfg: DictConfig) -> dict:
     pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(cfg.device))
     prompts, needle_ds = build_prompts(cfg, pipe, tokenizer)
     t_load = time.perf_counter() - t0
-    logger.info("model %s (H_Q=%d, G=%d, r=%d, L=%d), %d prompts, load %.0fs", cfg.model.name, HQ, G, r,
-                mc.num_hidden_layers, len(prompts), t_load)
+    logger.info(
+        "model %s (H_Q=%d, G=%d, r=%d, L=%d), %d prompts, load %.0fs",
+        cfg.model.name,
+        HQ,
+        G,
+        r,
+        mc.num_hidden_layers,
+        len(prompts),
+        t_load,
+    )
 
     press_names = list(cfg.retention.presses)
     caps, retention, timings = [], [], []
@@ -718,21 +905,47 @@ def run(cfg: DictConfig) -> dict:
             for name, cache in caches.items():
                 with torch.inference_mode():
                     answer = pipe.generate_answer(p.question_ids, cache, T, int(p.example.max_new_tokens or 16))
-                kept = (retention_from_records(cap.records[name], p.value_tokens) if name != "no_press"
-                        else torch.ones(mc.num_hidden_layers, G, dtype=torch.bool))
-                retention.append({"prompt": p.id, "length": p.length, "T": T, "depth": p.depth, "press": name,
-                                  "frac_decisions_kept": float(kept.double().mean()),
-                                  "strict_kept": bool(kept.all()), "per_layer": kept.all(-1).tolist(),
-                                  "per_layer_group_rate": kept.double().mean(-1).tolist(),
-                                  "value_tokens": p.value_tokens.tolist(), "answer": answer,
-                                  "score": float(needle_ds.score(answer, p.example)),
-                                  "cache_length": cache.get_seq_length(0)})
+                kept = (
+                    retention_from_records(cap.records[name], p.value_tokens)
+                    if name != "no_press"
+                    else torch.ones(mc.num_hidden_layers, G, dtype=torch.bool)
+                )
+                retention.append(
+                    {
+                        "prompt": p.id,
+                        "length": p.length,
+                        "T": T,
+                        "depth": p.depth,
+                        "press": name,
+                        "frac_decisions_kept": float(kept.double().mean()),
+                        "strict_kept": bool(kept.all()),
+                        "per_layer": kept.all(-1).tolist(),
+                        "per_layer_group_rate": kept.double().mean(-1).tolist(),
+                        "value_tokens": p.value_tokens.tolist(),
+                        "answer": answer,
+                        "score": float(needle_ds.score(answer, p.example)),
+                        "cache_length": cache.get_seq_length(0),
+                    }
+                )
         cap.full_cache, cap.caches = None, {}  # keep the score rows, records and cache lengths only
         caps.append(cap)
-        timings.append({"prompt": p.id, "T": int(p.context_ids.shape[1]), "prefill_s": t_prefill,
-                        "total_s": time.perf_counter() - t1})
-        logger.info("[%d/%d] %s T=%d prefill %.0fs total %.0fs", i + 1, len(prompts), p.id,
-                    int(p.context_ids.shape[1]), t_prefill, time.perf_counter() - t1)
+        timings.append(
+            {
+                "prompt": p.id,
+                "T": int(p.context_ids.shape[1]),
+                "prefill_s": t_prefill,
+                "total_s": time.perf_counter() - t1,
+            }
+        )
+        logger.info(
+            "[%d/%d] %s T=%d prefill %.0fs total %.0fs",
+            i + 1,
+            len(prompts),
+            p.id,
+            int(p.context_ids.shape[1]),
+            t_prefill,
+            time.perf_counter() - t1,
+        )
 
     # --- Table 4, Fig. 4 ---
     pc = cfg.presses.page_entrokv
@@ -756,16 +969,26 @@ def run(cfg: DictConfig) -> dict:
     census_sum = []
     for cls in HEAD_CLASSES:
         v = [x for x in census if x["class"] == cls]
-        census_sum.append({"class": cls, "n": len(v), "sink_mass": _mean(x["sink_mass"] for x in v),
-                           "raw_entropy": _mean(x["raw_entropy"] for x in v),
-                           "isolated_entropy": _mean(x["isolated_entropy"] for x in v),
-                           "raw_weight": _mean(x["raw_weight"] for x in v),
-                           "isolated_weight": _mean(x["isolated_weight"] for x in v)})
+        census_sum.append(
+            {
+                "class": cls,
+                "n": len(v),
+                "sink_mass": _mean(x["sink_mass"] for x in v),
+                "raw_entropy": _mean(x["raw_entropy"] for x in v),
+                "isolated_entropy": _mean(x["isolated_entropy"] for x in v),
+                "raw_weight": _mean(x["raw_weight"] for x in v),
+                "isolated_weight": _mean(x["isolated_weight"] for x in v),
+            }
+        )
     write_csv(out / "census_summary.csv", census_sum)
     if census:
         T_max = max(x["T"] for x in census)
-        plot_census(census, math.log(T_max - int(cfg.presses.page_entrokv.n_sink)), out / "fig7_entropy.png",
-                    out / "fig8_weights.png")
+        plot_census(
+            census,
+            math.log(T_max - int(cfg.presses.page_entrokv.n_sink)),
+            out / "fig7_entropy.png",
+            out / "fig8_weights.png",
+        )
     # --- Table 6 ---
     ret_rows = [{k: v for k, v in x.items() if k not in ("per_layer", "per_layer_group_rate")} for x in retention]
     write_csv(out / "retention.csv", ret_rows)
@@ -774,27 +997,47 @@ def run(cfg: DictConfig) -> dict:
         rs = [x for x in retention if x["press"] == name]
         if rs:
             for layer in range(len(rs[0]["per_layer_group_rate"])):
-                layer_rows.append({"press": name, "layer": layer,
-                                   "keep_rate": _mean(x["per_layer_group_rate"][layer] for x in rs),
-                                   "all_groups_rate": _mean(float(x["per_layer"][layer]) for x in rs)})
+                layer_rows.append(
+                    {
+                        "press": name,
+                        "layer": layer,
+                        "keep_rate": _mean(x["per_layer_group_rate"][layer] for x in rs),
+                        "all_groups_rate": _mean(float(x["per_layer"][layer]) for x in rs),
+                    }
+                )
     write_csv(out / "retention_layers.csv", layer_rows)
     if layer_rows:
         plot_retention_layers(layer_rows, out / "fig6_retention_layers.png")
 
     info = {
-        "command": command_line("python -m evaluation.uor"), "model": cfg.model.name, "H_Q": HQ, "G": G, "r": r, "L": mc.num_hidden_layers,
-        "head_dim": head_dim, "prompts": [{"id": p.id, "kind": p.kind, "task": p.task, "T": int(p.context_ids.shape[1]),
-                                           "depth": p.depth} for p in prompts],
-        "timings": timings, "load_s": t_load, "tau_check": tau_check,
-        "thresholds": {"bonferroni": bonferroni_threshold(r) if r >= 2 else None,
-                       "sandwich": sandwich_threshold(r) if r >= 2 else None},
-        "cardinality_exact": all(x["exact"] for x in card), "torch": torch.__version__,
-        "python": platform.python_version(), "threads": torch.get_num_threads(),
+        "command": command_line("python -m evaluation.uor"),
+        "model": cfg.model.name,
+        "H_Q": HQ,
+        "G": G,
+        "r": r,
+        "L": mc.num_hidden_layers,
+        "head_dim": head_dim,
+        "prompts": [
+            {"id": p.id, "kind": p.kind, "task": p.task, "T": int(p.context_ids.shape[1]), "depth": p.depth}
+            for p in prompts
+        ],
+        "timings": timings,
+        "load_s": t_load,
+        "tau_check": tau_check,
+        "thresholds": {
+            "bonferroni": bonferroni_threshold(r) if r >= 2 else None,
+            "sandwich": sandwich_threshold(r) if r >= 2 else None,
+        },
+        "cardinality_exact": all(x["exact"] for x in card),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     info["total_s"] = time.perf_counter() - t0
-    write_report(out, cfg, info, t4, acc, tau_rows, tau_check, alpha_rows, card, census_sum, retention, layer_rows,
-                 slots)
+    write_report(
+        out, cfg, info, t4, acc, tau_rows, tau_check, alpha_rows, card, census_sum, retention, layer_rows, slots
+    )
     info["total_s"] = time.perf_counter() - t0
     tmp = out / f".run.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(info, indent=2, default=str))
@@ -803,116 +1046,256 @@ def run(cfg: DictConfig) -> dict:
     return info
 
 
-def write_report(out: Path, cfg, info, t4, acc, tau_rows, tau_check, alpha_rows, card, census_sum, retention,
-                 layer_rows, slots: list | None = None) -> None:
+def write_report(
+    out: Path,
+    cfg,
+    info,
+    t4,
+    acc,
+    tau_rows,
+    tau_check,
+    alpha_rows,
+    card,
+    census_sum,
+    retention,
+    layer_rows,
+    slots: list | None = None,
+) -> None:
     """``table4.md``, ``table6.md`` and ``report.md`` (every table, the paper's numbers beside ours)."""
     r, G = info["r"], info["G"]
-    lines = [f"# UOR and head-pooling analysis: {info['model']}", "",
-             f"Generated by `{info['command']}` in {info['total_s'] / 60:.1f} min "
-             f"({len(info['prompts'])} prompts; H_Q={info['H_Q']}, G={G}, r={r}, L={info['L']}, d={info['head_dim']}). "
-             "Paper numbers: paper 000's Qwen2.5-1.5B-Instruct pilot (r = 6, L = 28).", ""]
+    lines = [
+        f"# UOR and head-pooling analysis: {info['model']}",
+        "",
+        f"Generated by `{info['command']}` in {info['total_s'] / 60:.1f} min "
+        f"({len(info['prompts'])} prompts; H_Q={info['H_Q']}, G={G}, r={r}, L={info['L']}, d={info['head_dim']}). "
+        "Paper numbers: paper 000's Qwen2.5-1.5B-Instruct pilot (r = 6, L = 28).",
+        "",
+    ]
     # Table 4
     t4_rows = []
     for row in t4:
         paper = PAPER["table4"].get((row["scorer"], row["k_over_t"]))
-        t4_rows.append({**row, "paper": "" if paper is None else
-                        f"{paper[0]:.3f} / {paper[1]:.3f} / {paper[2]:.3f} / {paper[3]} / {paper[4]} / {paper[5]:.3f}"})
-    cols = ["scorer", "k_over_t", "uor_mean", "uor_max", "frac_uor_gt1", "cert_bonferroni", "cert_sandwich",
-            "frac_uor_ge2", "j_bar_mean", "j_max_mean", "cells", "skipped", "paper"]
-    heads = ["Scorer", "k/T", "mean UOR", "UOR max", "frac(UOR>1)", "cert_1 (Bonf.)", "cert_T (sandw.)", ">=2-frac",
-             "mean J_bar", "mean J_max", "cells", "skipped", "paper: mean/max/frac>1/cert_1/cert_T/>=2"]
+        t4_rows.append(
+            {
+                **row,
+                "paper": ""
+                if paper is None
+                else f"{paper[0]:.3f} / {paper[1]:.3f} / {paper[2]:.3f} / {paper[3]} / {paper[4]} / {paper[5]:.3f}",
+            }
+        )
+    cols = [
+        "scorer",
+        "k_over_t",
+        "uor_mean",
+        "uor_max",
+        "frac_uor_gt1",
+        "cert_bonferroni",
+        "cert_sandwich",
+        "frac_uor_ge2",
+        "j_bar_mean",
+        "j_max_mean",
+        "cells",
+        "skipped",
+        "paper",
+    ]
+    heads = [
+        "Scorer",
+        "k/T",
+        "mean UOR",
+        "UOR max",
+        "frac(UOR>1)",
+        "cert_1 (Bonf.)",
+        "cert_T (sandw.)",
+        ">=2-frac",
+        "mean J_bar",
+        "mean J_max",
+        "cells",
+        "skipped",
+        "paper: mean/max/frac>1/cert_1/cert_T/>=2",
+    ]
     t4md = md_table(t4_rows, cols, 3, heads)
     thr = info["thresholds"]
-    t4_note = (f"Cells = (prompt, layer, group). Certificates count cells whose lower bound certifies UOR >= 2: "
-               f"Bonferroni at J_bar <= {thr['bonferroni']:.4f}, sandwich at J_bar <= {thr['sandwich']:.4f} for r = {r}. "
-               "`page_entrokv_pooled`: the pooled score (sink-isolated H_2, tau_g = 0.5) top-s per group shared by the "
-               "group's heads; `page_entrokv_press_pages`: the press's own page decisions at compression_ratio = "
-               f"{cfg.compression_ratio} from its records (k/T column = kept fraction).")
-    (out / "table4.md").write_text("# Table 4: head-independent replay vs pooled selection\n\n" + t4md + "\n\n" + t4_note + "\n")
-    lines += ["## Table 4: head-independent replay vs pooled selection", "", t4md, "", t4_note, "",
-              "![Fig. 4](fig4_uor_vs_jbar.png)", ""]
+    t4_note = (
+        f"Cells = (prompt, layer, group). Certificates count cells whose lower bound certifies UOR >= 2: "
+        f"Bonferroni at J_bar <= {thr['bonferroni']:.4f}, sandwich at J_bar <= {thr['sandwich']:.4f} for r = {r}. "
+        "`page_entrokv_pooled`: the pooled score (sink-isolated H_2, tau_g = 0.5) top-s per group shared by the "
+        "group's heads; `page_entrokv_press_pages`: the press's own page decisions at compression_ratio = "
+        f"{cfg.compression_ratio} from its records (k/T column = kept fraction)."
+    )
+    (out / "table4.md").write_text(
+        "# Table 4: head-independent replay vs pooled selection\n\n" + t4md + "\n\n" + t4_note + "\n"
+    )
+    lines += [
+        "## Table 4: head-independent replay vs pooled selection",
+        "",
+        t4md,
+        "",
+        t4_note,
+        "",
+        "![Fig. 4](fig4_uor_vs_jbar.png)",
+        "",
+    ]
     # accounting
     acc_sum = []
     for press in sorted({x["press"] for x in acc}):
         for layer in sorted({x["layer"] for x in acc}):
             v = [x for x in acc if x["press"] == press and x["layer"] == layer]
-            acc_sum.append({"press": press, "layer": layer, "pages_per_group": _mean(x["pages_per_group"] for x in v),
-                            "union_pages": _mean(x["union_pages"] for x in v),
-                            "allocation_bytes": _mean(x["allocation_bytes"] for x in v),
-                            "union_bytes": _mean(x["union_bytes"] for x in v),
-                            "union_ratio": _mean(x["union_ratio"] for x in v),
-                            "hi_snapkv_uor": _mean(x["hi_snapkv_uor"] for x in v),
-                            "hi_snapkv_allocation_bytes": _mean(x["hi_snapkv_allocation_bytes"] for x in v)})
+            acc_sum.append(
+                {
+                    "press": press,
+                    "layer": layer,
+                    "pages_per_group": _mean(x["pages_per_group"] for x in v),
+                    "union_pages": _mean(x["union_pages"] for x in v),
+                    "allocation_bytes": _mean(x["allocation_bytes"] for x in v),
+                    "union_bytes": _mean(x["union_bytes"] for x in v),
+                    "union_ratio": _mean(x["union_ratio"] for x in v),
+                    "hi_snapkv_uor": _mean(x["hi_snapkv_uor"] for x in v),
+                    "hi_snapkv_allocation_bytes": _mean(x["hi_snapkv_allocation_bytes"] for x in v),
+                }
+            )
     tot = []
     for press in sorted({x["press"] for x in acc}):
         v = [x for x in acc if x["press"] == press]
         n_prompts = len({x["prompt"] for x in v})
-        a, u, h = (sum(x[k] for x in v) / n_prompts for k in ("allocation_bytes", "union_bytes",
-                                                               "hi_snapkv_allocation_bytes"))
-        tot.append({"press": press, "allocation_MiB": a / 2**20, "union_MiB": u / 2**20, "union/allocation": u / a,
-                    "hi_snapkv_allocation_MiB": h / 2**20, "hi/allocation": h / a})
-    lines += ["## Physical page accounting (paper 001 section 7)", "",
-              f"Per prompt, all layers (e = {cfg.bytes_per_element} bytes per element, B = {cfg.presses.page_entrokv.page_size}): "
-              "per-group allocation `2 e d B sum K_lg` vs union materialisation `2 e d B G sum U_l`; "
-              "`hi_snapkv`: per-group allocation of the pages touched by the union of the heads' own top-b snapkv "
-              "positions at the same token budget b.", "",
-              md_table(tot, list(tot[0]) if tot else [], 3), "",
-              "Per layer (means over prompts; `page_accounting.csv` has every prompt):", "",
-              md_table(acc_sum, list(acc_sum[0]) if acc_sum else [], 3), ""]
+        a, u, h = (
+            sum(x[k] for x in v) / n_prompts for k in ("allocation_bytes", "union_bytes", "hi_snapkv_allocation_bytes")
+        )
+        tot.append(
+            {
+                "press": press,
+                "allocation_MiB": a / 2**20,
+                "union_MiB": u / 2**20,
+                "union/allocation": u / a,
+                "hi_snapkv_allocation_MiB": h / 2**20,
+                "hi/allocation": h / a,
+            }
+        )
+    lines += [
+        "## Physical page accounting (paper 001 section 7)",
+        "",
+        f"Per prompt, all layers (e = {cfg.bytes_per_element} bytes per element, "
+        f"B = {cfg.presses.page_entrokv.page_size}): "
+        "per-group allocation `2 e d B sum K_lg` vs union materialisation `2 e d B G sum U_l`; "
+        "`hi_snapkv`: per-group allocation of the pages touched by the union of the heads' own top-b snapkv "
+        "positions at the same token budget b.",
+        "",
+        md_table(tot, list(tot[0]) if tot else [], 3),
+        "",
+        "Per layer (means over prompts; `page_accounting.csv` has every prompt):",
+        "",
+        md_table(acc_sum, list(acc_sum[0]) if acc_sum else [], 3),
+        "",
+    ]
     if slots:
         top = sorted(slots, key=lambda x: -x["share_unprotected"])[:3]
-        lines += ["## Pooled mass by slot within the kept pages (paper 000 Fig. 6)", "",
-                  f"Share of the pooled score mass at each offset of the kept pages (B = {len(slots)}; uniform "
-                  f"{slots[0]['uniform']:.4f}), over {slots[0]['pages_kept']} kept page frames (all) and "
-                  f"{slots[0]['pages_unprotected']} unprotected ones (not the sink or window pages). Largest "
-                  "unprotected shares: " + ", ".join(f"slot {x['slot']} {x['share_unprotected']:.4f}" for x in top)
-                  + f". Paper (Qwen2.5-1.5B pilot, r = 6): {PAPER['fig6']}.", "",
-                  md_table(slots, ["slot", "share_kept", "share_unprotected", "uniform"], 4), ""]
+        lines += [
+            "## Pooled mass by slot within the kept pages (paper 000 Fig. 6)",
+            "",
+            f"Share of the pooled score mass at each offset of the kept pages (B = {len(slots)}; uniform "
+            f"{slots[0]['uniform']:.4f}), over {slots[0]['pages_kept']} kept page frames (all) and "
+            f"{slots[0]['pages_unprotected']} unprotected ones (not the sink or window pages). Largest "
+            "unprotected shares: "
+            + ", ".join(f"slot {x['slot']} {x['share_unprotected']:.4f}" for x in top)
+            + f". Paper (Qwen2.5-1.5B pilot, r = 6): {PAPER['fig6']}.",
+            "",
+            md_table(slots, ["slot", "share_kept", "share_unprotected", "uniform"], 4),
+            "",
+        ]
     # Table 5
-    tau_md = [{**x, "paper max_w / std": "" if x["tau"] not in PAPER["tau"] else
-               "{:.4f} / {:.4f}".format(*PAPER["tau"][x["tau"]])} for x in tau_rows]
-    alpha_md = [{**x, "paper max_w; [H_min, H_max]": "" if x["alpha"] not in PAPER["alpha"] else
-                 "{:.3f}; [{:.3f}, {:.3f}]".format(*PAPER["alpha"][x["alpha"]])} for x in alpha_rows]
+    tau_md = [
+        {
+            **x,
+            "paper max_w / std": ""
+            if x["tau"] not in PAPER["tau"]
+            else "{:.4f} / {:.4f}".format(*PAPER["tau"][x["tau"]]),
+        }
+        for x in tau_rows
+    ]
+    alpha_md = [
+        {
+            **x,
+            "paper max_w; [H_min, H_max]": ""
+            if x["alpha"] not in PAPER["alpha"]
+            else "{:.3f}; [{:.3f}, {:.3f}]".format(*PAPER["alpha"][x["alpha"]]),
+        }
+        for x in alpha_rows
+    ]
     n_exact = sum(x["exact"] for x in card)
     union = [x for x in acc if x["press"] == "page_entrokv"]
-    lines += ["## Table 5: mechanism ablations", "",
-              f"(a) tau_g sweep on the press's sink-isolated H_2 (per (prompt, layer, group) cell; mean of max_h w_h, "
-              f"max of max_h w_h, mean within-group population std). Monotone per cell: {tau_check['monotone_per_cell']} "
-              f"({tau_check['per_cell_violations']} violations); monotone in the mean: {tau_check['monotone_mean']}; "
-              f"limit 1/r = {1 / r:.4f}.", "", md_table(tau_md, list(tau_md[0]), 4), "",
-              "(b) alpha sweep at tau_g = 0.5 (sink-isolated entropies of every head; violations of [0, ln T]; "
-              "`at_clamp` counts values on the clamp edges 0 or ln(T-|S|) of `renyi_entropy`, which would hide "
-              "round-off).", "", md_table(alpha_md, list(alpha_md[0]), 3), "",
-              f"(c) Cardinality exactness: {n_exact}/{len(card)} (prompt, press, layer) decisions keep exactly the "
-              "planned tokens, the cache holds that many, and it is within the budget.", "",
-              f"(d) Page-union ratio G U_l / sum_g K_lg of Page-EntroKV: mean {_mean(x['union_ratio'] for x in union):.3f}, "
-              f"max {max((x['union_ratio'] for x in union), default=float('nan')):.3f} (1 = all groups keep the same "
-              f"pages, G = {G} = disjoint).", ""]
+    lines += [
+        "## Table 5: mechanism ablations",
+        "",
+        f"(a) tau_g sweep on the press's sink-isolated H_2 (per (prompt, layer, group) cell; mean of max_h w_h, "
+        f"max of max_h w_h, mean within-group population std). Monotone per cell: {tau_check['monotone_per_cell']} "
+        f"({tau_check['per_cell_violations']} violations); monotone in the mean: {tau_check['monotone_mean']}; "
+        f"limit 1/r = {1 / r:.4f}.",
+        "",
+        md_table(tau_md, list(tau_md[0]), 4),
+        "",
+        "(b) alpha sweep at tau_g = 0.5 (sink-isolated entropies of every head; violations of [0, ln T]; "
+        "`at_clamp` counts values on the clamp edges 0 or ln(T-|S|) of `renyi_entropy`, which would hide "
+        "round-off).",
+        "",
+        md_table(alpha_md, list(alpha_md[0]), 3),
+        "",
+        f"(c) Cardinality exactness: {n_exact}/{len(card)} (prompt, press, layer) decisions keep exactly the "
+        "planned tokens, the cache holds that many, and it is within the budget.",
+        "",
+        f"(d) Page-union ratio G U_l / sum_g K_lg of Page-EntroKV: mean {_mean(x['union_ratio'] for x in union):.3f}, "
+        f"max {max((x['union_ratio'] for x in union), default=float('nan')):.3f} (1 = all groups keep the same "
+        f"pages, G = {G} = disjoint).",
+        "",
+    ]
     # census
     c = {x["class"]: x for x in census_sum}
     ratio_raw = c["sink"]["raw_weight"] / c["contextual"]["raw_weight"] if c["contextual"]["n"] else float("nan")
-    ratio_iso = c["sink"]["isolated_weight"] / c["contextual"]["isolated_weight"] if c["contextual"]["n"] else float("nan")
+    ratio_iso = (
+        c["sink"]["isolated_weight"] / c["contextual"]["isolated_weight"] if c["contextual"]["n"] else float("nan")
+    )
     cc = cfg.census
-    lines += ["## Sink census (Figs. 7-8)", "",
-              f"Rule (operational, on the window-averaged observer attention of every (layer, query head) of the needle "
-              f"probes{' whose needle lies before the observer window' if cc.exclude_window_needles else ''}): "
-              f"**sink** when at least {cc.sink_threshold} of the mass is on the first n_sink = {cfg.presses.page_entrokv.n_sink} "
-              "positions; else **retrieval** when the top-1 non-sink position is a token of the needle sentence; else "
-              "**contextual**. Weights are the group softmax at tau_g = 0.5 of raw vs sink-isolated H_2.", "",
-              md_table(census_sum, list(census_sum[0]), 3), "",
-              f"Sink-to-contextual weight ratio: raw {ratio_raw:.2f}x, isolated {ratio_iso:.2f}x "
-              f"(paper: {PAPER['census']['ratio'][0]:.2f}x -> {PAPER['census']['ratio'][1]:.2f}x; paper weights sink "
-              f"{PAPER['census']['w_sink'][0]} -> {PAPER['census']['w_sink'][1]}, contextual {PAPER['census']['w_ctx'][0]} -> "
-              f"{PAPER['census']['w_ctx'][1]} at r = 6; paper n = {PAPER['census']['sink']} sink / "
-              f"{PAPER['census']['retrieval']} retrieval / {PAPER['census']['contextual']} contextual).", "",
-              "![Fig. 7](fig7_entropy.png) ![Fig. 8](fig8_weights.png)", ""]
+    lines += [
+        "## Sink census (Figs. 7-8)",
+        "",
+        f"Rule (operational, on the window-averaged observer attention of every (layer, query head) of the needle "
+        f"probes{' whose needle lies before the observer window' if cc.exclude_window_needles else ''}): "
+        f"**sink** when at least {cc.sink_threshold} of the mass is on the first "
+        f"n_sink = {cfg.presses.page_entrokv.n_sink} "
+        "positions; else **retrieval** when the top-1 non-sink position is a token of the needle sentence; else "
+        "**contextual**. Weights are the group softmax at tau_g = 0.5 of raw vs sink-isolated H_2.",
+        "",
+        md_table(census_sum, list(census_sum[0]), 3),
+        "",
+        f"Sink-to-contextual weight ratio: raw {ratio_raw:.2f}x, isolated {ratio_iso:.2f}x "
+        f"(paper: {PAPER['census']['ratio'][0]:.2f}x -> {PAPER['census']['ratio'][1]:.2f}x; paper weights sink "
+        f"{PAPER['census']['w_sink'][0]} -> {PAPER['census']['w_sink'][1]}, "
+        f"contextual {PAPER['census']['w_ctx'][0]} -> "
+        f"{PAPER['census']['w_ctx'][1]} at r = 6; paper n = {PAPER['census']['sink']} sink / "
+        f"{PAPER['census']['retrieval']} retrieval / {PAPER['census']['contextual']} contextual).",
+        "",
+        "![Fig. 7](fig7_entropy.png) ![Fig. 8](fig8_weights.png)",
+        "",
+    ]
     # Table 6
     t6 = table6(retention, list(cfg.retention.presses), int(cfg.presses.page_entrokv.page_size))
     (out / "table6.md").write_text("# Table 6: needle retention at a 20% budget\n\n" + t6 + "\n")
-    lines += ["## Table 6: needle retention", "", t6, "", f"Paper: {PAPER['table6']}.", "",
-              "![retention per layer](fig6_retention_layers.png)", ""]
-    lines += ["## Timing", "", md_table(info["timings"], ["prompt", "T", "prefill_s", "total_s"], 1), "",
-              f"Model load and prompt generation: {info['load_s']:.0f} s; threads: {info['threads']}.", ""]
+    lines += [
+        "## Table 6: needle retention",
+        "",
+        t6,
+        "",
+        f"Paper: {PAPER['table6']}.",
+        "",
+        "![retention per layer](fig6_retention_layers.png)",
+        "",
+    ]
+    lines += [
+        "## Timing",
+        "",
+        md_table(info["timings"], ["prompt", "T", "prefill_s", "total_s"], 1),
+        "",
+        f"Model load and prompt generation: {info['load_s']:.0f} s; threads: {info['threads']}.",
+        "",
+    ]
     (out / "report.md").write_text("\n".join(lines))
 
 
@@ -929,8 +1312,12 @@ def table6(retention: list[dict], presses: list[str], page_size: int) -> str:
         return _mean(float(a) for a in v), len(v)
 
     def block(title, key, by, labels, pct):
-        rows = [f"**{title}**", "", "| Method | " + " | ".join(labels) + " | all |",
-                "|---|" + "---|" * (len(labels) + 1)]
+        rows = [
+            f"**{title}**",
+            "",
+            "| Method | " + " | ".join(labels) + " | all |",
+            "|---|" + "---|" * (len(labels) + 1),
+        ]
         for name in names:
             vals = [cell(name, key, **{by: b})[0] for b in (lengths if by == "length" else depths)]
             allv = cell(name, key)[0]
@@ -939,17 +1326,36 @@ def table6(retention: list[dict], presses: list[str], page_size: int) -> str:
         return rows
 
     n = len([x for x in retention if x["press"] == names[0]])
-    out = [f"{n} needle prompts per method; budget 20% (compression_ratio 0.8), page_size {page_size}, "
-           "needle page = every page holding a token of the needle's value.", ""]
-    out += block("(a) Pooled-selection criterion: fraction of (layer, group) decisions that keep the needle page, "
-                 "by context (T = prompt tokens)", "frac_decisions_kept", "length",
-                 [f"T={T_of[L]}" for L in lengths], True)
-    out += [""] + block("(b) Strict all-layer criterion: recall (needle page kept in every layer and group), by "
-                        "depth", "strict_kept", "depth", [f"{d:g}%" for d in depths], False)
-    out += [""] + block("(c) End-to-end answer accuracy (greedy, 7-digit value in the answer), by depth", "score",
-                        "depth", [f"{d:g}%" for d in depths], False)
-    out += [""] + block("(d) End-to-end answer accuracy by context", "score", "length",
-                        [f"T={T_of[L]}" for L in lengths], False)
+    out = [
+        f"{n} needle prompts per method; budget 20% (compression_ratio 0.8), page_size {page_size}, "
+        "needle page = every page holding a token of the needle's value.",
+        "",
+    ]
+    out += block(
+        "(a) Pooled-selection criterion: fraction of (layer, group) decisions that keep the needle page, "
+        "by context (T = prompt tokens)",
+        "frac_decisions_kept",
+        "length",
+        [f"T={T_of[L]}" for L in lengths],
+        True,
+    )
+    out += [""] + block(
+        "(b) Strict all-layer criterion: recall (needle page kept in every layer and group), by depth",
+        "strict_kept",
+        "depth",
+        [f"{d:g}%" for d in depths],
+        False,
+    )
+    out += [""] + block(
+        "(c) End-to-end answer accuracy (greedy, 7-digit value in the answer), by depth",
+        "score",
+        "depth",
+        [f"{d:g}%" for d in depths],
+        False,
+    )
+    out += [""] + block(
+        "(d) End-to-end answer accuracy by context", "score", "length", [f"T={T_of[L]}" for L in lengths], False
+    )
     return "\n".join(out)
 
 

@@ -12,8 +12,13 @@ import torch
 __all__ = ["column_sums", "harmonic_prior"]
 
 
-def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None, scaling: float | None = None) -> torch.Tensor:
+def column_sums(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> torch.Tensor:
     """Weighted column sums of causal softmax attention for one block of query rows.
 
     ``s^h[i] = sum_{j in block} w_j softmax_i(q^h_j . k_i * scaling) [i <= pos_j]`` (paper 003 eq. 16
@@ -42,7 +47,7 @@ def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Te
         rows = torch.arange(t - n, t, device=keys.device)
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= t):
         raise ValueError(f"row positions must lie in [0, t={t}), got [{int(rows.min())}, {int(rows.max())}]")
-    scaling = d ** -0.5 if scaling is None else scaling
+    scaling = d**-0.5 if scaling is None else scaling
     end = int(rows.max()) + 1 if rows.numel() else 0  # keys beyond the last row are never visible
     q = queries.float().reshape(B, G, r * n, d)
     logits = torch.matmul(q, keys[:, :, :end].float().transpose(-1, -2)) * scaling  # (B, G, r*n, end)

@@ -28,8 +28,9 @@ def expected_unique(pi: torch.Tensor, num_samples) -> torch.Tensor:
     return (-torch.expm1(m.unsqueeze(-1) * torch.log1p(-pi))).sum(-1)
 
 
-def expected_unique_from_log(log_q: torch.Tensor, num_samples: torch.Tensor,
-                             out: torch.Tensor | None = None) -> torch.Tensor:
+def expected_unique_from_log(
+    log_q: torch.Tensor, num_samples: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """:func:`expected_unique` from a precomputed ``log_q = log1p(-pi)`` (paper 003 eq. 24), bit for bit.
 
     ``E[J(m)] = -sum_i expm1(m log(1 - pi_i))``: the same products, ``expm1`` and sum as :func:`expected_unique`

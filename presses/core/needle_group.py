@@ -14,8 +14,9 @@ import torch
 __all__ = ["needle_group_attention"]
 
 
-def needle_group_attention(T: int, r: int = 8, n_sink: int = 4, needle_mass: float = 0.95,
-                           needle: int | None = None) -> tuple[torch.Tensor, int]:
+def needle_group_attention(
+    T: int, r: int = 8, n_sink: int = 4, needle_mass: float = 0.95, needle: int | None = None
+) -> tuple[torch.Tensor, int]:
     """The needle group's observer attention (paper 000 Table 10 setting: r = 8, 1 - eps = 0.95).
 
     Args:
@@ -33,8 +34,9 @@ def needle_group_attention(T: int, r: int = 8, n_sink: int = 4, needle_mass: flo
         ValueError: if ``T``, ``r``, ``n_sink``, ``needle_mass`` or ``needle`` is outside its range.
     """
     if r < 1 or n_sink < 0 or T <= n_sink + 1:
-        raise ValueError(f"needle group needs r >= 1, n_sink >= 0 and T > n_sink + 1, got r={r}, "
-                         f"n_sink={n_sink}, T={T}")
+        raise ValueError(
+            f"needle group needs r >= 1, n_sink >= 0 and T > n_sink + 1, got r={r}, n_sink={n_sink}, T={T}"
+        )
     if not 0.0 <= needle_mass <= 1.0:
         raise ValueError(f"needle_mass={needle_mass} must be in [0, 1]")
     N = T - n_sink

@@ -102,8 +102,9 @@ def page_scores(scores: torch.Tensor, page_size: int, method: str = "block_max")
     return s.reshape(*s.shape[:-1], P, page_size).sum(-1)
 
 
-def protected_page_mask(seq_len: int, page_size: int, n_sink: int, window_size: int,
-                        protect: str = "sink_window") -> torch.Tensor:
+def protected_page_mask(
+    seq_len: int, page_size: int, n_sink: int, window_size: int, protect: str = "sink_window"
+) -> torch.Tensor:
     """Protected pages (docs/methods.md §1 step 7).
 
     ``protect="sink_window"``: every page holding a sink position ``j < n_sink`` and every page touching the last
@@ -137,8 +138,9 @@ def protected_page_mask(seq_len: int, page_size: int, n_sink: int, window_size: 
     return mask
 
 
-def shrink_protection(protected: torch.Tensor, page_len: torch.Tensor, n_sink_pages: int, budget: int,
-                      page_size: int) -> torch.Tensor:
+def shrink_protection(
+    protected: torch.Tensor, page_len: torch.Tensor, n_sink_pages: int, budget: int, page_size: int
+) -> torch.Tensor:
     """Unprotect pages until the protected tokens fit ``budget`` (docs/methods.md §1.12).
 
     Window pages lose protection first, oldest first; then the sink pages, latest first. A partial last page
@@ -204,8 +206,15 @@ class PageBudget:
         return 1.0 - self.kept_tokens / self.seq_len if self.seq_len else 0.0
 
 
-def page_budget(seq_len: int, compression_ratio: float, page_size: int, n_sink: int, window_size: int,
-                on_budget_conflict: str = "shrink", protect: str = "sink_window") -> PageBudget:
+def page_budget(
+    seq_len: int,
+    compression_ratio: float,
+    page_size: int,
+    n_sink: int,
+    window_size: int,
+    on_budget_conflict: str = "shrink",
+    protect: str = "sink_window",
+) -> PageBudget:
     """Strict budget plan (docs/methods.md §1 step 8 and §1.12, paper 000 Theorem 3).
 
     Keeps all protected pages plus ``K = floor((b - protected_tokens) / B)`` unprotected pages (capped by the
@@ -258,8 +267,9 @@ def page_budget(seq_len: int, compression_ratio: float, page_size: int, n_sink: 
         protected, protected_tokens = shrunk_mask, int(page_len[shrunk_mask].sum())
     n_free = int((~protected).sum())
     K = min(max(b - protected_tokens, 0) // page_size, n_free)
-    return PageBudget(seq_len, b, page_size, protected, protected_tokens, K, protected_tokens + K * page_size, False,
-                      shrunk)
+    return PageBudget(
+        seq_len, b, page_size, protected, protected_tokens, K, protected_tokens + K * page_size, False, shrunk
+    )
 
 
 def select_pages(scores: torch.Tensor, protected: torch.Tensor, num_selected: int) -> torch.Tensor:
@@ -318,8 +328,9 @@ def pages_to_positions(pages: torch.Tensor, seq_len: int, page_size: int) -> tor
         return pages.new_zeros(*pages.shape[:-1], 0)
     last = seq_len - (P - 1) * page_size
     if last < page_size and not bool((pages[..., -1] == P - 1).all()):
-        raise ValueError(f"every row of pages must end with the partial last page {P - 1} (T={seq_len}, "
-                         f"page_size={page_size})")
+        raise ValueError(
+            f"every row of pages must end with the partial last page {P - 1} (T={seq_len}, page_size={page_size})"
+        )
     offs = torch.arange(page_size, device=pages.device)
     pos = (pages.unsqueeze(-1) * page_size + offs).flatten(-2)
     if last == page_size:
@@ -328,9 +339,16 @@ def pages_to_positions(pages: torch.Tensor, seq_len: int, page_size: int) -> tor
     return pos[..., :n]
 
 
-def select_positions(scores: torch.Tensor, compression_ratio: float, page_size: int, n_sink: int,
-                     window_size: int, page_score: str = "block_max", on_budget_conflict: str = "raise",
-                     protect: str = "sink_window") -> tuple[torch.Tensor, torch.Tensor, PageBudget]:
+def select_positions(
+    scores: torch.Tensor,
+    compression_ratio: float,
+    page_size: int,
+    n_sink: int,
+    window_size: int,
+    page_score: str = "block_max",
+    on_budget_conflict: str = "raise",
+    protect: str = "sink_window",
+) -> tuple[torch.Tensor, torch.Tensor, PageBudget]:
     """Per-group page selection under the strict budget (docs/methods.md §1 steps 6-9).
 
     Args:
@@ -373,8 +391,9 @@ def allocation_bytes(pages_per_group: Iterable[int], head_dim: int, page_size: i
     return 2 * bytes_per_element * head_dim * page_size * int(sum(pages_per_group))
 
 
-def union_bytes(union_pages_per_layer: Iterable[int], num_groups: int, head_dim: int, page_size: int,
-                bytes_per_element: int) -> int:
+def union_bytes(
+    union_pages_per_layer: Iterable[int], num_groups: int, head_dim: int, page_size: int, bytes_per_element: int
+) -> int:
     """Union-materialisation payload ``2 e d B G sum_l U_l`` bytes, when a physical block holds all
     ``G`` groups of a layer (paper 001 section 7).
 

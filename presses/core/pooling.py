@@ -16,10 +16,17 @@ __all__ = ["POOLINGS", "pooled_group_scores"]
 POOLINGS = ("entropy", "raw_entropy", "mean", "max")
 
 
-def pooled_group_scores(attn: torch.Tensor, num_groups: int, n_sink: int = 4, alpha: float = 2.0,
-                        tau: float = 0.5, pooling: str = "entropy", diagnostics: bool = False,
-                        ) -> tuple[torch.Tensor, dict | None]:
-    """Group scores ``p_g[j]`` from observer attention (docs/methods.md §1 steps 2-5; paper 000 sec. 3, paper 001 eqs. 3-5).
+def pooled_group_scores(
+    attn: torch.Tensor,
+    num_groups: int,
+    n_sink: int = 4,
+    alpha: float = 2.0,
+    tau: float = 0.5,
+    pooling: str = "entropy",
+    diagnostics: bool = False,
+) -> tuple[torch.Tensor, dict | None]:
+    """Group scores ``p_g[j]`` from observer attention (docs/methods.md §1 steps 2-5; paper 000 sec. 3, paper 001 eqs.
+    3-5).
 
     ``pooling``:
       - ``"entropy"``: ``w_h = softmax_{h in g}(-H_alpha(a~^h) / tau)`` on the sink-isolated rows ``a~^h``;

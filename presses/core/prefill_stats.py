@@ -4,7 +4,8 @@ The all-row proposals of probabilistic eviction (``h2o``, ``h2o_h``, ``min_h``; 
 ``s^h[i] = sum_j w_j p^h_j(i)``, the row-weighted column sums of every prompt row's causal attention ``p^h_j``
 (``w = 1`` for H2O's score, eq. 16; ``w = h`` the harmonic prior, eq. 36). The prefill computes every ``p^h_j``
 anyway; :func:`attention_with_column_sums` returns the layer's attention output together with these sums, so the
-press does not recompute the queries and ``Q K^T`` after the prefill (:mod:`presses.probabilistic.prefill_attention` wires it
+press does not recompute the queries and ``Q K^T`` after the prefill (:mod:`presses.probabilistic.prefill_attention`
+wires it
 into the model; :func:`presses.kernels.attention_with_column_sums` is the dispatch point, Triton on CUDA, this
 torch implementation elsewhere).
 
@@ -19,7 +20,8 @@ Algorithm (two passes over the keys; a column sum needs each row's final softmax
    (log w - lse)_blk`` (one matrix product: the bias is a last coordinate, ``[scaling q_j, b_j] . [k_i, 1]``),
    ``S <- exp(S)`` in place, the causal mask applied (entries of keys after their row set to 0) and
    ``s[chunk] += sum_rows S``: the product and two cache-resident passes over ``S``; the ``r`` query heads of a
-   KV group are stacked as extra rows against the group's keys. Every visible entry of ``S`` is at most ``log w_j`` (``lse_j`` bounds
+   KV group are stacked as extra rows against the group's keys. Every visible entry of ``S`` is at most ``log w_j``
+   (``lse_j`` bounds
    the row's logits), so ``exp`` cannot overflow there; a masked entry may overflow to ``inf`` before it is set
    to 0 (never multiplied, so no NaN).
 
@@ -32,7 +34,8 @@ not. Each worker sums its own column partials; they are added in worker order, s
 for a given ``num_workers``.
 
 An earlier variant computed ``P`` by a blocked softmax and the output as ``P V`` in the same pass (about 1.15x
-the fused kernel's time instead of ~1.6x here, one thread, T = 2k-4k, SmolLM2-135M's heads), but its output differs from ``sdpa``'s in the last bits and
+the fused kernel's time instead of ~1.6x here, one thread, T = 2k-4k, SmolLM2-135M's heads), but its output differs
+from ``sdpa``'s in the last bits and
 30 layers amplify that to relative proposal differences of ``1e-5 .. 1e-4``, enough to change some multinomial
 draws of the press for a fixed seed; with the fused kernel's own output they stay at ``~1e-6``.
 """
@@ -51,8 +54,9 @@ _pool_size = 0
 _pool_lock = threading.Lock()
 
 
-def check_prefill_attention_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                 row_weights: torch.Tensor | None) -> tuple[int, int, int, int, int]:
+def check_prefill_attention_args(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, row_weights: torch.Tensor | None
+) -> tuple[int, int, int, int, int]:
     """Validate the shapes of :func:`attention_with_column_sums`; returns ``(B, H_Q, G, T, d)``.
 
     Raises:
@@ -60,12 +64,16 @@ def check_prefill_attention_args(query: torch.Tensor, key: torch.Tensor, value: 
             from an empty cache).
     """
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
-                         "must be 4-d: (B, H_Q, T, d), (B, G, T, d), (B, G, T, d_v)")
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
+            "must be 4-d: (B, H_Q, T, d), (B, G, T, d), (B, G, T, d_v)"
+        )
     B, HQ, T, d = query.shape
     if key.shape[0] != B or key.shape[2] != T or key.shape[3] != d:
-        raise ValueError(f"key of shape {tuple(key.shape)} does not match query {tuple(query.shape)}: expected "
-                         f"(B={B}, G, T={T}, d={d}) (the whole prefill, from position 0)")
+        raise ValueError(
+            f"key of shape {tuple(key.shape)} does not match query {tuple(query.shape)}: expected "
+            f"(B={B}, G, T={T}, d={d}) (the whole prefill, from position 0)"
+        )
     G = key.shape[1]
     if G < 1 or HQ % G:
         raise ValueError(f"num_kv_heads={G} must divide num_heads={HQ}")
@@ -98,8 +106,9 @@ def _assign_blocks(T: int, block_size: int, num_workers: int) -> list[list[int]]
     return [a for a in assigned if a]
 
 
-def causal_attention_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         scaling: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_attention_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a prefill and each row's natural log-sum-exp (pass 1 of the module docstring).
 
     On CPU: torch's fused flash-attention kernel, the one ``torch.nn.functional.scaled_dot_product_attention``
@@ -116,7 +125,7 @@ def causal_attention_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         ``lse_j = log sum_{i<=j} exp(q_j . k_i * scaling)``.
     """
     d = query.shape[-1]
-    scaling = d ** -0.5 if scaling is None else float(scaling)
+    scaling = d**-0.5 if scaling is None else float(scaling)
     flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if query.device.type == "cpu" and flash is not None and query.shape[-1] == value.shape[-1]:
         try:
@@ -124,8 +133,9 @@ def causal_attention_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             return out, lse.float()
         except RuntimeError:  # e.g. an older torch without GQA in this kernel: the generic path below
             pass
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                                           enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+    )
     B, HQ, T, _ = query.shape
     G = key.shape[1]
     r = HQ // G
@@ -171,9 +181,15 @@ def _column_blocks(q, k, bias, acc, starts, block_size, scaling, inference):
                 acc[..., k0:k1] += logits.sum(-2)  # summed over the block's rows j
 
 
-def column_sums_from_lse(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor,
-                         row_weights: torch.Tensor | None = None, scaling: float | None = None,
-                         block_size: int = 128, num_workers: int | None = None) -> torch.Tensor:
+def column_sums_from_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    lse: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    scaling: float | None = None,
+    block_size: int = 128,
+    num_workers: int | None = None,
+) -> torch.Tensor:
     """Row-weighted column sums of causal attention whose row log-sum-exps are known (pass 2 of the module
     docstring): ``s^h[i] = sum_{j>=i} w_j exp(q^h_j . k_i * scaling - lse^h_j)`` (paper 003 eqs. 16, 36).
 
@@ -199,7 +215,7 @@ def column_sums_from_lse(query: torch.Tensor, key: torch.Tensor, lse: torch.Tens
     B, HQ, T, d = query.shape
     G = key.shape[1]
     r = HQ // G
-    scaling = d ** -0.5 if scaling is None else float(scaling)
+    scaling = d**-0.5 if scaling is None else float(scaling)
     sums = torch.zeros(B, G, r, T, dtype=torch.float32, device=query.device)
     if T == 0 or B == 0:
         return sums.view(B, HQ, T)
@@ -218,8 +234,10 @@ def column_sums_from_lse(query: torch.Tensor, key: torch.Tensor, lse: torch.Tens
     torch.set_num_threads(1)
     try:
         pool = _get_pool(len(plan))
-        jobs = [pool.submit(_column_blocks, q, k, bias, acc, starts, block_size, scaling, inference)
-                for acc, starts in zip(partials, plan)]
+        jobs = [
+            pool.submit(_column_blocks, q, k, bias, acc, starts, block_size, scaling, inference)
+            for acc, starts in zip(partials, plan)
+        ]
         for job in jobs:
             job.result()
     finally:
@@ -229,10 +247,15 @@ def column_sums_from_lse(query: torch.Tensor, key: torch.Tensor, lse: torch.Tens
     return sums.view(B, HQ, T)
 
 
-def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               row_weights: torch.Tensor | None = None, scaling: float | None = None,
-                               block_size: int = 128, num_workers: int | None = None,
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_column_sums(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    scaling: float | None = None,
+    block_size: int = 128,
+    num_workers: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a prefill and the row-weighted column sums of its attention matrix.
 
     ``out^h_j = sum_{i<=j} p^h_j(i) v_i`` and ``s^h[i] = sum_{j>=i} w_j p^h_j(i)`` with

@@ -10,8 +10,9 @@ Used by :func:`presses.observers.shared_observers` (Page-EntroKV's observer atte
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any
 
 __all__ = ["ReplayMemo"]
 

@@ -42,8 +42,9 @@ def check_chunk_ids(ids: torch.Tensor, n_tokens: int, num_chunks: int) -> None:
     if num_chunks < 0:
         raise ValueError(f"num_chunks={num_chunks} must be >= 0")
     if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= num_chunks):
-        raise ValueError(f"chunk ids must lie in [-1, num_chunks={num_chunks}), got "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
+        raise ValueError(
+            f"chunk ids must lie in [-1, num_chunks={num_chunks}), got [{int(ids.min())}, {int(ids.max())}]"
+        )
 
 
 def chunk_masses_from_rows(rows: torch.Tensor, ids: torch.Tensor, num_chunks: int) -> torch.Tensor:
@@ -66,9 +67,15 @@ def chunk_masses_from_rows(rows: torch.Tensor, ids: torch.Tensor, num_chunks: in
     return out.index_add_(-1, ids[inside].long(), rows[..., inside].float())
 
 
-def row_chunk_masses_reference(queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
-                               num_chunks: int, row_weights: torch.Tensor | None = None,
-                               scaling: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def row_chunk_masses_reference(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    ids: torch.Tensor,
+    num_chunks: int,
+    row_weights: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunk masses of causal attention rows, and optionally their weighted average (paper 001 eqs. 1-2, 14, 17).
 
     Row ``u`` of head ``h`` is ``A^h_u = softmax_j(q^h_u . k_j * scaling)`` over the keys ``j <= rows[u]``;
@@ -102,7 +109,7 @@ def row_chunk_masses_reference(queries: torch.Tensor, keys: torch.Tensor, rows: 
     check_chunk_ids(ids, t, num_chunks)
     if row_weights is not None and row_weights.shape != (n,):
         raise ValueError(f"row_weights has shape {tuple(row_weights.shape)}, expected ({n},)")
-    scaling = d ** -0.5 if scaling is None else scaling
+    scaling = d**-0.5 if scaling is None else scaling
     r = HQ // G
     q = queries.float().reshape(B, G, r * n, d)
     logits = (torch.matmul(q, keys.float().transpose(-1, -2)) * scaling).reshape(B, HQ, n, t)

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -176,10 +176,18 @@ def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def plan_chunks(text: str, offsets: Sequence[tuple[int, int]], *, mode: str = "passage",
-                question_start: int | None = None, n_sink: int = 4, delimiter: str | None = None,
-                block_size: int = 128, protect_pattern: str | None = None,
-                doc_start_pattern: str | None = None) -> ChunkPlan:
+def plan_chunks(
+    text: str,
+    offsets: Sequence[tuple[int, int]],
+    *,
+    mode: str = "passage",
+    question_start: int | None = None,
+    n_sink: int = 4,
+    delimiter: str | None = None,
+    block_size: int = 128,
+    protect_pattern: str | None = None,
+    doc_start_pattern: str | None = None,
+) -> ChunkPlan:
     """Split a tokenized prompt into candidate chunks and protected spans (paper 001 section 2.1).
 
     Args:
@@ -247,7 +255,7 @@ def plan_chunks(text: str, offsets: Sequence[tuple[int, int]], *, mode: str = "p
             protected.append((d0, d1))  # the delimiter itself
             nxt_char = matches[i + 1].start() if i + 1 < len(matches) else q_char
             nxt = tok(nxt_char)
-            if nxt > d1 and not text[m.end():nxt_char].strip():
+            if nxt > d1 and not text[m.end() : nxt_char].strip():
                 protected.append((d1, nxt))  # whitespace between delimiters: delimiter material
             elif nxt > d1:
                 chunks.append((d1, nxt))
@@ -262,5 +270,12 @@ def plan_chunks(text: str, offsets: Sequence[tuple[int, int]], *, mode: str = "p
             protected.append((first, last))
     protected = _merge(protected)
     protected_chunk = [any(s < pe and ps < e for ps, pe in protected) for s, e in chunks]
-    return ChunkPlan(n_tokens=T, chunks=chunks, protected_chunk=protected_chunk, protected=protected,
-                     question=(q_tok, T), n_sink=min(n_sink, T), mode=mode)
+    return ChunkPlan(
+        n_tokens=T,
+        chunks=chunks,
+        protected_chunk=protected_chunk,
+        protected=protected,
+        question=(q_tok, T),
+        n_sink=min(n_sink, T),
+        mode=mode,
+    )

@@ -29,9 +29,14 @@ def _check(sizes: torch.Tensor, masses: torch.Tensor, eps: torch.Tensor, min_kee
         raise ValueError(f"min_keep={min_keep} (m_0) must lie in [0, k={k}]")
 
 
-def greedy_feasible_scan(priorities: torch.Tensor, sizes: torch.Tensor, masses: torch.Tensor,
-                         eps: torch.Tensor, min_keep: int = 0, target: float = float("inf"),
-                         ) -> tuple[list[int], torch.Tensor]:
+def greedy_feasible_scan(
+    priorities: torch.Tensor,
+    sizes: torch.Tensor,
+    masses: torch.Tensor,
+    eps: torch.Tensor,
+    min_keep: int = 0,
+    target: float = float("inf"),
+) -> tuple[list[int], torch.Tensor]:
     """Reference proposer of paper 001 section 4.2 (one scan, feasible by construction).
 
     Sort chunks by increasing priority, ties by larger size and then by smaller index; add a chunk
@@ -75,8 +80,9 @@ def greedy_feasible_scan(priorities: torch.Tensor, sizes: torch.Tensor, masses: 
     return removed, used
 
 
-def dual_bound(y: torch.Tensor, t: float, sizes: torch.Tensor, masses: torch.Tensor, eps: torch.Tensor,
-               min_keep: int) -> float:
+def dual_bound(
+    y: torch.Tensor, t: float, sizes: torch.Tensor, masses: torch.Tensor, eps: torch.Tensor, min_keep: int
+) -> float:
     """``U(y, t)`` of paper 001 eq. 15 for any prices ``y >= 0``, ``t >= 0`` (Theorem 4.3).
 
     ``U = sum_a y_a eps_a + t (k - m_0) + sum_i [n_i - sum_a y_a m[a, i] - t]_+``; every feasible
@@ -101,8 +107,9 @@ def dual_bound(y: torch.Tensor, t: float, sizes: torch.Tensor, masses: torch.Ten
     return float(y @ eps + t * (k - min_keep) + reduced.sum())
 
 
-def dual_certificate(sizes: torch.Tensor, masses: torch.Tensor, eps: torch.Tensor, min_keep: int = 0,
-                     use_lp: bool = True) -> tuple[float, torch.Tensor, float, str]:
+def dual_certificate(
+    sizes: torch.Tensor, masses: torch.Tensor, eps: torch.Tensor, min_keep: int = 0, use_lp: bool = True
+) -> tuple[float, torch.Tensor, float, str]:
     """Dual certificate ``U_l(y, t) >= D*_l`` with LP-relaxation prices (paper 001 eq. 15, Thm 4.3).
 
     Solves the dual of the LP relaxation ``max n.x, M x <= eps, 1.x <= k - m_0, 0 <= x <= 1`` with

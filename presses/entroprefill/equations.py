@@ -7,7 +7,7 @@ are in :mod:`presses.entroprefill.dual`, chunking in :mod:`presses.entroprefill.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from kvpress.utils import get_prerope_query_states
@@ -32,8 +32,14 @@ __all__ = [
 ]
 
 
-def row_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                  position_embeddings, attentions: torch.Tensor | None = None) -> torch.Tensor:
+def row_attention(
+    module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    position_embeddings,
+    attentions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention rows ``A^{l,h}_{u, .}`` of the prefill queries at ``positions`` (eq. 1).
 
     Unlike :func:`presses.observers.observer_attention` (window-AVERAGED rows of the last ``W``
@@ -60,7 +66,7 @@ def row_attention(module, hidden_states: torch.Tensor, keys: torch.Tensor, posit
     G, T = keys.shape[1], keys.shape[2]
     if H % G:
         raise ValueError(f"num_kv_heads={G} must divide num_heads={H}")
-    scaling = getattr(module, "scaling", d ** -0.5)
+    scaling = getattr(module, "scaling", d**-0.5)
     logits = torch.matmul(q.reshape(B, G, (H // G) * P, d), keys.float().transpose(-1, -2)) * scaling
     logits = logits.reshape(B, H, P, T)
     future = torch.arange(T, device=keys.device).view(1, T) > positions.to(keys.device).view(P, 1)
@@ -85,10 +91,17 @@ def row_queries(module, hidden_states: torch.Tensor, positions: torch.Tensor, po
     return (q * cos + rotate_half(q) * sin).to(hidden_states.dtype)
 
 
-def row_chunk_statistics(module, hidden_states: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                         position_embeddings, ids: torch.Tensor, num_chunks: int,
-                         row_weights: torch.Tensor | None = None,
-                         attentions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def row_chunk_statistics(
+    module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    position_embeddings,
+    ids: torch.Tensor,
+    num_chunks: int,
+    row_weights: torch.Tensor | None = None,
+    attentions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What Algorithm 1 reads from the causal rows at ``positions``: each row's mass on each chunk (eqs. 14, 17)
     and, with ``row_weights``, the rows' weighted average per head (eq. 2 with ``w = 1/W_p``).
 
@@ -115,8 +128,9 @@ def row_chunk_statistics(module, hidden_states: torch.Tensor, keys: torch.Tensor
     return row_chunk_masses(q, keys, positions, ids, num_chunks, row_weights, scaling)
 
 
-def floor_weights(attn: torch.Tensor, num_groups: int, n_sink: int, tau: float, zeta: float,
-                  z_min: float) -> dict[str, torch.Tensor]:
+def floor_weights(
+    attn: torch.Tensor, num_groups: int, n_sink: int, tau: float, zeta: float, z_min: float
+) -> dict[str, torch.Tensor]:
     """Sink-isolated collision weights with eligibility and floor (paper 001 eqs. 3-4).
 
     ``z_h = sum_{j not in S} a^h_j``; head ``h`` is eligible when ``z_h >= z_min``;
@@ -171,8 +185,9 @@ def pooled_proposal(attn: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return pool_groups(attn, w).mean(-2)
 
 
-def chunk_priorities(mu: torch.Tensor, chunks: Sequence[tuple[int, int]], smoothing: float,
-                     lam: float) -> dict[str, torch.Tensor]:
+def chunk_priorities(
+    mu: torch.Tensor, chunks: Sequence[tuple[int, int]], smoothing: float, lam: float
+) -> dict[str, torch.Tensor]:
     """Null-calibrated chunk priorities ``S_i = ln l_i + lambda kappa_i`` (paper 001 eqs. 8-9).
 
     With ``Z = mu(D)`` over the union ``D`` of the chunks, ``p_j = mu_j / Z``, chunk mass
@@ -218,8 +233,12 @@ def chunk_priorities(mu: torch.Tensor, chunks: Sequence[tuple[int, int]], smooth
     return {"S": S, "ell": ell, "kappa": kappa, "M": M, "Z": Z}
 
 
-def deletion_envelope(a: torch.Tensor, mu: torch.Tensor, omega: float, removed: torch.Tensor,
-                      ) -> tuple[float, float]:
+def deletion_envelope(
+    a: torch.Tensor,
+    mu: torch.Tensor,
+    omega: float,
+    removed: torch.Tensor,
+) -> tuple[float, float]:
     """Mixture-to-row deletion envelope of paper 001 Theorem 4.1 (eqs. 11-12).
 
     For a row ``a`` with mixture coefficient ``omega`` in ``mu`` and a removal set ``E``:

@@ -50,18 +50,24 @@ def check_page_policy(policy: Any) -> None:
     """
     name = type(policy).__name__
     if isinstance(policy, type) and issubclass(policy, BasePress):
-        raise ValueError(f"page_policy={policy.__name__} is a class: pass an instance, e.g. "
-                         f"page_policy={policy.__name__}(compression_ratio=0.5)")
+        raise ValueError(
+            f"page_policy={policy.__name__} is a class: pass an instance, e.g. "
+            f"page_policy={policy.__name__}(compression_ratio=0.5)"
+        )
     if not isinstance(policy, BasePress):
         raise ValueError(f"page_policy must be a kvpress press (a BasePress), got {name}")
     caps = getattr(policy, "capabilities", None)
     if isinstance(policy, ResearchPress) and (caps.changes_prefill or caps.decode_state or caps.needs_eager):
-        raise ValueError(f"page_policy={name} cannot evict the retained support's cache after the prune: it "
-                         "changes the prefill or leaves decode-time state; use a press that only compresses "
-                         "each layer's cache (e.g. PageEntroKVPress)")
+        raise ValueError(
+            f"page_policy={name} cannot evict the retained support's cache after the prune: it "
+            "changes the prefill or leaves decode-time state; use a press that only compresses "
+            "each layer's cache (e.g. PageEntroKVPress)"
+        )
     if isinstance(policy, ObservedAttentionPress):
-        raise ValueError(f"page_policy={name} reads the prefill's eager attention weights, which the layers "
-                         "gathered at the retained support do not have")
+        raise ValueError(
+            f"page_policy={name} reads the prefill's eager attention weights, which the layers "
+            "gathered at the retained support do not have"
+        )
 
 
 def observer_tail_start(n_tokens: int, candidate_chunks: list[tuple[int, int]], window_size: int | None) -> int:
@@ -124,7 +130,7 @@ class PagePolicyDriver:
     def defer(self, module, hidden_states: torch.Tensor, position_embeddings) -> None:
         """Keep what the policy will need to evict ``module``'s layer later: its attention input's rows from the
         observer tail on (and the prompt's rotary embeddings, shared by every layer)."""
-        rows = hidden_states[:, self._tail:]
+        rows = hidden_states[:, self._tail :]
         self._deferred[module.layer_idx] = (module, rows.clone() if self._tail else rows)  # free the full rows
         if self._pe is None:
             self._pe = position_embeddings
@@ -147,8 +153,9 @@ class PagePolicyDriver:
         for idx, (module, hs) in sorted(self._deferred.items()):
             layer = cache.layers[idx]
             kwargs = {"hidden_states": hs[:, local], "position_embeddings": pe, "past_key_values": cache}
-            layer.keys, layer.values = self.policy.compress(module, kwargs["hidden_states"], layer.keys,
-                                                            layer.values, None, kwargs)
+            layer.keys, layer.values = self.policy.compress(
+                module, kwargs["hidden_states"], layer.keys, layer.values, None, kwargs
+            )
             self.kept[idx] = int(layer.keys.shape[2])
         self._deferred.clear()
         self._pe = None
@@ -170,6 +177,10 @@ class PagePolicyDriver:
             out.update({f"page_{k}": v for k, v in self.policy.summary().items()})
         if self.kept and n_tokens and n_retained:
             kept = sum(self.kept.values()) / len(self.kept)
-            out.update(prune_compression=1.0 - n_retained / n_tokens, page_compression=1.0 - kept / n_retained,
-                       compression=1.0 - kept / n_tokens, page_kept_tokens=round(kept))
+            out.update(
+                prune_compression=1.0 - n_retained / n_tokens,
+                page_compression=1.0 - kept / n_retained,
+                compression=1.0 - kept / n_tokens,
+                page_kept_tokens=round(kept),
+            )
         return out

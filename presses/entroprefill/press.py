@@ -32,8 +32,9 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 from kvpress import ComposedPress
@@ -43,7 +44,6 @@ from presses.core.paging import check_compression_ratio
 from presses.core.row_masses import chunk_ids
 from presses.entroprefill.chunking import CHUNK_MODES, ChunkPlan, find_question, plan_chunks, token_offsets
 from presses.entroprefill.dual import dual_certificate, greedy_feasible_scan
-from presses.entroprefill.page_policy import PagePolicyDriver
 from presses.entroprefill.equations import (
     analytic_saving,
     chunk_priorities,
@@ -54,6 +54,7 @@ from presses.entroprefill.equations import (
     row_chunk_statistics,
     set_change,
 )
+from presses.entroprefill.page_policy import PagePolicyDriver
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ PROPOSAL_OBSERVERS = ("suffix", "query")
 class EntroPrefillPress(ResearchPress):
     """Query-aware chunk pruning during prefill (paper 001 Algorithm 1; docs/methods.md §4).
 
-    At each monitored layer: proposal rows of the query tokens (eq. 2), floored sink-isolated collision weights (eqs. 3-5), chunk priorities (eqs. 8-9),
+    At each monitored layer: proposal rows of the query tokens (eq. 2), floored sink-isolated collision weights (eqs.
+    3-5), chunk priorities (eqs. 8-9),
     greedy feasible scan and dual certificate (eqs. 14-15), stability streak (eq. 19) and an
     independent Hoeffding audit at question positions drawn with a seeded generator (eq. 17).
     The first layer passing the token target, the streak and the audit is ``l*``; the remaining
@@ -148,8 +150,7 @@ class EntroPrefillPress(ResearchPress):
     force_chunks: Sequence[int] | None = None
     page_policy: Any = None
 
-    capabilities: ClassVar[Capabilities] = Capabilities(shares_prefill=False, needs_question=True,
-                                                        changes_prefill=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(shares_prefill=False, needs_question=True, changes_prefill=True)
 
     _stats: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -207,9 +208,14 @@ class EntroPrefillPress(ResearchPress):
         if not monitored:
             raise ValueError(f"no monitored layer: the model has L={L} layers")
         a, b = layer_cost_coefficients(cfg)
-        self._model_info = {"L": L, "H": cfg.num_attention_heads,
-                            "G": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                            "monitored": monitored, "a": a, "b": b}
+        self._model_info = {
+            "L": L,
+            "H": cfg.num_attention_heads,
+            "G": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            "monitored": monitored,
+            "a": a,
+            "b": b,
+        }
         if self.tokenizer is None:
             self.tokenizer = _load_tokenizer(model)
         if self.page_policy is not None:  # as kvpress's wrappers do for the presses they hold
@@ -257,9 +263,14 @@ class EntroPrefillPress(ResearchPress):
         (find the question and plan the chunks; close the request's statistics) and a forward pre-hook on every
         decoder layer (run the layers after ``l*`` on the retained support only)."""
         lm = language_model(model)
-        hooks = [*super().model_hooks(model), (lm, "forward_pre", self._model_pre_hook),
-                 (lm, "forward", self._model_post_hook)]
-        hooks += [(layer, "forward_pre", functools.partial(self._layer_pre_hook, i)) for i, layer in enumerate(lm.layers)]
+        hooks = [
+            *super().model_hooks(model),
+            (lm, "forward_pre", self._model_pre_hook),
+            (lm, "forward", self._model_post_hook),
+        ]
+        hooks += [
+            (layer, "forward_pre", functools.partial(self._layer_pre_hook, i)) for i, layer in enumerate(lm.layers)
+        ]
         return hooks
 
     def check_wrappers(self, path: list) -> None:
@@ -272,9 +283,11 @@ class EntroPrefillPress(ResearchPress):
         """
         for wrapper in path[:-1]:
             if isinstance(wrapper, ComposedPress) and len(wrapper.presses) > 1:
-                raise ValueError("EntroPrefillPress cannot share a ComposedPress with other presses: it prunes "
-                                 "whole chunks during the prefill and gathers the shallow layers' cache itself; "
-                                 "pass the press that should evict afterwards as EntroPrefillPress(page_policy=...)")
+                raise ValueError(
+                    "EntroPrefillPress cannot share a ComposedPress with other presses: it prunes "
+                    "whole chunks during the prefill and gathers the shallow layers' cache itself; "
+                    "pass the press that should evict afterwards as EntroPrefillPress(page_policy=...)"
+                )
 
     def reset(self) -> None:
         """Forget the previous request (plan, search state, statistics)."""
@@ -291,13 +304,17 @@ class EntroPrefillPress(ResearchPress):
             self._active = False  # a decoding step inside the context: nothing to do
             return None
         if input_ids is None:
-            raise ValueError("EntroPrefillPress needs input_ids in the prefill call (inputs_embeds given): "
-                             "it locates the question and chunks from the token ids")
+            raise ValueError(
+                "EntroPrefillPress needs input_ids in the prefill call (inputs_embeds given): "
+                "it locates the question and chunks from the token ids"
+            )
         if input_ids.shape[0] != 1:
             raise ValueError(f"EntroPrefillPress supports batch size 1, got {input_ids.shape[0]}")
         if self.tokenizer is None:
-            raise ValueError("EntroPrefillPress needs a tokenizer: pass tokenizer=... or use a model whose "
-                             "name_or_path AutoTokenizer can load")
+            raise ValueError(
+                "EntroPrefillPress needs a tokenizer: pass tokenizer=... or use a model whose "
+                "name_or_path AutoTokenizer can load"
+            )
         self._reset(None)
         self._t0 = _now(input_ids)
         ids = input_ids[0].tolist()
@@ -308,10 +325,19 @@ class EntroPrefillPress(ResearchPress):
             raise ValueError(
                 f"EntroPrefillPress found no question (question_pattern={self.question_pattern!r}) in the "
                 f"{T}-token prefill: EntroPrefill is query-aware and needs the question inside the context; "
-                "set query_aware=true")
-        plan = plan_chunks(text, offsets, mode=self.chunking, question_start=q_char, n_sink=self.n_sink,
-                           delimiter=self.delimiter, block_size=self.block_size,
-                           protect_pattern=self.protect_pattern, doc_start_pattern=self.doc_start_pattern)
+                "set query_aware=true"
+            )
+        plan = plan_chunks(
+            text,
+            offsets,
+            mode=self.chunking,
+            question_start=q_char,
+            n_sink=self.n_sink,
+            delimiter=self.delimiter,
+            block_size=self.block_size,
+            protect_pattern=self.protect_pattern,
+            doc_start_pattern=self.doc_start_pattern,
+        )
         self._plan = plan
         self._active = True
         self._device = input_ids.device
@@ -319,11 +345,26 @@ class EntroPrefillPress(ResearchPress):
         q0, q1 = plan.question
         info = self._model_info
         self._stats = {
-            "accepted_layer": -1, "removed_chunks": "", "n_chunks": len(plan.chunks), "n_candidates": len(cand),
-            "n_removed": 0, "target_saving": 0, "D_l": 0, "U_l": float("nan"), "dual_method": "",
-            "audit_bound": float("nan"), "eta_hat_max": float("nan"), "bypass_reason": "", "layer_reasons": "",
-            "T": T, "T_prime": T, "compression": 0.0, "prune_compression": 0.0, "page_compression": 0.0,
-            "analytic_saving": 0.0, "prefill_time_s": float("nan"),
+            "accepted_layer": -1,
+            "removed_chunks": "",
+            "n_chunks": len(plan.chunks),
+            "n_candidates": len(cand),
+            "n_removed": 0,
+            "target_saving": 0,
+            "D_l": 0,
+            "U_l": float("nan"),
+            "dual_method": "",
+            "audit_bound": float("nan"),
+            "eta_hat_max": float("nan"),
+            "bypass_reason": "",
+            "layer_reasons": "",
+            "T": T,
+            "T_prime": T,
+            "compression": 0.0,
+            "prune_compression": 0.0,
+            "page_compression": 0.0,
+            "analytic_saving": 0.0,
+            "prefill_time_s": float("nan"),
         }
         if self._pages is not None:
             self._pages.start(T, [plan.chunks[i] for i in cand])
@@ -395,7 +436,8 @@ class EntroPrefillPress(ResearchPress):
             if mask is not None:
                 if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
                     raise NotImplementedError(
-                        f"EntroPrefillPress supports 4-D tensor or None attention masks, got {type(mask)}")
+                        f"EntroPrefillPress supports 4-D tensor or None attention masks, got {type(mask)}"
+                    )
                 new["attention_mask"] = mask[:, :, R][:, :, :, R]
             self._pruned_kwargs = new
         kwargs.update(self._pruned_kwargs)
@@ -439,8 +481,17 @@ class EntroPrefillPress(ResearchPress):
         cand = plan.candidates
         W = self._proposal_pos.numel()
         # eq. 2 and eq. 14's per-row chunk masses, from one pass over the rows (kernel dispatch)
-        masses, a = row_chunk_statistics(module, hs, keys, self._proposal_pos, pe, self._chunk_ids, len(cand),
-                                         torch.full((W,), 1.0 / W, device=keys.device), attentions)
+        masses, a = row_chunk_statistics(
+            module,
+            hs,
+            keys,
+            self._proposal_pos,
+            pe,
+            self._chunk_ids,
+            len(cand),
+            torch.full((W,), 1.0 / W, device=keys.device),
+            attentions,
+        )
         masses, a = masses[0], a[0]  # (H, W_p, k), (H, T)
         if not (torch.isfinite(masses).all() and torch.isfinite(a).all()):
             raise _Invalid("nonfinite")
@@ -486,8 +537,9 @@ class EntroPrefillPress(ResearchPress):
             self._reasons[idx] = "unstable"
             return
         # independent audit (eq. 17): rows at the pre-drawn question positions, their mass on the removal set
-        audit, _ = row_chunk_statistics(module, hs, keys, self._audit_pos, pe, self._chunk_ids, len(cand),
-                                        None, attentions)  # (1, H, P, k)
+        audit, _ = row_chunk_statistics(
+            module, hs, keys, self._audit_pos, pe, self._chunk_ids, len(cand), None, attentions
+        )  # (1, H, P, k)
         lost = audit[0][:, :, [cand.index(i) for i in removed]].sum(-1)  # (H, P)
         eta = (lost.double().cpu() * self._audit_w).sum(-1)  # (H,)
         eta_max = float(eta.max())
@@ -513,8 +565,13 @@ class EntroPrefillPress(ResearchPress):
         self._reasons[idx] = "accepted"
         T, Tp = plan.n_tokens, int(R.numel())
         self._stats.update(
-            accepted_layer=idx, removed_chunks=",".join(map(str, removed)), n_removed=len(removed),
-            T_prime=Tp, compression=1.0 - Tp / T, prune_compression=1.0 - Tp / T, bypass_reason="",
+            accepted_layer=idx,
+            removed_chunks=",".join(map(str, removed)),
+            n_removed=len(removed),
+            T_prime=Tp,
+            compression=1.0 - Tp / T,
+            prune_compression=1.0 - Tp / T,
+            bypass_reason="",
             analytic_saving=analytic_saving(idx + 1, info["L"], T, Tp, info["a"], info["b"]),
         )
 

@@ -101,8 +101,10 @@ def use_triton(tensor: torch.Tensor) -> bool:
             raise RuntimeError("KVPRESS_RESEARCH_KERNELS=triton but triton is not installed")
         return False
     if mode == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("KVPRESS_RESEARCH_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1, set "
-                           "before triton is first imported")
+        raise RuntimeError(
+            "KVPRESS_RESEARCH_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1, set "
+            "before triton is first imported"
+        )
     return True
 
 
@@ -115,8 +117,13 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return observer_attention_reference(queries, keys)
 
 
-def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None, scaling: float | None = None) -> torch.Tensor:
+def column_sums(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> torch.Tensor:
     """Dispatch for the weighted causal-attention column sums of a block of query rows (SNIS proposals
     ``h2o``, ``h2o_h``, ``min``, ``min_h``; paper 003 eqs. 16, 36); see
     :func:`presses.core.columns.column_sums` for shapes ``(B, H_Q, n, d), (B, G, t, d) -> (B, H_Q, t)``,
@@ -126,9 +133,17 @@ def column_sums(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Te
     return column_sums_reference(queries, keys, row_weights, rows, scaling)
 
 
-def pooled_page_scores(attn: torch.Tensor, num_groups: int, n_sink: int = 4, alpha: float = 2.0, tau: float = 0.5,
-                       pooling: str = "entropy", page_size: int = 16, page_score: str = "block_max",
-                       diagnostics: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+def pooled_page_scores(
+    attn: torch.Tensor,
+    num_groups: int,
+    n_sink: int = 4,
+    alpha: float = 2.0,
+    tau: float = 0.5,
+    pooling: str = "entropy",
+    page_size: int = 16,
+    page_score: str = "block_max",
+    diagnostics: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
     """Dispatch for Page-EntroKV's scoring after the observer attention (docs/methods.md §1 steps 2-6): sink-isolated
     Rényi entropies, group weights, pooled group score and page scores.
 
@@ -146,10 +161,12 @@ def pooled_page_scores(attn: torch.Tensor, num_groups: int, n_sink: int = 4, alp
         ValueError: as ``pooled_group_scores`` and ``page_scores``.
     """
     if use_triton(attn):
-        return renyi_pages.pooled_page_scores_triton(attn, num_groups, n_sink, alpha, tau, pooling, page_size, page_score,
-                                         diagnostics)
-    return pooled_page_scores_reference(attn, num_groups, n_sink, alpha, tau, pooling, page_size, page_score,
-                                        diagnostics)
+        return renyi_pages.pooled_page_scores_triton(
+            attn, num_groups, n_sink, alpha, tau, pooling, page_size, page_score, diagnostics
+        )
+    return pooled_page_scores_reference(
+        attn, num_groups, n_sink, alpha, tau, pooling, page_size, page_score, diagnostics
+    )
 
 
 def expected_unique_many(pi: torch.Tensor, num_samples) -> torch.Tensor:
@@ -161,8 +178,9 @@ def expected_unique_many(pi: torch.Tensor, num_samples) -> torch.Tensor:
     return expected_unique_many_reference(pi, num_samples)
 
 
-def biased_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-                            scaling: float | None = None) -> torch.Tensor:
+def biased_decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scaling: float | None = None
+) -> torch.Tensor:
     """Dispatch for one-token decode attention with a per-group additive logit bias (SNIS correction,
     paper 003 Alg. 1 / eq. 10; docs/methods.md §3 item 5): ``(B, H_Q, 1, d)``, ``(B, G, K, d)`` x2, ``(B, G, K)`` ->
     ``(B, H_Q, 1, d)``; see :func:`presses.kernels.biased_decode.biased_decode_reference`. The Triton
@@ -172,9 +190,14 @@ def biased_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return biased_decode_reference(query, key, value, bias, scaling)
 
 
-def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               row_weights: torch.Tensor | None = None, scaling: float | None = None,
-                               block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_column_sums(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    scaling: float | None = None,
+    block_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch for a prefill's causal attention plus the row-weighted column sums of its attention matrix
     (SNIS proposals ``h2o``, ``h2o_h``, ``min_h`` computed in the prefill; paper 003 eqs. 16, 36):
     ``(B, H_Q, T, d), (B, G, T, d), (B, G, T, d_v) -> ((B, H_Q, T, d_v) in the query dtype, (B, H_Q, T)``
@@ -183,15 +206,25 @@ def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: to
     forward that also returns each row's log-sum-exp, then a column pass ``exp(logit - lse)``; the torch path's
     forward is torch's own fused CPU kernel (``sdpa``'s output bit for bit), the Triton path's the forward kernel
     of :mod:`presses.kernels.fused_prefill` followed by the column kernel of :func:`column_sums`."""
-    if (use_triton(key) and query.dtype == key.dtype == value.dtype and key.dtype in _TRITON_DTYPES
-            and query.shape[-1] == value.shape[-1]):
+    if (
+        use_triton(key)
+        and query.dtype == key.dtype == value.dtype
+        and key.dtype in _TRITON_DTYPES
+        and query.shape[-1] == value.shape[-1]
+    ):
         return fused_prefill.attention_with_column_sums_triton(query, key, value, row_weights, scaling)
     return attention_with_column_sums_reference(query, key, value, row_weights, scaling, block_size)
 
 
-def row_chunk_masses(queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, num_chunks: int,
-                     row_weights: torch.Tensor | None = None,
-                     scaling: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def row_chunk_masses(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    ids: torch.Tensor,
+    num_chunks: int,
+    row_weights: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dispatch for EntroPrefill's per-row chunk masses and weighted row average (paper 001 eqs. 1-2, 14, 17;
     docs/methods.md §4 steps 2, 4, 5): ``(B, H_Q, n, d)``, ``(B, G, t, d)``, rows ``(n,)``, chunk ids ``(t,)`` ->
     ``(masses (B, H_Q, n, k), average (B, H_Q, t) or None)`` float32; see

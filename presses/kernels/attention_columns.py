@@ -5,7 +5,8 @@ One kernel family serves two presses:
 - Page-EntroKV / EntroPrefill observer attention (docs/methods.md §1 step 1, paper 000 sec. 3, paper 001 eq. 2):
   ``a^h[j] = mean_u softmax_j(q_u . k_j / sqrt(d))`` over the last ``W`` queries
   (:func:`window_attention_triton`; reference :func:`presses.core.observer.observer_attention_reference`).
-- SNIS proposals (docs/methods.md §3 item 1, paper 003 eqs. 16, 35-36): ``s^h[i] = sum_j w_j softmax_i(q_j . k_i * scaling)``
+- SNIS proposals (docs/methods.md §3 item 1, paper 003 eqs. 16, 35-36): ``s^h[i] = sum_j w_j softmax_i(q_j . k_i *
+scaling)``
   over a block of query rows with row weights ``w`` (the harmonic prior for ``h2o_h`` / ``min_h``)
   (:func:`column_sums_triton`; reference :func:`presses.core.columns.column_sums`).
 
@@ -41,13 +42,32 @@ _BLOCK_M, _BLOCK_N = 64, 64
 
 @triton.jit
 def _row_stats_kernel(
-    q_ptr, k_ptr, rows_ptr, m_ptr, l_ptr,
-    n_rows, t_keys, chunk, n_split, n_mblocks,
-    sq_b, sq_h, sq_n, sq_d,
-    sk_b, sk_g, sk_t, sk_d,
+    q_ptr,
+    k_ptr,
+    rows_ptr,
+    m_ptr,
+    l_ptr,
+    n_rows,
+    t_keys,
+    chunk,
+    n_split,
+    n_mblocks,
+    sq_b,
+    sq_h,
+    sq_n,
+    sq_d,
+    sk_b,
+    sk_g,
+    sk_t,
+    sk_d,
     qk_scale,
-    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     # program: (key split, row block of the group's flattened r*n rows) x (batch, group); the row
@@ -59,8 +79,9 @@ def _row_stats_kernel(
     b = (pid_bg // G).to(tl.int64)  # 64-bit offsets: caches can exceed 2^31 elements
     g = pid_bg % G
 
-    offs_i, valid, pos, offs_d, mask_d, q = load_group_rows(q_ptr, rows_ptr, pid_m, b, g, n_rows,
-                                                            sq_b, sq_h, sq_n, sq_d, R, D, BLOCK_M, BLOCK_D, UPCAST)
+    offs_i, valid, pos, offs_d, mask_d, q = load_group_rows(
+        q_ptr, rows_ptr, pid_m, b, g, n_rows, sq_b, sq_h, sq_n, sq_d, R, D, BLOCK_M, BLOCK_D, UPCAST
+    )
     k_base = k_ptr + b * sk_b + g * sk_g
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -79,13 +100,32 @@ def _row_stats_kernel(
 
 @triton.jit
 def _column_kernel(
-    q_ptr, k_ptr, rows_ptr, w_ptr, m_ptr, linv_ptr, out_ptr,
-    n_rows, t_keys,
-    sq_b, sq_h, sq_n, sq_d,
-    sk_b, sk_g, sk_t, sk_d,
+    q_ptr,
+    k_ptr,
+    rows_ptr,
+    w_ptr,
+    m_ptr,
+    linv_ptr,
+    out_ptr,
+    n_rows,
+    t_keys,
+    sq_b,
+    sq_h,
+    sq_n,
+    sq_d,
+    sk_b,
+    sk_g,
+    sk_t,
+    sk_d,
     qk_scale,
-    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_W: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    HAS_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -97,8 +137,11 @@ def _column_kernel(
     mask_n = offs_n < t_keys
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    kt = tl.load(k_ptr + b * sk_b + g * sk_g + offs_n[None, :] * sk_t + offs_d[:, None] * sk_d,
-                 mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+    kt = tl.load(
+        k_ptr + b * sk_b + g * sk_g + offs_n[None, :] * sk_t + offs_d[:, None] * sk_d,
+        mask=mask_n[None, :] & mask_d[:, None],
+        other=0.0,
+    )
     if UPCAST:
         kt = kt.to(tl.float32)
     for hh in range(R):
@@ -110,8 +153,11 @@ def _column_kernel(
             mask_m = offs_m < n_rows
             pos = tl.load(rows_ptr + offs_m, mask=mask_m, other=-1)
             if tl.max(pos, 0) >= n_start:  # some row of the block sees some key of the tile
-                q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
-                            mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+                q = tl.load(
+                    q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
+                    mask=mask_m[:, None] & mask_d[None, :],
+                    other=0.0,
+                )
                 if UPCAST:
                     q = q.to(tl.float32)
                 m_r = tl.load(m_ptr + stat + offs_m, mask=mask_m, other=0.0)
@@ -159,8 +205,15 @@ class RowLaunch:
     num_splits: int
 
 
-def row_launch(queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, scaling: float | None, bn: int,
-               num_splits: int | None, programs: int) -> RowLaunch:
+def row_launch(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    scaling: float | None,
+    bn: int,
+    num_splits: int | None,
+    programs: int,
+) -> RowLaunch:
     """The launch settings of an observer-row kernel over ``queries`` ``(B, H_Q, n, d)`` and ``keys``.
 
     Args:
@@ -180,10 +233,16 @@ def row_launch(queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, sc
     if num_splits is None:
         num_splits = max(1, min(n_kblocks, 4 * _num_sms(keys.device) // max(1, programs)))
     chunk = triton.cdiv(n_kblocks, num_splits) * bn
-    return RowLaunch(qk_scale=(d ** -0.5 if scaling is None else float(scaling)) * _LOG2E, bd=bd,
-                     ieee=queries.dtype == torch.float32,
-                     upcast=interpreting and queries.dtype == torch.bfloat16, num_warps=4 if bd <= 64 else 8,
-                     n_kblocks=n_kblocks, chunk=chunk, num_splits=triton.cdiv(n_kblocks * bn, chunk))
+    return RowLaunch(
+        qk_scale=(d**-0.5 if scaling is None else float(scaling)) * _LOG2E,
+        bd=bd,
+        ieee=queries.dtype == torch.float32,
+        upcast=interpreting and queries.dtype == torch.bfloat16,
+        num_warps=4 if bd <= 64 else 8,
+        n_kblocks=n_kblocks,
+        chunk=chunk,
+        num_splits=triton.cdiv(n_kblocks * bn, chunk),
+    )
 
 
 def check_query_key_args(queries: torch.Tensor, keys: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -199,8 +258,9 @@ def check_query_key_args(queries: torch.Tensor, keys: torch.Tensor) -> tuple[int
     """
     B, HQ, n, d = queries.shape
     if keys.dim() != 4 or keys.shape[0] != B or keys.shape[3] != d:
-        raise ValueError(f"keys of shape {tuple(keys.shape)} do not match queries {tuple(queries.shape)} "
-                         "(expected (B, G, t, d))")
+        raise ValueError(
+            f"keys of shape {tuple(keys.shape)} do not match queries {tuple(queries.shape)} (expected (B, G, t, d))"
+        )
     G, t = keys.shape[1], keys.shape[2]
     if HQ % G:
         raise ValueError(f"num_kv_heads={G} must divide num_heads={HQ}")
@@ -211,10 +271,17 @@ def check_query_key_args(queries: torch.Tensor, keys: torch.Tensor) -> tuple[int
     return B, HQ, n, d, G, t
 
 
-def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: torch.Tensor | None = None,
-                       rows: torch.Tensor | None = None, scaling: float | None = None, row_scale: float = 1.0,
-                       block_m: int | None = None, block_n: int | None = None,
-                       num_splits: int | None = None) -> torch.Tensor:
+def column_sums_triton(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    scaling: float | None = None,
+    row_scale: float = 1.0,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Triton weighted column sums of causal softmax attention (paper 003 eqs. 16, 36; docs/methods.md §3 item 1).
 
     ``s^h[i] = row_scale * sum_u w_u softmax_i(q^h_u . k_i * scaling) [i <= pos_u]``; same contract as
@@ -263,11 +330,28 @@ def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: t
     m_part = torch.empty(B * HQ * n, num_splits, device=keys.device, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
     _row_stats_kernel[(n_mblocks * num_splits, B * G)](
-        queries, keys, rows, m_part, l_part,
-        n, t, chunk, num_splits, n_mblocks,
-        *queries.stride(), *keys.stride(),
+        queries,
+        keys,
+        rows,
+        m_part,
+        l_part,
+        n,
+        t,
+        chunk,
+        num_splits,
+        n_mblocks,
+        *queries.stride(),
+        *keys.stride(),
         qk_scale,
-        G=G, R=R, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
+        G=G,
+        R=R,
+        D=d,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=bd,
+        IEEE=ieee,
+        UPCAST=upcast,
+        num_warps=num_warps,
     )
     m_row = m_part.amax(-1)  # every row sees key 0, so m_row is finite
     l_row = (l_part * torch.exp2(m_part - m_row.unsqueeze(-1))).sum(-1)
@@ -276,12 +360,28 @@ def column_sums_triton(queries: torch.Tensor, keys: torch.Tensor, row_weights: t
     # pass 2: column accumulation, one key tile per program shared by the r heads of its group (the
     # invisible tail keeps the zeros of `out`)
     _column_kernel[(n_kblocks, B * G)](
-        queries, keys, rows, row_weights if row_weights is not None else coef, m_row, coef, out,
-        n, t,
-        *queries.stride(), *keys.stride(),
+        queries,
+        keys,
+        rows,
+        row_weights if row_weights is not None else coef,
+        m_row,
+        coef,
+        out,
+        n,
+        t,
+        *queries.stride(),
+        *keys.stride(),
         qk_scale,
-        G=G, R=R, D=d, HAS_W=row_weights is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
+        G=G,
+        R=R,
+        D=d,
+        HAS_W=row_weights is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=bd,
+        IEEE=ieee,
+        UPCAST=upcast,
+        num_warps=num_warps,
     )
     return out
 

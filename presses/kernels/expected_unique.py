@@ -21,8 +21,9 @@ __all__ = ["expected_unique_many_triton"]
 
 
 @triton.jit
-def _expected_unique_kernel(pi_ptr, m_ptr, out_ptr, t, M, s_pi, s_m, s_out,
-                            BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
+def _expected_unique_kernel(
+    pi_ptr, m_ptr, out_ptr, t, M, s_pi, s_m, s_out, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -44,9 +45,11 @@ def _expected_unique_kernel(pi_ptr, m_ptr, out_ptr, t, M, s_pi, s_m, s_out,
     tl.store(out_ptr + row * s_out + offs_m, tl.sum(acc, 1), mask=mask_m)
 
 
-def expected_unique_many_triton(pi: torch.Tensor, num_samples, block_m: int | None = None,
-                                block_t: int | None = None) -> torch.Tensor:
-    """Triton version of :func:`presses.kernels.references.expected_unique_many_reference` (same arguments and result, float64,
+def expected_unique_many_triton(
+    pi: torch.Tensor, num_samples, block_m: int | None = None, block_t: int | None = None
+) -> torch.Tensor:
+    """Triton version of :func:`presses.kernels.references.expected_unique_many_reference` (same arguments and result,
+    float64,
     equal to a few ulp per term)."""
     pi, m = broadcast_candidates(pi, num_samples)
     lead, t, M = pi.shape[:-1], pi.shape[-1], m.shape[-1]
@@ -60,5 +63,6 @@ def expected_unique_many_triton(pi: torch.Tensor, num_samples, block_m: int | No
     bm = block_m or min(16, triton.next_power_of_2(M))
     bt = block_t or min(256 if pi.is_cuda else 1024, triton.next_power_of_2(t))
     _expected_unique_kernel[(p2.shape[0], triton.cdiv(M, bm))](
-        p2, m2, out, t, M, p2.stride(0), m2.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_T=bt, num_warps=4)
+        p2, m2, out, t, M, p2.stride(0), m2.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_T=bt, num_warps=4
+    )
     return out.reshape(*lead, M)

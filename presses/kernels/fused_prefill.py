@@ -35,15 +35,36 @@ _BLOCK_M, _BLOCK_N = 64, 64
 
 @triton.jit
 def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
     t_len,
-    sq_b, sq_h, sq_t, sq_d,
-    sk_b, sk_g, sk_t, sk_d,
-    sv_b, sv_g, sv_t, sv_d,
-    so_b, so_h, so_t, so_d,
+    sq_b,
+    sq_h,
+    sq_t,
+    sq_d,
+    sk_b,
+    sk_g,
+    sk_t,
+    sk_d,
+    sv_b,
+    sv_g,
+    sv_t,
+    sv_d,
+    so_b,
+    so_h,
+    so_t,
+    so_d,
     qk_scale,
-    HQ: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    HQ: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -55,8 +76,11 @@ def _forward_kernel(
     mask_m = offs_m < t_len
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :] * sq_d,
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :] * sq_d,
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     k_base = k_ptr + b * sk_b + g * sk_g
@@ -70,8 +94,9 @@ def _forward_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < t_len
         s = key_tile_scores(q, k_base, offs_n, mask_n, offs_d, mask_d, sk_t, sk_d, IEEE, UPCAST)
-        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :] * sv_d,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(
+            v_base + offs_n[:, None] * sv_t + offs_d[None, :] * sv_d, mask=mask_n[:, None] & mask_d[None, :], other=0.0
+        )
         if UPCAST:
             v = v.to(tl.float32)
         visible = (offs_n[None, :] <= offs_m[:, None]) & mask_n[None, :]
@@ -84,15 +109,23 @@ def _forward_kernel(
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :] * so_d,
-             out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(
+        o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :] * so_d,
+        out.to(o_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
     tl.store(lse_ptr + pid_bh * t_len + offs_m, m_i + tl.log2(l_safe), mask=mask_m)
 
 
-def attention_with_column_sums_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                      row_weights: torch.Tensor | None = None, scaling: float | None = None,
-                                      block_m: int | None = None, block_n: int | None = None,
-                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_column_sums_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    scaling: float | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton causal prefill attention plus weighted column sums (paper 003 eqs. 16, 36).
 
     Same contract as :func:`presses.core.prefill_stats.attention_with_column_sums` (which it matches to float
@@ -127,7 +160,7 @@ def attention_with_column_sums_triton(query: torch.Tensor, key: torch.Tensor, va
     sums = torch.zeros(B, HQ, T, dtype=torch.float32, device=query.device)
     if T == 0 or B == 0:
         return out, sums
-    scaling = d ** -0.5 if scaling is None else float(scaling)
+    scaling = d**-0.5 if scaling is None else float(scaling)
     qk_scale = scaling * _LOG2E
     interpreting = not key.is_cuda
     bm, bn = block_m or _BLOCK_M, block_n or _BLOCK_N
@@ -138,11 +171,26 @@ def attention_with_column_sums_triton(query: torch.Tensor, key: torch.Tensor, va
 
     lse = torch.empty(B, HQ, T, dtype=torch.float32, device=query.device)
     _forward_kernel[(triton.cdiv(T, bm), B * HQ)](
-        query, key, value, out, lse,
+        query,
+        key,
+        value,
+        out,
+        lse,
         T,
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+        *query.stride(),
+        *key.stride(),
+        *value.stride(),
+        *out.stride(),
         qk_scale,
-        HQ=HQ, R=R, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
+        HQ=HQ,
+        R=R,
+        D=d,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=bd,
+        IEEE=ieee,
+        UPCAST=upcast,
+        num_warps=num_warps,
     )
     # column pass: p_j(i) = exp2(s_ji - lse_j), coefficient w_j (unit normalisers: lse already includes them)
     rows = torch.arange(T, device=query.device, dtype=torch.int32)
@@ -151,11 +199,27 @@ def attention_with_column_sums_triton(query: torch.Tensor, key: torch.Tensor, va
     if row_weights is not None:
         weights = row_weights.to(device=query.device, dtype=torch.float32).contiguous()
     _column_kernel[(triton.cdiv(T, bn), B * G)](
-        query, key, rows, weights if weights is not None else ones, lse, ones, sums,
-        T, T,
-        *query.stride(), *key.stride(),
+        query,
+        key,
+        rows,
+        weights if weights is not None else ones,
+        lse,
+        ones,
+        sums,
+        T,
+        T,
+        *query.stride(),
+        *key.stride(),
         qk_scale,
-        G=G, R=R, D=d, HAS_W=weights is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
+        G=G,
+        R=R,
+        D=d,
+        HAS_W=weights is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=bd,
+        IEEE=ieee,
+        UPCAST=upcast,
+        num_warps=num_warps,
     )
     return out, sums

@@ -20,8 +20,14 @@ from presses.core.coupon import expected_unique
 from presses.core.paging import PAGE_SCORES, page_scores
 from presses.core.pooling import POOLINGS, pooled_group_scores
 
-__all__ = ["pooled_page_scores_reference", "expected_unique_many_reference", "biased_decode_reference",
-           "check_pooling_args", "broadcast_candidates", "check_decode_args"]
+__all__ = [
+    "pooled_page_scores_reference",
+    "expected_unique_many_reference",
+    "biased_decode_reference",
+    "check_pooling_args",
+    "broadcast_candidates",
+    "check_decode_args",
+]
 
 
 def check_pooling_args(attn: torch.Tensor, num_groups: int, pooling: str, page_size: int, page_score: str) -> None:
@@ -39,10 +45,17 @@ def check_pooling_args(attn: torch.Tensor, num_groups: int, pooling: str, page_s
         raise ValueError(f"num_groups={num_groups} must divide the number of query heads H_Q={HQ}")
 
 
-def pooled_page_scores_reference(attn: torch.Tensor, num_groups: int, n_sink: int = 4, alpha: float = 2.0,
-                                 tau: float = 0.5, pooling: str = "entropy", page_size: int = 16,
-                                 page_score: str = "block_max", diagnostics: bool = False,
-                                 ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+def pooled_page_scores_reference(
+    attn: torch.Tensor,
+    num_groups: int,
+    n_sink: int = 4,
+    alpha: float = 2.0,
+    tau: float = 0.5,
+    pooling: str = "entropy",
+    page_size: int = 16,
+    page_score: str = "block_max",
+    diagnostics: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
     """Torch reference: :func:`presses.core.pooling.pooled_group_scores` then :func:`presses.core.paging.page_scores`.
 
     Args:
@@ -105,8 +118,9 @@ def check_decode_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return query, B, HQ, G, K, d
 
 
-def biased_decode_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-                            scaling: float | None = None) -> torch.Tensor:
+def biased_decode_reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scaling: float | None = None
+) -> torch.Tensor:
     """Torch reference of decode attention with a per-group additive logit bias (paper 003 Alg. 1, eq. 10).
 
     ``out^h = sum_i softmax_i(q^h . k_i * scaling + bias_{g(h), i}) v_i`` with ``g(h) = h // r``; computed in
@@ -127,7 +141,7 @@ def biased_decode_reference(query: torch.Tensor, key: torch.Tensor, value: torch
     """
     query, B, HQ, G, K, d = check_decode_args(query, key, value, bias)
     r = HQ // G
-    scaling = d ** -0.5 if scaling is None else scaling
+    scaling = d**-0.5 if scaling is None else scaling
     q = query.float().reshape(B, G, r, d)
     logits = torch.matmul(q, key.float().transpose(-1, -2)) * scaling + bias.float().unsqueeze(2)
     out = torch.matmul(torch.softmax(logits, dim=-1), value.float())  # (B, G, r, d)

@@ -29,6 +29,7 @@ from presses.kernels.references import check_pooling_args
 
 __all__ = ["pooled_page_scores_triton", "row_entropies_triton"]
 
+
 @triton.jit
 def _entropy_from_sums(s, mx, alpha, n_support, MODE: tl.constexpr):
     """Rényi entropy from the sums over a normalised row (MODE 0: alpha=2, 1: Shannon, 2: inf, 3: general)."""
@@ -56,8 +57,9 @@ def _power_term(p, alpha, MODE: tl.constexpr):
 
 
 @triton.jit
-def _row_entropy_kernel(a_ptr, z_ptr, h_ptr, hraw_ptr, T, n_sink, alpha, s_row,
-                        MODE: tl.constexpr, BLOCK_T: tl.constexpr):
+def _row_entropy_kernel(
+    a_ptr, z_ptr, h_ptr, hraw_ptr, T, n_sink, alpha, s_row, MODE: tl.constexpr, BLOCK_T: tl.constexpr
+):
     row = tl.program_id(0)
     base = a_ptr + row.to(tl.int64) * s_row
     # sweep 1: non-sink mass z and the raw-row sums
@@ -96,10 +98,24 @@ def _row_entropy_kernel(a_ptr, z_ptr, h_ptr, hraw_ptr, T, n_sink, alpha, s_row,
 
 
 @triton.jit
-def _pool_pages_kernel(a_ptr, w_ptr, pooled_ptr, pages_ptr, T, P, page_size,
-                       sa_b, sa_h, sa_t,
-                       G: tl.constexpr, R: tl.constexpr, MAX_POOL: tl.constexpr, MASS: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+def _pool_pages_kernel(
+    a_ptr,
+    w_ptr,
+    pooled_ptr,
+    pages_ptr,
+    T,
+    P,
+    page_size,
+    sa_b,
+    sa_h,
+    sa_t,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    MAX_POOL: tl.constexpr,
+    MASS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     pid_p = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = (pid_bg // G).to(tl.int64)
@@ -167,16 +183,35 @@ def row_entropies_triton(attn: torch.Tensor, n_sink: int, alpha: float = 2.0) ->
     h, h_raw = torch.empty_like(z), torch.empty_like(z)
     if n:
         block = min(1024, triton.next_power_of_2(T))
-        _row_entropy_kernel[(n,)](rows, z, h, h_raw, T, n_sink, float(alpha) if not math.isinf(alpha) else 0.0,
-                                  rows.stride(0), MODE=_alpha_mode(alpha), BLOCK_T=block, num_warps=4)
+        _row_entropy_kernel[(n,)](
+            rows,
+            z,
+            h,
+            h_raw,
+            T,
+            n_sink,
+            float(alpha) if not math.isinf(alpha) else 0.0,
+            rows.stride(0),
+            MODE=_alpha_mode(alpha),
+            BLOCK_T=block,
+            num_warps=4,
+        )
     return {"z": z.reshape(lead), "entropy": h.reshape(lead), "raw_entropy": h_raw.reshape(lead)}
 
 
-def pooled_page_scores_triton(attn: torch.Tensor, num_groups: int, n_sink: int = 4, alpha: float = 2.0,
-                              tau: float = 0.5, pooling: str = "entropy", page_size: int = 16,
-                              page_score: str = "block_max", diagnostics: bool = False,
-                              ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
-    """Triton version of :func:`presses.kernels.references.pooled_page_scores_reference` (same arguments, returns and errors;
+def pooled_page_scores_triton(
+    attn: torch.Tensor,
+    num_groups: int,
+    n_sink: int = 4,
+    alpha: float = 2.0,
+    tau: float = 0.5,
+    pooling: str = "entropy",
+    page_size: int = 16,
+    page_score: str = "block_max",
+    diagnostics: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+    """Triton version of :func:`presses.kernels.references.pooled_page_scores_reference` (same arguments, returns and
+    errors;
     equal to float32 round-off). docs/methods.md §1 steps 2-6."""
 
     check_pooling_args(attn, num_groups, pooling, page_size, page_score)
@@ -201,11 +236,26 @@ def pooled_page_scores_triton(attn: torch.Tensor, num_groups: int, n_sink: int =
         block_p = max(1, min(triton.next_power_of_2(P), 2048 // block_s))
         w = weights.contiguous() if weights is not None else pooled  # dummy pointer for "max"
         _pool_pages_kernel[(triton.cdiv(P, block_p), Bsz * G)](
-            attn, w, pooled, pages, T, P, page_size, *attn.stride(),
-            G=G, R=r, MAX_POOL=pooling == "max", MASS=page_score == "mass",
-            BLOCK_P=block_p, BLOCK_S=block_s, num_warps=4,
+            attn,
+            w,
+            pooled,
+            pages,
+            T,
+            P,
+            page_size,
+            *attn.stride(),
+            G=G,
+            R=r,
+            MAX_POOL=pooling == "max",
+            MASS=page_score == "mass",
+            BLOCK_P=block_p,
+            BLOCK_S=block_s,
+            num_warps=4,
         )
     if not diagnostics:
         return pooled, pages, None
-    return pooled, pages, {"weights": weights, "entropy": stats["entropy"], "raw_entropy": stats["raw_entropy"],
-                           "z": stats["z"]}
+    return (
+        pooled,
+        pages,
+        {"weights": weights, "entropy": stats["entropy"], "raw_entropy": stats["raw_entropy"], "z": stats["z"]},
+    )

@@ -38,14 +38,37 @@ _BLOCK_M, _BLOCK_N, _MAX_BLOCK_K = 32, 64, 128
 
 @triton.jit
 def _chunk_mass_kernel(
-    q_ptr, k_ptr, rows_ptr, ids_ptr, m_ptr, l_ptr, c_ptr,
-    n_rows, t_keys, n_chunks, chunk, n_split, n_mblocks,
-    sq_b, sq_h, sq_n, sq_d,
-    sk_b, sk_g, sk_t, sk_d,
+    q_ptr,
+    k_ptr,
+    rows_ptr,
+    ids_ptr,
+    m_ptr,
+    l_ptr,
+    c_ptr,
+    n_rows,
+    t_keys,
+    n_chunks,
+    chunk,
+    n_split,
+    n_mblocks,
+    sq_b,
+    sq_h,
+    sq_n,
+    sq_d,
+    sk_b,
+    sk_g,
+    sk_t,
+    sk_d,
     qk_scale,
-    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # program: (key split, row block) x (batch, group) x chunk block
     pid = tl.program_id(0)
@@ -56,8 +79,9 @@ def _chunk_mass_kernel(
     b = (pid_bg // G).to(tl.int64)  # 64-bit offsets: caches can exceed 2^31 elements
     g = pid_bg % G
 
-    offs_i, valid, pos, offs_d, mask_d, q = load_group_rows(q_ptr, rows_ptr, pid_m, b, g, n_rows,
-                                                            sq_b, sq_h, sq_n, sq_d, R, D, BLOCK_M, BLOCK_D, UPCAST)
+    offs_i, valid, pos, offs_d, mask_d, q = load_group_rows(
+        q_ptr, rows_ptr, pid_m, b, g, n_rows, sq_b, sq_h, sq_n, sq_d, R, D, BLOCK_M, BLOCK_D, UPCAST
+    )
     k_base = k_ptr + b * sk_b + g * sk_g
     offs_c = pid_c * BLOCK_K + tl.arange(0, BLOCK_K)
 
@@ -80,14 +104,21 @@ def _chunk_mass_kernel(
     if pid_c == 0:
         tl.store(m_ptr + row, m_i, mask=valid)
         tl.store(l_ptr + row, l_i, mask=valid)
-    tl.store(c_ptr + row[:, None] * n_chunks + offs_c[None, :], acc,
-             mask=valid[:, None] & (offs_c < n_chunks)[None, :])
+    tl.store(c_ptr + row[:, None] * n_chunks + offs_c[None, :], acc, mask=valid[:, None] & (offs_c < n_chunks)[None, :])
 
 
-def row_chunk_masses_triton(queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
-                            num_chunks: int, row_weights: torch.Tensor | None = None, scaling: float | None = None,
-                            block_m: int | None = None, block_n: int | None = None,
-                            num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def row_chunk_masses_triton(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    ids: torch.Tensor,
+    num_chunks: int,
+    row_weights: torch.Tensor | None = None,
+    scaling: float | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton per-row chunk masses and weighted row average (paper 001 eqs. 1-2, 14, 17; docs/methods.md §4).
 
     Same contract as :func:`presses.core.row_masses.row_chunk_masses_reference` (which it matches to float
@@ -136,11 +167,31 @@ def row_chunk_masses_triton(queries: torch.Tensor, keys: torch.Tensor, rows: tor
     l_part = torch.empty_like(m_part)
     c_part = torch.empty(B * HQ * n, num_splits, max(1, num_chunks), device=keys.device, dtype=torch.float32)
     _chunk_mass_kernel[(n_mblocks * num_splits, B * G, n_cblocks)](
-        queries, keys, rows, ids, m_part, l_part, c_part,
-        n, t, max(1, num_chunks), chunk, num_splits, n_mblocks,
-        *queries.stride(), *keys.stride(),
+        queries,
+        keys,
+        rows,
+        ids,
+        m_part,
+        l_part,
+        c_part,
+        n,
+        t,
+        max(1, num_chunks),
+        chunk,
+        num_splits,
+        n_mblocks,
+        *queries.stride(),
+        *keys.stride(),
         qk_scale,
-        G=G, R=R, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_K=bk, IEEE=ieee, UPCAST=upcast,
+        G=G,
+        R=R,
+        D=d,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=bd,
+        BLOCK_K=bk,
+        IEEE=ieee,
+        UPCAST=upcast,
         num_warps=num_warps,
     )
     m_row = m_part.amax(-1)  # every row sees key 0, so m_row is finite
@@ -152,11 +203,27 @@ def row_chunk_masses_triton(queries: torch.Tensor, keys: torch.Tensor, rows: tor
         coef = 1.0 / l_row
         weights = row_weights.to(device=keys.device, dtype=torch.float32).contiguous()
         _column_kernel[(n_kblocks, B * G)](
-            queries, keys, rows, weights, m_row, coef, average,
-            n, t,
-            *queries.stride(), *keys.stride(),
+            queries,
+            keys,
+            rows,
+            weights,
+            m_row,
+            coef,
+            average,
+            n,
+            t,
+            *queries.stride(),
+            *keys.stride(),
             qk_scale,
-            G=G, R=R, D=d, HAS_W=True,
-            BLOCK_M=64, BLOCK_N=bn, BLOCK_D=bd, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
+            G=G,
+            R=R,
+            D=d,
+            HAS_W=True,
+            BLOCK_M=64,
+            BLOCK_N=bn,
+            BLOCK_D=bd,
+            IEEE=ieee,
+            UPCAST=upcast,
+            num_warps=num_warps,
         )
     return masses, average

@@ -25,10 +25,23 @@ __all__ = ["key_tile_scores", "load_group_rows", "online_softmax_step"]
 
 
 @triton.jit
-def load_group_rows(q_ptr, rows_ptr, pid_m, b, g, n_rows,
-                    sq_b, sq_h, sq_n, sq_d,
-                    R: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                    UPCAST: tl.constexpr):
+def load_group_rows(
+    q_ptr,
+    rows_ptr,
+    pid_m,
+    b,
+    g,
+    n_rows,
+    sq_b,
+    sq_h,
+    sq_n,
+    sq_d,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Row block ``pid_m`` of KV group ``g`` of batch row ``b``: queries ``(B, H_Q, n, D)`` at ``q_ptr`` with
     strides ``sq_*``, row positions ``(n,)`` int at ``rows_ptr``.
 
@@ -43,21 +56,24 @@ def load_group_rows(q_ptr, rows_ptr, pid_m, b, g, n_rows,
     pos = tl.load(rows_ptr + u, mask=valid, other=-1)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    q = tl.load(q_ptr + b * sq_b + (g * R + hh)[:, None] * sq_h + u[:, None] * sq_n + offs_d[None, :] * sq_d,
-                mask=valid[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * sq_b + (g * R + hh)[:, None] * sq_h + u[:, None] * sq_n + offs_d[None, :] * sq_d,
+        mask=valid[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     return offs_i, valid, pos, offs_d, mask_d, q
 
 
 @triton.jit
-def key_tile_scores(q, k_base, offs_n, in_keys, offs_d, mask_d, sk_t, sk_d,
-                    IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def key_tile_scores(q, k_base, offs_n, in_keys, offs_d, mask_d, sk_t, sk_d, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """Raw scores ``q . k_j`` ``(BLOCK_M, BLOCK_N)`` of the keys ``offs_n`` (``in_keys``: those that exist; the
     others load as 0) of one KV head at ``k_base`` with strides ``sk_t``, ``sk_d``. ``IEEE``: full-precision
     float32 dot (no TF32)."""
-    kt = tl.load(k_base + offs_n[None, :] * sk_t + offs_d[:, None] * sk_d,
-                 mask=in_keys[None, :] & mask_d[:, None], other=0.0)
+    kt = tl.load(
+        k_base + offs_n[None, :] * sk_t + offs_d[:, None] * sk_d, mask=in_keys[None, :] & mask_d[:, None], other=0.0
+    )
     if UPCAST:
         kt = kt.to(tl.float32)
     if IEEE:

@@ -163,19 +163,30 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         """
         for wrapper, inner in zip(path, path[1:]):
             if isinstance(wrapper, ComposedPress) and wrapper.presses and wrapper.presses[0] is not inner:
-                raise ValueError("PageEntroKVPress must be the first press of a ComposedPress: it pages the prompt's "
-                                 "positions, which a press before it removes; got it at position "
-                                 f"{wrapper.presses.index(inner)}")
+                raise ValueError(
+                    "PageEntroKVPress must be the first press of a ComposedPress: it pages the prompt's "
+                    "positions, which a press before it removes; got it at position "
+                    f"{wrapper.presses.index(inner)}"
+                )
 
     # ------------------------------------------------------------------ scoring
     def observers(self, seq_len: int) -> int:
         """The number of observer queries for a prompt of ``T`` rows (``observer_window`` resolved, at most ``T``)."""
-        wanted = self.window_size if self.observer_window is None else (
-            MAX_OBSERVERS if self.observer_window == "all" else self.observer_window)
+        wanted = (
+            self.window_size
+            if self.observer_window is None
+            else (MAX_OBSERVERS if self.observer_window == "all" else self.observer_window)
+        )
         return max(1, min(wanted, seq_len))
 
-    def _observer_attention(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-                            attentions: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
+    def _observer_attention(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+    ) -> torch.Tensor:
         """Observer-averaged attention ``(B, H_Q, T)`` of the last observers among the ``n`` rows of
         ``hidden_states`` over ``keys`` (docs/methods.md §1 step 1).
 
@@ -189,12 +200,26 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         n, T = hidden_states.shape[1], keys.shape[2]
         W = min(self.observers(T), n)
         pe = kwargs.get("position_embeddings")
-        return memoized_observers(module, hidden_states, keys, W,
-                                  lambda: self._compute_observers(module, hidden_states, keys, attentions, kwargs, W),
-                                  attentions, pe, self.observer_block)
+        return memoized_observers(
+            module,
+            hidden_states,
+            keys,
+            W,
+            lambda: self._compute_observers(module, hidden_states, keys, attentions, kwargs, W),
+            attentions,
+            pe,
+            self.observer_block,
+        )
 
-    def _compute_observers(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-                           attentions: torch.Tensor | None, kwargs: dict, W: int) -> torch.Tensor:
+    def _compute_observers(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+        W: int,
+    ) -> torch.Tensor:
         """The observer attention of :meth:`_observer_attention` (``W`` observers), computed."""
         n, T = hidden_states.shape[1], keys.shape[2]
         pe = kwargs.get("position_embeddings")
@@ -228,21 +253,38 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         """
         need_diag = self.record or self.max_fallback is not None
         # dispatch: Triton on CUDA, pooled_group_scores + page_scores elsewhere (presses.kernels)
-        _, scores, diag = pooled_page_scores(attn, num_groups, self.n_sink, self.alpha, self.tau, self.pooling,
-                                             self.page_size, self.page_score, diagnostics=need_diag)
+        _, scores, diag = pooled_page_scores(
+            attn,
+            num_groups,
+            self.n_sink,
+            self.alpha,
+            self.tau,
+            self.pooling,
+            self.page_size,
+            self.page_score,
+            diagnostics=need_diag,
+        )
         B = attn.shape[0]
         fallback = torch.zeros(B, num_groups, dtype=torch.bool, device=scores.device)
         if self.max_fallback is not None and self.pooling != "max":
             entropy = diag["entropy"].view(B, num_groups, -1)
             fallback = (entropy.amax(-1) - entropy.amin(-1)) < self.max_fallback
             if bool(fallback.any()):
-                _, max_scores, _ = pooled_page_scores(attn, num_groups, self.n_sink, self.alpha, self.tau, "max",
-                                                      self.page_size, self.page_score)
+                _, max_scores, _ = pooled_page_scores(
+                    attn, num_groups, self.n_sink, self.alpha, self.tau, "max", self.page_size, self.page_score
+                )
                 scores = torch.where(fallback.unsqueeze(-1), max_scores, scores)
         return scores, diag, fallback
 
-    def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              attentions: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
+    def score(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+    ) -> torch.Tensor:
         """Per-token scores for kvpress's score-based wrappers (``ScorerPress.score``).
 
         Each token gets its group's page score (docs/methods.md §1 steps 1-6); the tokens of protected pages
@@ -268,11 +310,27 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     # ------------------------------------------------------------------ selection
     def _plan(self, seq_len: int) -> PageBudget:
         """The page plan for ``T`` (computed once per prefill, so a conflict is logged once)."""
-        key = (seq_len, self.compression_ratio, self.page_size, self.n_sink, self.window_size, self.on_budget_conflict,
-               self.protect)
+        key = (
+            seq_len,
+            self.compression_ratio,
+            self.page_size,
+            self.n_sink,
+            self.window_size,
+            self.on_budget_conflict,
+            self.protect,
+        )
         if key not in self._plan_cache:
-            self._plan_cache = {key: page_budget(seq_len, self.compression_ratio, self.page_size, self.n_sink,
-                                                 self.window_size, self.on_budget_conflict, self.protect)}
+            self._plan_cache = {
+                key: page_budget(
+                    seq_len,
+                    self.compression_ratio,
+                    self.page_size,
+                    self.n_sink,
+                    self.window_size,
+                    self.on_budget_conflict,
+                    self.protect,
+                )
+            }
         return self._plan_cache[key]
 
     @staticmethod
@@ -296,8 +354,15 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         chosen = torch.sort(torch.sort(rank, dim=-1, descending=True, stable=True).indices[:, :U], dim=-1).values
         return chosen.unsqueeze(1).expand(B, G, U)
 
-    def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 attentions: torch.Tensor | None, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def compress(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the protected pages plus the best ``K`` pages of each KV group (docs/methods.md §1 steps 1-9).
 
         Args:
@@ -317,15 +382,31 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         layer_idx = getattr(module, "layer_idx", 0)
         Bsz, G, T, _ = keys.shape
         cache_position = kwargs.get("cache_position")
-        if T != hidden_states.shape[1] and cache_position is not None and \
-                is_prefilling(cache_position, hidden_states.shape[1]):
-            raise ValueError(f"PageEntroKVPress got {T} cache entries for a prefill of {hidden_states.shape[1]} "
-                             "tokens: another press compressed this layer first; it must be the first press of "
-                             "a ComposedPress")
+        if (
+            T != hidden_states.shape[1]
+            and cache_position is not None
+            and is_prefilling(cache_position, hidden_states.shape[1])
+        ):
+            raise ValueError(
+                f"PageEntroKVPress got {T} cache entries for a prefill of {hidden_states.shape[1]} "
+                "tokens: another press compressed this layer first; it must be the first press of "
+                "a ComposedPress"
+            )
         if self.compression_ratio == 0 or T == 0:
             bypass = "compression_ratio=0" if T else "T=0"
-            self._stats.append({"T": T, "kept": T, "budget": T, "protected": T, "conflict": False, "shrunk": False,
-                                "bypass": bypass, "observers": 0, "fallback": 0})
+            self._stats.append(
+                {
+                    "T": T,
+                    "kept": T,
+                    "budget": T,
+                    "protected": T,
+                    "conflict": False,
+                    "shrunk": False,
+                    "bypass": bypass,
+                    "observers": 0,
+                    "fallback": 0,
+                }
+            )
             self._record(layer_idx, T, Bsz, None, None, None, None, None, bypass)
             return keys, values
 
@@ -343,11 +424,31 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         if self.group_selection == "union" and G > 1 and plan.num_selected > 0:
             selected, pages = pages, self._union(pages, scores)
         kept = pages_to_positions(pages, T, self.page_size).shape[-1]
-        self._stats.append({"T": T, "kept": kept, "budget": plan.budget, "protected": plan.protected_tokens,
-                            "conflict": plan.conflict, "shrunk": plan.shrunk, "bypass": "", "observers": observers,
-                            "fallback": 0 if fallback is None else int(fallback.sum())})
-        self._record(layer_idx, T, Bsz, plan, pages, selected, diag, fallback,
-                     "" if can_score else f"n_sink={self.n_sink}>=T={T}", observers)
+        self._stats.append(
+            {
+                "T": T,
+                "kept": kept,
+                "budget": plan.budget,
+                "protected": plan.protected_tokens,
+                "conflict": plan.conflict,
+                "shrunk": plan.shrunk,
+                "bypass": "",
+                "observers": observers,
+                "fallback": 0 if fallback is None else int(fallback.sum()),
+            }
+        )
+        self._record(
+            layer_idx,
+            T,
+            Bsz,
+            plan,
+            pages,
+            selected,
+            diag,
+            fallback,
+            "" if can_score else f"n_sink={self.n_sink}>=T={T}",
+            observers,
+        )
         if kept == T:
             return keys, values
         positions = pages_to_positions(pages, T, self.page_size)  # (B, G, n_kept)
@@ -355,9 +456,19 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         return keys.gather(2, index).contiguous(), values.gather(2, index).contiguous()
 
     # ------------------------------------------------------------------ diagnostics
-    def _record(self, layer_idx: int, T: int, Bsz: int, plan: PageBudget | None, pages: torch.Tensor | None,
-                selected: torch.Tensor | None, diag: dict | None, fallback: torch.Tensor | None, bypass: str,
-                observers: int = 0) -> None:
+    def _record(
+        self,
+        layer_idx: int,
+        T: int,
+        Bsz: int,
+        plan: PageBudget | None,
+        pages: torch.Tensor | None,
+        selected: torch.Tensor | None,
+        diag: dict | None,
+        fallback: torch.Tensor | None,
+        bypass: str,
+        observers: int = 0,
+    ) -> None:
         """Append one diagnostics dict per batch row to ``self.records`` (only when ``record``)."""
         if not self.record:
             return
@@ -366,28 +477,32 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             return None if x is None else x[b].detach().cpu()
 
         for b in range(Bsz):
-            kept = T if pages is None else pages_to_positions(pages[b:b + 1], T, self.page_size).shape[-1]
-            self.records.append({
-                "layer_idx": layer_idx,
-                "batch_index": b,
-                "T": T,
-                "budget": plan.budget if plan is not None else token_budget(T, self.compression_ratio),
-                "kept_tokens": kept,
-                "page_size": self.page_size,
-                "protected_pages": None if plan is None else plan.protected.nonzero().squeeze(-1),
-                "kept_pages": row(pages, b),
-                "selected_pages": row(selected if selected is not None else pages, b),
-                "weights": None if not diag or diag.get("weights") is None else row(diag["weights"], b).float(),
-                "entropy": None if not diag or diag.get("entropy") is None else row(diag["entropy"], b).float(),
-                "raw_entropy": None if not diag or diag.get("raw_entropy") is None else row(diag["raw_entropy"], b).float(),
-                "z": None if not diag or diag.get("z") is None else row(diag["z"], b).float(),
-                "fallback": row(fallback, b),
-                "observers": observers,
-                "effective_compression": 1.0 - kept / T if T else 0.0,
-                "conflict": bool(plan.conflict) if plan is not None else False,
-                "shrunk": bool(plan.shrunk) if plan is not None else False,
-                "bypass": bypass,
-            })
+            kept = T if pages is None else pages_to_positions(pages[b : b + 1], T, self.page_size).shape[-1]
+            self.records.append(
+                {
+                    "layer_idx": layer_idx,
+                    "batch_index": b,
+                    "T": T,
+                    "budget": plan.budget if plan is not None else token_budget(T, self.compression_ratio),
+                    "kept_tokens": kept,
+                    "page_size": self.page_size,
+                    "protected_pages": None if plan is None else plan.protected.nonzero().squeeze(-1),
+                    "kept_pages": row(pages, b),
+                    "selected_pages": row(selected if selected is not None else pages, b),
+                    "weights": None if not diag or diag.get("weights") is None else row(diag["weights"], b).float(),
+                    "entropy": None if not diag or diag.get("entropy") is None else row(diag["entropy"], b).float(),
+                    "raw_entropy": None
+                    if not diag or diag.get("raw_entropy") is None
+                    else row(diag["raw_entropy"], b).float(),
+                    "z": None if not diag or diag.get("z") is None else row(diag["z"], b).float(),
+                    "fallback": row(fallback, b),
+                    "observers": observers,
+                    "effective_compression": 1.0 - kept / T if T else 0.0,
+                    "conflict": bool(plan.conflict) if plan is not None else False,
+                    "shrunk": bool(plan.shrunk) if plan is not None else False,
+                    "bypass": bypass,
+                }
+            )
 
     def summary(self) -> dict[str, float | int | str]:
         """Statistics of the last prefill (the press contract): ``effective_compression`` (mean over layers of

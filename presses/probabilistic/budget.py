@@ -21,8 +21,14 @@ MAX_SAMPLES = 10**12
 BUDGETS = ("head", "global")
 
 
-def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tuple[int, ...] = (),
-                       tol: float = 0.5, max_samples: int = MAX_SAMPLES, target: float | None = None) -> torch.Tensor:
+def search_num_samples(
+    pi: torch.Tensor,
+    compression_ratio: float,
+    pool_dims: tuple[int, ...] = (),
+    tol: float = 0.5,
+    max_samples: int = MAX_SAMPLES,
+    target: float | None = None,
+) -> torch.Tensor:
     """Number of samples ``m`` whose expected kept count meets ``j* = (1 - r*) t`` (paper 003 Alg. 2).
 
     Runs Algorithm 2 independently for every row (``budget="head"``). With ``pool_dims`` the
@@ -31,7 +37,8 @@ def search_num_samples(pi: torch.Tensor, compression_ratio: float, pool_dims: tu
     the midpoint ``floor((low + high) / 2)`` and stops at the first midpoint within ``tol`` of
     ``j*``; ``E[J(mid)]`` of every row goes through the kernel dispatch
     :func:`presses.kernels.expected_unique_many` (one candidate per row; without Triton, eq. 24 with
-    ``log(1 - pi_i)`` computed once per search). When ``j*`` is unreachable (entries with ``pi_i = 0`` cap ``E[J]``) it returns the
+    ``log(1 - pi_i)`` computed once per search). When ``j*`` is unreachable (entries with ``pi_i = 0`` cap ``E[J]``) it
+    returns the
     smallest ``m`` it could not rule out, at most ``max_samples``. ``E[J]`` is monotone in ``m``.
 
     Args:

@@ -10,8 +10,9 @@ import torch
 __all__ = ["snis_bias"]
 
 
-def snis_bias(counts: torch.Tensor, num_samples, pi: torch.Tensor, tau: float = 1.0,
-              correction: bool = True) -> torch.Tensor:
+def snis_bias(
+    counts: torch.Tensor, num_samples, pi: torch.Tensor, tau: float = 1.0, correction: bool = True
+) -> torch.Tensor:
     """SNIS log importance weights as a logit bias (paper 003 Alg. 1 line 2 and eq. 10).
 
     ``b_i = (log c_i - log m - log pi_i) / tau`` where ``c_i > 0``; ``-inf`` where ``c_i = 0``;

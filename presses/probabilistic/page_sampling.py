@@ -161,8 +161,9 @@ def expand_pages(x: torch.Tensor, page_size: int, seq_len: int) -> torch.Tensor:
     """
     P = num_pages(seq_len, page_size)
     if x.shape[-1] != P:
-        raise ValueError(f"expected ceil(T / page_size) = {P} pages (T={seq_len}, page_size={page_size}), "
-                         f"got {x.shape[-1]}")
+        raise ValueError(
+            f"expected ceil(T / page_size) = {P} pages (T={seq_len}, page_size={page_size}), got {x.shape[-1]}"
+        )
     if page_size == 1:
         return x
     return x.repeat_interleave(page_size, dim=-1)[..., :seq_len]

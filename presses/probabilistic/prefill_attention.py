@@ -13,7 +13,8 @@ model hooks when its prefill starts and ends):
   are wrapped once (:func:`install_prefill_attention`, idempotent, composes with the SNIS decode-bias wrapper
   of :mod:`presses.attention_bias` in either order). Without a request on the module the wrapper calls the
   wrapped function unchanged, so it is active only while a press has asked for statistics;
-- the press leaves a :class:`StatsRequest` on every attention module for the duration of its prefill; at the layer's prefill
+- the press leaves a :class:`StatsRequest` on every attention module for the duration of its prefill; at the layer's
+prefill
   (queries and keys cover the same positions) the wrapper computes the attention output AND the statistics,
   and leaves a :class:`PrefillStats` on the module;
 - the press's ``compress`` (kvpress forward hook, right after the attention) takes them with
@@ -42,8 +43,16 @@ import torch
 from presses import kernels
 from presses.core.columns import harmonic_prior
 
-__all__ = ["STATISTICS", "PrefillStats", "StatsRequest", "attention_modules", "install_prefill_attention",
-           "prefill_statistics", "request_statistics", "take_prefill_stats"]
+__all__ = [
+    "STATISTICS",
+    "PrefillStats",
+    "StatsRequest",
+    "attention_modules",
+    "install_prefill_attention",
+    "prefill_statistics",
+    "request_statistics",
+    "take_prefill_stats",
+]
 
 #: Statistic each attention proposal reads: column sums with unit or harmonic row weights, or the last row.
 STATISTICS = {"h2o": "columns", "h2o_h": "harmonic_columns", "min_h": "harmonic_columns", "min": "last_row"}
@@ -87,11 +96,19 @@ def attention_modules(model) -> list:
 def _fusable(module, query, key, attention_mask, args, kwargs) -> bool:
     """True for a plain causal prefill whose output the fused kernel reproduces (see the module docstring)."""
     dropout = args[0] if args else kwargs.get("dropout", 0.0)  # kvpress's patch passes it positionally
-    return (query.shape[2] == key.shape[2] and attention_mask is None and len(args) <= 1 and not dropout
-            and not kwargs.get("sliding_window") and not kwargs.get("softcap")
-            and not kwargs.get("output_attentions") and kwargs.get("is_causal", getattr(module, "is_causal", True))
-            and query.shape[1] % key.shape[1] == 0 and query.is_floating_point()
-            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)))
+    return (
+        query.shape[2] == key.shape[2]
+        and attention_mask is None
+        and len(args) <= 1
+        and not dropout
+        and not kwargs.get("sliding_window")
+        and not kwargs.get("softcap")
+        and not kwargs.get("output_attentions")
+        and kwargs.get("is_causal", getattr(module, "is_causal", True))
+        and query.shape[1] % key.shape[1] == 0
+        and query.is_floating_point()
+        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+    )
 
 
 def _wrap(func, name: str):

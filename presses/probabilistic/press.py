@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 from kvpress import ComposedPress, PrefillDecodingPress, ScorerPress
 from torch import nn
@@ -10,11 +11,11 @@ from transformers import QuantizedCache
 
 from presses.attention_bias import SUPPORTED_ATTENTION, AttentionBias, install_bias_attention
 from presses.base import Capabilities, ResearchPress, language_model
+from presses.core.paging import check_compression_ratio, num_pages
 from presses.probabilistic.budget import BUDGETS, sample_counts, search_num_samples
 from presses.probabilistic.correction import snis_bias
-from presses.core.paging import check_compression_ratio, num_pages
-from presses.probabilistic.prefill_attention import install_prefill_attention, request_statistics
 from presses.probabilistic.page_sampling import UNITS, expand_pages, page_proposal, page_target, page_tolerance
+from presses.probabilistic.prefill_attention import install_prefill_attention, request_statistics
 from presses.probabilistic.proposals import (
     NORMALIZATIONS,
     check_proposal,
@@ -59,7 +60,8 @@ class ProbabilisticEvictionPress(ResearchPress):
     ``budget="head"`` next to another press, and a ``PrefillDecodingPress`` with a decoding press (which would
     evict entries the correction refers to) raise a ``ValueError`` when the prefill starts.
 
-    ``unit="page"`` samples pages instead of tokens (:mod:`presses.probabilistic.page_sampling`; docs/methods.md §3.8): the page proposal
+    ``unit="page"`` samples pages instead of tokens (:mod:`presses.probabilistic.page_sampling`; docs/methods.md §3.8):
+    the page proposal
     is the token proposal summed over each page of ``page_size`` positions (the last page may be
     partial), ``m`` is searched on the expected number of distinct pages with the target
     ``j*_pages = (1 - r) T / page_size`` and the tolerance ``0.5 / page_size`` pages (the token unit's
@@ -172,20 +174,28 @@ class ProbabilisticEvictionPress(ResearchPress):
             inner = path[i + 1]
             if isinstance(wrapper, ComposedPress) and len(wrapper.presses) > 1:
                 if self.unit == "page":
-                    raise ValueError("ProbabilisticEvictionPress(unit='page') cannot share a ComposedPress with other "
-                                     "presses: a later press would select single tokens of the drawn pages")
+                    raise ValueError(
+                        "ProbabilisticEvictionPress(unit='page') cannot share a ComposedPress with other "
+                        "presses: a later press would select single tokens of the drawn pages"
+                    )
                 if self.budget == "head":
-                    raise ValueError("ProbabilisticEvictionPress(budget='head') cannot share a ComposedPress with "
-                                     "other presses: it evicts and pads each layer at once, and a later press "
-                                     "would select among padding slots; use budget='global' as the first press")
+                    raise ValueError(
+                        "ProbabilisticEvictionPress(budget='head') cannot share a ComposedPress with "
+                        "other presses: it evicts and pads each layer at once, and a later press "
+                        "would select among padding slots; use budget='global' as the first press"
+                    )
                 if wrapper.presses[0] is not inner:
-                    raise ValueError("ProbabilisticEvictionPress must be the first press of a ComposedPress: its "
-                                     "proposals need the uncompressed prefill (a press before it removes entries "
-                                     f"and their positions); got it at position {wrapper.presses.index(inner)}")
+                    raise ValueError(
+                        "ProbabilisticEvictionPress must be the first press of a ComposedPress: its "
+                        "proposals need the uncompressed prefill (a press before it removes entries "
+                        f"and their positions); got it at position {wrapper.presses.index(inner)}"
+                    )
             elif isinstance(wrapper, PrefillDecodingPress) and wrapper.decoding_press is not None:
-                raise ValueError("ProbabilisticEvictionPress cannot be combined with a decoding press in "
-                                 "PrefillDecodingPress: decoding compression would remove cache entries that its "
-                                 "decode-time correction refers to")
+                raise ValueError(
+                    "ProbabilisticEvictionPress cannot be combined with a decoding press in "
+                    "PrefillDecodingPress: decoding compression would remove cache entries that its "
+                    "decode-time correction refers to"
+                )
 
     def _get_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
@@ -193,8 +203,9 @@ class ProbabilisticEvictionPress(ResearchPress):
         return self._generator
 
     # ------------------------------------------------------------------ eviction
-    def _evict(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor,
-               num_samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _evict(
+        self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, num_samples: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw, keep the drawn entries, pad the layer, and leave the correction on ``module``.
 
         Args:
@@ -231,8 +242,15 @@ class ProbabilisticEvictionPress(ResearchPress):
         }
         return new_keys, new_values
 
-    def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 attentions: torch.Tensor | None, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def compress(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Head budget: evict now. Global budget: record the proposal; eviction happens in
         :meth:`finalize` once every layer's proposal is known.
 
@@ -247,13 +265,27 @@ class ProbabilisticEvictionPress(ResearchPress):
         if isinstance(cache, QuantizedCache):
             raise NotImplementedError("ProbabilisticEvictionPress does not support QuantizedCache")
         if keys.shape[2] != hidden_states.shape[1]:
-            raise ValueError(f"ProbabilisticEvictionPress got {keys.shape[2]} cache entries for a prefill of "
-                             f"{hidden_states.shape[1]} tokens: another press compressed this layer first; it "
-                             "must be the first press of a ComposedPress")
+            raise ValueError(
+                f"ProbabilisticEvictionPress got {keys.shape[2]} cache entries for a prefill of "
+                f"{hidden_states.shape[1]} tokens: another press compressed this layer first; it "
+                "must be the first press of a ComposedPress"
+            )
         self._seq_len = keys.shape[2]
-        pi = compute_proposal(self.proposal, module, hidden_states, keys, values, attentions, kwargs,
-                              self.proposal_temperature, self.uniform_mix, self.block_size, self.window_size,
-                              self.kernel_size, self.score_normalization)
+        pi = compute_proposal(
+            self.proposal,
+            module,
+            hidden_states,
+            keys,
+            values,
+            attentions,
+            kwargs,
+            self.proposal_temperature,
+            self.uniform_mix,
+            self.block_size,
+            self.window_size,
+            self.kernel_size,
+            self.score_normalization,
+        )
         if self.unit == "page":
             pi = page_proposal(pi, self.page_size)  # (B, G, P): pages are the sampling unit
         if self.budget == "head":
@@ -280,17 +312,25 @@ class ProbabilisticEvictionPress(ResearchPress):
                 continue
             # a later press of a ComposedPress kept a subset of the entries: draw among them (class docstring)
             if fingerprints is None:
-                raise ValueError(f"layer {i}: the cache was replaced after ProbabilisticEvictionPress recorded "
-                                 "its proposal, outside a wrapper it knows")
+                raise ValueError(
+                    f"layer {i}: the cache was replaced after ProbabilisticEvictionPress recorded "
+                    "its proposal, outside a wrapper it knows"
+                )
             positions = surviving_positions(fingerprints, layer.keys)  # (B, G, t')
             sub = pi.gather(-1, positions)
             pis[i] = sub / sub.sum(-1, keepdim=True).clamp_min(torch.finfo(sub.dtype).tiny)
         lengths = {pis[i].shape[-1] for i in layers}
         if len(lengths) != 1:
-            raise ValueError(f"the global budget needs the same number of surviving entries in every layer, got "
-                             f"{sorted(lengths)}: use budget='head' alone, or presses that keep equal counts")
-        m = search_num_samples(torch.stack([pis[i] for i in layers], dim=1), self.compression_ratio,
-                               pool_dims=(1, 2), **self._search_options()).view(-1, 1)  # (B, 1)
+            raise ValueError(
+                f"the global budget needs the same number of surviving entries in every layer, got "
+                f"{sorted(lengths)}: use budget='head' alone, or presses that keep equal counts"
+            )
+        m = search_num_samples(
+            torch.stack([pis[i] for i in layers], dim=1),
+            self.compression_ratio,
+            pool_dims=(1, 2),
+            **self._search_options(),
+        ).view(-1, 1)  # (B, 1)
         for i in layers:
             module, cache = pending[i][:2]
             layer = cache.layers[module.layer_idx]
@@ -302,8 +342,10 @@ class ProbabilisticEvictionPress(ResearchPress):
         and the tolerance :func:`presses.probabilistic.page_sampling.page_tolerance`, both in pages."""
         if self.unit == "token":
             return {}
-        return {"target": page_target(self._seq_len, self.compression_ratio, self.page_size),
-                "tol": page_tolerance(self.page_size)}
+        return {
+            "target": page_target(self._seq_len, self.compression_ratio, self.page_size),
+            "tol": page_tolerance(self.page_size),
+        }
 
     # ------------------------------------------------------------------ setup and hooks
     def post_init_from_model(self, model):
@@ -318,12 +360,16 @@ class ProbabilisticEvictionPress(ResearchPress):
         """
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in SUPPORTED_ATTENTION:
-            raise ValueError(f"attn_implementation={impl!r} is not supported by ProbabilisticEvictionPress: "
-                             f"use one of {SUPPORTED_ATTENTION} (the correction is an additive float mask)")
+            raise ValueError(
+                f"attn_implementation={impl!r} is not supported by ProbabilisticEvictionPress: "
+                f"use one of {SUPPORTED_ATTENTION} (the correction is an additive float mask)"
+            )
         scorer = self.scorer
         if needs_attention_weights(scorer) and impl != "eager":
-            raise ValueError(f"proposal={scorer!r} reads the layers' attention weights: load the model with "
-                             f"attn_implementation='eager' (it has {impl!r})")
+            raise ValueError(
+                f"proposal={scorer!r} reads the layers' attention weights: load the model with "
+                f"attn_implementation='eager' (it has {impl!r})"
+            )
         if scorer is not None and not isinstance(self.proposal, str):
             scorer.post_init_from_model(model)
         install_bias_attention()
@@ -337,8 +383,11 @@ class ProbabilisticEvictionPress(ResearchPress):
         withdraws that request and runs :meth:`finalize` (the global budget's eviction) once the prefill has passed
         every layer."""
         lm = language_model(model)
-        return [*super().model_hooks(model), (lm, "forward_pre", self._request_statistics),
-                (lm, "forward", self._finish_hook)]
+        return [
+            *super().model_hooks(model),
+            (lm, "forward_pre", self._request_statistics),
+            (lm, "forward", self._finish_hook),
+        ]
 
     def _request_statistics(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
@@ -385,4 +434,3 @@ class ProbabilisticEvictionPress(ResearchPress):
             "kept_pages_mean": sum(pages) / len(pages),
             "kept_pages_per_layer": ",".join(f"{x:.2f}" for x in pages),
         }
-

@@ -16,19 +16,18 @@ computed in query blocks (``block_size`` rows at a time), never as a full ``t x 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-
 import dataclasses
+from contextlib import AbstractContextManager
 
 import torch
 from kvpress import KnormPress, ObservedAttentionPress, ScorerPress, SnapKVPress, TOVAPress
 from kvpress.presses.base_press import BasePress
 
 from presses import kernels
-from presses.core.columns import harmonic_prior  # noqa: F401  (part of this module's interface)
+from presses.core.columns import harmonic_prior
 from presses.core.observer import window_queries
-from presses.core.replay_memo import ReplayMemo
 from presses.core.renyi import pool_groups
+from presses.core.replay_memo import ReplayMemo
 from presses.probabilistic.prefill_attention import take_prefill_stats
 
 __all__ = [
@@ -55,7 +54,8 @@ __all__ = [
 ]
 
 ATTENTION_PROPOSALS = ("min", "min_h", "h2o", "h2o_h")
-#: Names of kvpress scorers with fixed settings (:func:`named_scorer`); any other ``ScorerPress`` is passed as an instance.
+#: Names of kvpress scorers with fixed settings (:func:`named_scorer`); any other ``ScorerPress`` is passed as an
+# instance.
 SCORER_PROPOSALS = ("snapkv", "tova", "knorm")
 PROPOSALS = ATTENTION_PROPOSALS + SCORER_PROPOSALS
 #: How a scorer's scores become a proposal (:func:`score_to_proposal`).
@@ -73,9 +73,15 @@ def _check_block(block_size: int) -> None:
         raise ValueError(f"block_size={block_size} must be >= 1")
 
 
-def attention_column_sums(module, hidden_states: torch.Tensor, keys: torch.Tensor, position_embeddings,
-                          row_weights: torch.Tensor | None = None, block_size: int = 128,
-                          scaling: float | None = None) -> torch.Tensor:
+def attention_column_sums(
+    module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    position_embeddings,
+    row_weights: torch.Tensor | None = None,
+    block_size: int = 128,
+    scaling: float | None = None,
+) -> torch.Tensor:
     """Weighted column sums over ALL prefill rows, recomputing queries block by block.
 
     ``s^h[i] = sum_{j=1..t} w_j p^h_j(i)`` with ``p_j`` the causal attention row of query ``j``
@@ -101,8 +107,10 @@ def attention_column_sums(module, hidden_states: torch.Tensor, keys: torch.Tenso
     _check_block(block_size)
     t = keys.shape[2]
     if hidden_states.shape[1] != t:
-        raise ValueError(f"hidden_states has {hidden_states.shape[1]} rows but keys have t={t}: "
-                         "proposals need the whole prefill in one forward")
+        raise ValueError(
+            f"hidden_states has {hidden_states.shape[1]} rows but keys have t={t}: "
+            "proposals need the whole prefill in one forward"
+        )
     scaling = getattr(module, "scaling", None) if scaling is None else scaling
     cos, sin = position_embeddings
     out = None
@@ -122,8 +130,15 @@ def _normalize(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, scores / total.clamp_min(torch.finfo(scores.dtype).tiny), uniform)
 
 
-def head_proposals(name: str, module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   position_embeddings, block_size: int = 128) -> torch.Tensor:
+def head_proposals(
+    name: str,
+    module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position_embeddings,
+    block_size: int = 128,
+) -> torch.Tensor:
     """Per-head proposals of paper 003 appendix H.
 
     - ``min``:   ``pi^h(i) ~ p^h_t(i) ||v_i||`` (last row; the minimum-variance proposal at ``t``)
@@ -294,13 +309,17 @@ def check_scorer(scorer) -> ScorerPress:
             its inner press; pass the inner scorer itself).
     """
     if isinstance(scorer, type) or not isinstance(scorer, ScorerPress):
-        raise ValueError(f"proposal={scorer!r} must be one of {PROPOSALS} or a kvpress ScorerPress instance "
-                         "(e.g. kvpress.ExpectedAttentionPress()), whose score() becomes the proposal")
+        raise ValueError(
+            f"proposal={scorer!r} must be one of {PROPOSALS} or a kvpress ScorerPress instance "
+            "(e.g. kvpress.ExpectedAttentionPress()), whose score() becomes the proposal"
+        )
     held = _held_presses(scorer)
     if held:
-        raise ValueError(f"proposal={scorer!r} is a ScorerPress that wraps another press (field {held[0]!r}): "
-                         "its score depends on its own compression ratio and wrapped press; pass a plain scorer "
-                         f"(e.g. the wrapped one, {getattr(scorer, held[0])!r})")
+        raise ValueError(
+            f"proposal={scorer!r} is a ScorerPress that wraps another press (field {held[0]!r}): "
+            "its score depends on its own compression ratio and wrapped press; pass a plain scorer "
+            f"(e.g. the wrapped one, {getattr(scorer, held[0])!r})"
+        )
     return scorer
 
 
@@ -332,9 +351,17 @@ def needs_attention_weights(scorer) -> bool:
     return isinstance(scorer, ATTENTION_WEIGHT_SCORERS)
 
 
-def scorer_scores(proposal, module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  attentions: torch.Tensor | None, kwargs: dict, window_size: int = 64,
-                  kernel_size: int = 5) -> torch.Tensor:
+def scorer_scores(
+    proposal,
+    module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attentions: torch.Tensor | None,
+    kwargs: dict,
+    window_size: int = 64,
+    kernel_size: int = 5,
+) -> torch.Tensor:
     """Scores of a kvpress top-k scorer, to be turned into a proposal (paper 003 appendix D).
 
     Args:
@@ -355,15 +382,19 @@ def scorer_scores(proposal, module, hidden_states: torch.Tensor, keys: torch.Ten
     if scorer is None:
         raise ValueError(f"scorer proposal={proposal!r} must be one of {SCORER_PROPOSALS} or a ScorerPress instance")
     if attentions is None and needs_attention_weights(scorer):
-        raise ValueError(f"proposal={scorer!r} reads the layer's attention weights, which this attention did not "
-                         "return: load the model with attn_implementation='eager'")
+        raise ValueError(
+            f"proposal={scorer!r} reads the layer's attention weights, which this attention did not "
+            "return: load the model with attn_implementation='eager'"
+        )
     try:
         scores = scorer.score(module, hidden_states, keys, values, attentions, kwargs)
     except AssertionError as err:  # kvpress checks its inputs with assert
         raise ValueError(f"proposal={scorer!r} cannot score this layer ({keys.shape[2]} entries): {err}") from err
     if tuple(scores.shape) != tuple(keys.shape[:3]):
-        raise ValueError(f"proposal={scorer!r} returned scores of shape {tuple(scores.shape)}, expected one per KV "
-                         f"head and entry {tuple(keys.shape[:3])}")
+        raise ValueError(
+            f"proposal={scorer!r} returned scores of shape {tuple(scores.shape)}, expected one per KV "
+            f"head and entry {tuple(keys.shape[:3])}"
+        )
     return scores
 
 
@@ -377,10 +408,21 @@ def _scorer_key(scorer: ScorerPress) -> tuple:
     return ("object", id(scorer))
 
 
-def compute_proposal(name, module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     attentions: torch.Tensor | None, kwargs: dict, temperature: float = 1.0,
-                     uniform_mix: float = 0.0, block_size: int = 128, window_size: int = 64,
-                     kernel_size: int = 5, score_normalization: str = "softmax") -> torch.Tensor:
+def compute_proposal(
+    name,
+    module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attentions: torch.Tensor | None,
+    kwargs: dict,
+    temperature: float = 1.0,
+    uniform_mix: float = 0.0,
+    block_size: int = 128,
+    window_size: int = 64,
+    kernel_size: int = 5,
+    score_normalization: str = "softmax",
+) -> torch.Tensor:
     """The group proposal ``pi`` of one layer (docs/methods.md §3 item 1): head proposals -> group mixture (``1/r``)
     -> temperature -> uniform mixing; scorer proposals give group scores -> ``score_normalization`` at temperature
     ``T`` (:func:`score_to_proposal`) -> uniform mixing.
@@ -421,8 +463,17 @@ def compute_proposal(name, module, hidden_states: torch.Tensor, keys: torch.Tens
 
     if not _memo.active:
         return compute()
-    memo_key = (name if scorer is None else _scorer_key(scorer), id(module), id(hidden_states), id(attentions),
-                tuple(keys.shape), float(temperature), float(uniform_mix), int(block_size), score_normalization)
+    memo_key = (
+        name if scorer is None else _scorer_key(scorer),
+        id(module),
+        id(hidden_states),
+        id(attentions),
+        tuple(keys.shape),
+        float(temperature),
+        float(uniform_mix),
+        int(block_size),
+        score_normalization,
+    )
     return _memo.get(memo_key, compute, module, hidden_states, attentions, scorer)
 
 
@@ -438,4 +489,3 @@ def shared_proposals() -> AbstractContextManager[None]:
     The memo is dropped when the block exits; blocks nest (the inner one starts empty).
     """
     return _memo.scope()
-

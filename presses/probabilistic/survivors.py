@@ -52,8 +52,10 @@ def surviving_positions(fingerprints: torch.Tensor, kept_keys: torch.Tensor) -> 
             recorded rows share a fingerprint, or the batch / group sizes differ.
     """
     if kept_keys.shape[:2] != fingerprints.shape[:2]:
-        raise ValueError(f"kept keys {tuple(kept_keys.shape)} and recorded rows {tuple(fingerprints.shape)} "
-                         "differ in batch or group size")
+        raise ValueError(
+            f"kept keys {tuple(kept_keys.shape)} and recorded rows {tuple(fingerprints.shape)} "
+            "differ in batch or group size"
+        )
     kept = row_fingerprints(kept_keys)
     order = fingerprints.argsort(dim=-1)
     sorted_fp = fingerprints.gather(-1, order)
@@ -61,6 +63,8 @@ def surviving_positions(fingerprints: torch.Tensor, kept_keys: torch.Tensor) -> 
         raise ValueError("two recorded cache rows are identical: surviving entries cannot be told apart")
     slot = torch.searchsorted(sorted_fp, kept).clamp_max(fingerprints.shape[-1] - 1)
     if not bool((sorted_fp.gather(-1, slot) == kept).all()):
-        raise ValueError("a press after ProbabilisticEvictionPress changed the cache's keys instead of selecting "
-                         "entries: the surviving entries cannot be matched to their proposal")
+        raise ValueError(
+            "a press after ProbabilisticEvictionPress changed the cache's keys instead of selecting "
+            "entries: the surviving entries cannot be matched to their proposal"
+        )
     return order.gather(-1, slot)
