@@ -9,9 +9,10 @@ both), and resumes the same way: an example is prefilled only if some run still 
 exact for presses whose capability ``shares_prefill`` holds (:mod:`evaluation.registry`; why:
 :mod:`evaluation.replay`); others raise (run them with ``evaluation.run``). A row's ``seconds`` is the shared
 prefill plus that press's hook replay plus its share of the (batched) decode; ``prefill_seconds`` gives the
-shared part and ``decode_batch`` the batch size. Within one example the probabilistic-eviction presses share
-their proposals (:func:`presses.probabilistic.proposals.shared_proposals`): a proposal is computed by the first
-run that needs it, so that run's ``seconds`` carries it and the later runs' do not.
+shared part and ``decode_batch`` the batch size. Within one example the presses share what does not depend on
+their options (one :class:`evaluation.memo.ReplayMemo` per example: the probabilistic presses' proposals,
+Page-EntroKV's observer attention): it is computed by the first run that needs it, so that run's ``seconds``
+carries it and the later runs' do not.
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from evaluation import guards, harness, inputs
+from evaluation.memo import ReplayMemo
 from evaluation.pipeline import TextGenerationPipeline
-from evaluation.registry import capabilities, export_decode_state
+from evaluation.registry import capabilities, export_decode_state, sharing
 from evaluation.replay import (
     PrefillCapture,
     check_capture_memory,
@@ -50,10 +51,7 @@ from evaluation.replay import (
     replay_prefill,
     round_robin_by_task,
 )
-from presses.attention_bias import clear_attention_bias, install_biases
 from presses.base import Capabilities
-from presses.observers import shared_observers
-from presses.probabilistic.proposals import shared_proposals
 
 logger = logging.getLogger("evaluation.loop")
 
@@ -164,19 +162,16 @@ def _shared_rows(
     rows = []
     # presses differing only in ratio / correction / seed (SNIS) or ratio / protection (Page-EntroKV) compute their
     # proposals and observer attention once per layer
-    with shared_proposals(), shared_observers():
-        for run in pending:
-            start = time.perf_counter()
-            with torch.inference_mode():
-                cache = replay_prefill(model, run.press, capture)
-            # decode-time state lives on the attention modules: keep it with the run until its decode
-            state = export_decode_state(run.press, model) if run.caps.decode_state else (None,) * len(cache)
-            clear_attention_bias(model)  # a press without decode-time state leaves none behind
-            replayed.append((run, cache, time.perf_counter() - start, state))
-            if not batch_decode:
-                rows += _decode_group(
-                    [replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds
-                )
+    memo = ReplayMemo()
+    for run in pending:
+        start = time.perf_counter()
+        with torch.inference_mode(), sharing(run.press, memo):
+            cache = replay_prefill(model, run.press, capture)
+        # decode-time state belongs to the run's cache: keep it with the run until its decode
+        state = export_decode_state(run.press, cache)
+        replayed.append((run, cache, time.perf_counter() - start, state))
+        if not batch_decode:
+            rows += _decode_group([replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
     groups: dict = {}
     for item in replayed:  # one ratio (padded) or equal per-layer cache lengths (and bias layers): one batch
         key = (
@@ -200,12 +195,8 @@ def _decode_group(
     biases stacked) and build each run's prediction row (with its own, unpadded cache)."""
     start = time.perf_counter()
     caches, states = pad_to_common_lengths([item[1] for item in group], [item[3] for item in group])
-    install_biases(model, states)
-    try:
-        with torch.inference_mode():
-            predictions = generate_answers(pipe, question_ids.to(model.device), caches, T, max_new)
-    finally:
-        clear_attention_bias(model)
+    with torch.inference_mode():
+        predictions = generate_answers(pipe, question_ids.to(model.device), caches, T, max_new, states)
     decode_s = (time.perf_counter() - start) / len(group)
     rows = []
     for (run, cache, replay_s, _), prediction in zip(group, predictions):

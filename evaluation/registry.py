@@ -15,6 +15,8 @@ model layout is checked for it.
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
+
 from kvpress import (
     AdaKVPress,
     ComposedPress,
@@ -30,8 +32,7 @@ from kvpress import (
     TOVAPress,
 )
 
-from presses.attention_bias import take_biases
-from presses.base import Capabilities, ResearchPress
+from presses.base import Capabilities, ResearchPress, held_presses
 from presses.probabilistic import ProbabilisticEvictionPress
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "MOVED_TARGETS",
     "UNKNOWN",
     "capabilities",
+    "research_presses",
+    "sharing",
     "inner_press",
     "press_input_problem",
     "export_decode_state",
@@ -176,12 +179,27 @@ def _score_problem(scorer, label: str, T: int, where: str = "press.window_size")
     return None
 
 
-def export_decode_state(press, model) -> tuple:
-    """The decode-time state a prefill under ``press`` left on ``model`` (one entry per layer), taken off it.
+def research_presses(press) -> list[ResearchPress]:
+    """The presses of this project that ``press`` is or holds (in a kvpress wrapper), outermost first."""
+    return [] if press is None else [p for p in held_presses(press) if isinstance(p, ResearchPress)]
 
-    A press of this project exports it itself (:meth:`presses.base.ResearchPress.export_decode_state`); a wrapper
-    holding one leaves the same per-layer attention biases, taken with :func:`presses.attention_bias.take_biases`.
+
+def export_decode_state(press, cache) -> tuple:
+    """The decode-time state a prefill under ``press`` left with ``cache`` (one entry per layer), taken off it.
+
+    Through the press contract (:meth:`presses.base.ResearchPress.export_decode_state`) of the press itself or of
+    the press of this project a wrapper holds; ``(None,) * len(cache)`` for a press without decode-time state.
     """
-    if isinstance(press, ResearchPress):
-        return press.export_decode_state(model)
-    return take_biases(model)
+    owners = [p for p in research_presses(press) if p.capabilities.decode_state]
+    return owners[0].export_decode_state(cache) if owners else (None,) * len(cache)
+
+
+@contextmanager
+def sharing(press, memo):
+    """Inside the block, every press of this project that ``press`` is or holds uses ``memo``
+    (:meth:`presses.base.ResearchPress.sharing`, :class:`evaluation.memo.ReplayMemo`); other presses compute as
+    always."""
+    with ExitStack() as stack:
+        for p in research_presses(press):
+            stack.enter_context(p.sharing(memo))
+        yield

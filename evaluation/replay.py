@@ -6,7 +6,9 @@ prefill are those of the uncompressed model, and layer ``i``'s hook reads only l
 values. So one uncompressed prefill, with the inputs every hook saw recorded (:class:`PrefillCapture`: the
 layer's ``hidden_states``, ``position_embeddings``, ``cache_position`` and attention output), lets each press's
 hooks be called again afterwards, in the forward's order, on a fresh cache that receives the same keys and
-values layer by layer (:func:`replay_prefill`). Which presses qualify is a capability
+values layer by layer (:func:`replay_prefill`: each attention module and then the language model is called
+with its recorded inputs, its ``forward`` standing in for the computation, so that every hook runs as in the
+prefill, through ``nn.Module.__call__`` itself). Which presses qualify is a capability
 (``shares_prefill``, :mod:`evaluation.registry`); ``tests/test_fused.py`` checks bit-equal caches and equal
 predictions against separate runs. (The probabilistic-eviction presses are equal to float32 round-off, with the
 same kept entries: in a direct prefill their attention computes the proposal statistics
@@ -19,7 +21,7 @@ every layer (``4 L H T^2`` bytes in float32; the sweep refuses more than :data:`
 
 Decoding: :func:`generate_answers` decodes caches of equal per-layer lengths as one batch (kvpress's greedy
 decode, batched); :func:`pad_to_common_lengths` pads the caches of one compression ratio to common lengths,
-the padding masked with a ``-inf`` logit bias (:mod:`presses.attention_bias`), so a row computes what it would
+the padding masked with a ``-inf`` logit bias (:mod:`presses.attention`), so a row computes what it would
 alone up to the rounding of batched matrix products. Presses with decode-time state (the SNIS correction)
 export it after their replay and the batch's states are stacked row by row (the press contract).
 """
@@ -29,13 +31,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
 from evaluation.registry import capabilities
-from presses.attention_bias import AttentionBias, clear_attention_bias, select_bias_rows
+from presses import attention
+from presses.attention_bias import AttentionBias
+from presses.core.model import language_model, text_config
 
 logger = logging.getLogger("evaluation.replay")
 
@@ -61,7 +66,7 @@ def check_capture_memory(model, T: int, name: str = "") -> None:
     Raises:
         ValueError: naming the example, the size and the limit, and what to use instead.
     """
-    c = model.config.get_text_config()
+    c = text_config(model)
     need = 4 * c.num_hidden_layers * c.num_attention_heads * T * T
     if need > MAX_EAGER_CAPTURE_BYTES:
         raise ValueError(
@@ -87,10 +92,6 @@ def check_shareable(press, name: str = "") -> None:
         )
 
 
-def _language_model(model):
-    return model.model.language_model if hasattr(model.model, "language_model") else model.model
-
-
 class PrefillCapture:
     """Record what the forward hooks of a prefill see: per attention layer ``(args, kwargs, output)``
     (``kwargs`` without the cache), the layer's keys and values after the forward, and the language
@@ -107,7 +108,7 @@ class PrefillCapture:
         self._handles: list = []
 
     def __enter__(self):
-        lm = _language_model(self.model)
+        lm = language_model(self.model)
         self.layers = [None] * len(lm.layers)
 
         def layer_hook(i, module, args, kwargs, output):
@@ -132,47 +133,36 @@ class PrefillCapture:
         return False
 
 
-def _pre_hooks(module, args, kwargs):
-    """Call ``module``'s forward pre-hooks as ``nn.Module.__call__`` does; return ``(args, kwargs)``."""
-    for hook_id, hook in list(module._forward_pre_hooks.items()):
-        if hook_id in module._forward_pre_hooks_with_kwargs:
-            result = hook(module, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        else:
-            result = hook(module, args)
-            if result is not None:
-                args = result if isinstance(result, tuple) else (result,)
-    return args, kwargs
+@contextlib.contextmanager
+def _standing_in(module, forward) -> Iterator[None]:
+    """Inside the block, calling ``module`` runs ``forward`` instead of its computation (its hooks still run)."""
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward  # the class's forward again
 
 
-def _post_hooks(module, args, kwargs, output, name: str):
-    """Call ``module``'s forward hooks as ``nn.Module.__call__`` does.
-
-    Raises:
-        ValueError: if a hook replaces the output (the prefill would no longer be the shared one).
-    """
-    for hook_id, hook in list(module._forward_hooks.items()):
-        if hook_id in module._forward_hooks_with_kwargs:
-            result = hook(module, args, kwargs, output)
-        else:
-            result = hook(module, args, output)
-        if result is not None and result is not output:
-            raise ValueError(
-                f"a forward hook on {name} changed its output: the press changes the prefill, "
-                "so it cannot share one (run it with python -m evaluation.run)"
-            )
+def _replayed_output(module, recorded, output, name: str):
+    """Raise unless ``module``'s hooks left the recorded output (the prefill would no longer be the shared one)."""
+    if output is not recorded:
+        raise ValueError(
+            f"a forward hook on {name} changed its output: the press changes the prefill, so it cannot share one "
+            "(run it with python -m evaluation.run)"
+        )
     return output
 
 
 def replay_prefill(model, press, capture: PrefillCapture):
     """Build ``press``'s compressed cache from a captured uncompressed prefill.
 
-    Inside ``with press(model)``: the language model's pre-hooks, then per layer ``i`` the layer's keys
-    and values are written to a fresh ``DynamicCache`` (``cache.update``, as the attention forward does)
-    and the attention module's forward hooks are called with the recorded inputs and output; then the
-    language model's forward hooks. Attention wrappers keep per-module state (a decode-time bias), which
-    a real prefill resets; it is reset here too.
+    Inside ``with press(model)`` the language model is called with its recorded inputs and a fresh
+    ``DynamicCache``, its ``forward`` standing in for the computation: per layer ``i`` the attention module is
+    called with its recorded inputs, its ``forward`` writing the layer's recorded keys and values to the cache
+    (``cache.update``, as the attention forward does) and returning the recorded output. So every hook of the
+    language model and the attention modules runs as in the prefill (``nn.Module.__call__``); decoder layers
+    and whatever a press hooks there are not called (such a press changes the prefill and cannot share one, a
+    capability). Decode-time state a press leaves belongs to the new cache.
 
     Args:
         model: the causal LM the capture was taken on.
@@ -184,7 +174,7 @@ def replay_prefill(model, press, capture: PrefillCapture):
 
     Raises:
         ValueError: for a press that cannot share a prefill, a press that reads attention weights (H2O) on a
-            capture without them (not eager), or hooks outside the attention modules and the language model.
+            capture without them (not eager), or a hook that changes an attention module's input or output.
     """
     check_shareable(press)
     if capabilities(press).needs_eager and any(layer[2][1] is None for layer in capture.layers):
@@ -192,27 +182,41 @@ def replay_prefill(model, press, capture: PrefillCapture):
             f"press {type(press).__name__} reads attention weights, and the captured prefill has none: "
             "run the shared prefill on eager attention (attn_implementation='eager')"
         )
-    lm = _language_model(model)
+    lm = language_model(model)
     cache = DynamicCache()
-    clear_attention_bias(model)  # what the bias attention wrapper does at every new prefill
-    with press(model) if press is not None else contextlib.nullcontext():
-        for i, layer in enumerate(lm.layers):
-            if layer._forward_pre_hooks or layer._forward_hooks or layer.self_attn._forward_pre_hooks:
+    lm_args, lm_kwargs, lm_output = capture.lm_call
+
+    def layer_forward(i, args, kwargs, recorded):
+        def forward(*call_args, **call_kwargs):
+            moved = len(call_args) != len(args) or any(a is not b for a, b in zip(call_args, args))
+            if moved or call_kwargs.get("hidden_states") is not kwargs.get("hidden_states"):
                 raise ValueError(
-                    f"press {type(press).__name__} hooks decoder layer {i} or its attention's input: "
-                    "it changes the prefill and cannot share one (run it with python -m evaluation.run)"
+                    f"press {type(press).__name__} changes the input of layer {i}'s attention: it changes the "
+                    "prefill and cannot share one (run it with python -m evaluation.run)"
                 )
-        lm_args, lm_kwargs, lm_output = capture.lm_call
-        _, lm_kwargs = _pre_hooks(lm, lm_args, {**lm_kwargs, "past_key_values": cache})
+            keys, values = capture.layers[i][3], capture.layers[i][4]
+            cache.update(keys, values, i)  # what the attention forward does with the layer's new keys and values
+            return recorded
+
+        return forward
+
+    def lm_forward(*args, **kwargs):
         for i, layer in enumerate(lm.layers):
-            args, kwargs, output, keys, values = capture.layers[i]
-            cache.update(keys, values, i)
-            _post_hooks(layer.self_attn, args, {**kwargs, "past_key_values": cache}, output, f"layer {i} attention")
-        _post_hooks(lm, lm_args, {**lm_kwargs, "past_key_values": cache}, lm_output, "the language model")
+            args_i, kwargs_i, recorded = capture.layers[i][:3]
+            with _standing_in(layer.self_attn, layer_forward(i, args_i, kwargs_i, recorded)):
+                out = layer.self_attn(*args_i, **{**kwargs_i, "past_key_values": cache})
+            _replayed_output(layer.self_attn, recorded, out, f"layer {i} attention")
+        return lm_output
+
+    with press(model) if press is not None else contextlib.nullcontext(), _standing_in(lm, lm_forward):
+        out = lm(*lm_args, **{**lm_kwargs, "past_key_values": cache})
+    _replayed_output(lm, lm_output, out, "the language model")
     return cache
 
 
-def generate_answers(pipe, question_ids, caches: list, context_length: int, max_new_tokens: int) -> list[str]:
+def generate_answers(
+    pipe, question_ids, caches: list, context_length: int, max_new_tokens: int, states: list | None = None
+) -> list[str]:
     """Greedy answers for several caches of equal per-layer lengths in one batch.
 
     The batched form of ``KVPressTextGenerationPipeline.generate_answer`` (question forward at positions
@@ -224,10 +228,21 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     attention), so each row computes what it would alone, up to floating-point rounding of batched matrix
     products.
 
+    Args:
+        pipe: the harness's pipeline (model and tokenizer).
+        question_ids: ``(1, q)`` the question's token ids.
+        caches: one cache per run, equal per-layer lengths.
+        context_length: ``T``, the uncompressed context length (RoPE positions continue there).
+        max_new_tokens: the most tokens generated per row.
+        states: per cache, its decode-time state (one :class:`presses.attention_bias.AttentionBias` or None per
+            layer, a press's exported state, padded by :func:`pad_to_common_lengths`), or None for none.
+
     Raises:
         ValueError: if the caches' per-layer lengths differ.
     """
     if len(caches) == 1:
+        if states is not None:
+            attention.put_decode_state(caches[0], states)
         lengths = [caches[0].get_seq_length(i) for i in range(len(caches[0]))]
         answer = pipe.generate_answer(
             question_ids=question_ids, cache=caches[0], context_length=context_length, max_new_tokens=max_new_tokens
@@ -241,6 +256,8 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
     cache = DynamicCache()
     for i in range(len(caches[0])):
         cache.update(torch.cat([c.layers[i].keys for c in caches]), torch.cat([c.layers[i].values for c in caches]), i)
+    if states is not None:
+        attention.put_decode_state(cache, states)  # row k of the batch is run k
     position_ids = (
         torch.arange(context_length, context_length + question_ids.shape[1], device=model.device)
         .unsqueeze(0)
@@ -270,7 +287,7 @@ def generate_answers(pipe, question_ids, caches: list, context_length: int, max_
                 break
             keep = going.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
-            select_bias_rows(model, keep)
+            attention.select_rows(cache, keep)
             active, last = active[keep], last[keep]
     return [str(pipe.tokenizer.decode(row, skip_special_tokens=True)) for row in tokens]
 

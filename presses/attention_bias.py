@@ -8,23 +8,19 @@ tokens), ``-inf`` on padding. Softmax with that bias equals Algorithm 1's self-n
 ``w_i = exp(bias_i)``. The harness uses the same state to mask the padding of caches of different lengths
 decoded as one batch (``evaluation.fused``).
 
-The bias of a layer lives on its attention module (``module._attention_bias``, an :class:`AttentionBias`)
-so that it survives the ``with press(model)`` block: kvpress's pipeline decodes outside it. A wrapper
-around the ``sdpa`` and ``eager`` functions of transformers' ``ALL_ATTENTION_FUNCTIONS`` (installed once by
-:func:`install_bias_attention`, like kvpress's ``attention_patch``) turns the state into a float attention
-mask whenever it is present, and drops a stale state at the next prefill. A layer with a bias is computed in
-float32 on every path, so the log-weights are never rounded to a half-precision model's dtype: the sdpa and
-eager wrappers upcast that layer's query, keys and values (a transient float32 copy of the layer's cache) and
-cast the output back; the Triton decode kernel reads the float32 bias and accumulates in float32. On CUDA a
-one-token decode step goes through the dispatch point :func:`presses.kernels.biased_decode_attention`
-(split-K Triton flash decoding with the bias of :func:`decode_bias`) instead. :func:`take_biases` and
-:func:`install_biases` move
-the states of a model off and back on (the press contract's decode-state export and import).
+This module is the math: the state (:class:`AttentionBias`), the float mask it becomes (:func:`bias_mask`,
+:func:`decode_bias`) and one biased attention call (:func:`biased_attention`). Where a bias lives (with the
+cache it was computed for) and when it applies is :mod:`presses.attention`, the project's one attention wrapper.
+A layer with a bias is computed in float32 on every path, so the log-weights are never rounded to a
+half-precision model's dtype: sdpa and eager upcast that layer's query, keys and values (a transient float32
+copy of the layer's cache) and cast the output back; the Triton decode kernel reads the float32 bias and
+accumulates in float32. On CUDA a one-token decode step goes through the dispatch point
+:func:`presses.kernels.biased_decode_attention` (split-K Triton flash decoding with the bias of
+:func:`decode_bias`) instead.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -36,20 +32,13 @@ __all__ = [
     "bias_mask",
     "decode_bias",
     "grouped_sdpa",
-    "install_bias_attention",
-    "clear_attention_bias",
-    "take_biases",
-    "install_biases",
-    "select_bias_rows",
-    "SUPPORTED_ATTENTION",
+    "biased_attention",
 ]
-
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
 class AttentionBias:
-    """Per-layer decode-time logit bias left on an attention module (e.g. after SNIS eviction).
+    """Per-layer decode-time logit bias of a cache (e.g. after SNIS eviction; kept by :mod:`presses.attention`).
 
     Attributes:
         bias: ``(B, G, P)`` float32 logit bias of the ``P`` (padded) prompt slots at the head of the
@@ -117,13 +106,6 @@ def bias_mask(
         post = _additive(attention_mask[..., -n_after:], dtype)
     post = post.expand(B, HQ, q, n_after)
     return torch.cat([prefix, post], dim=-1)
-
-
-def clear_attention_bias(model) -> None:
-    """Remove every layer's correction state from ``model`` (the wrapper also does it at prefill)."""
-    for mod in model.modules():
-        if hasattr(mod, "_attention_bias"):
-            mod._attention_bias = None
 
 
 def decode_bias(state: AttentionBias, key: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -199,124 +181,49 @@ def _in_dtype(out: tuple, dtype: torch.dtype | None) -> tuple:
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in out)
 
 
-def _wrap(func, name: str):
-    def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
-        state = getattr(module, "_attention_bias", None)
-        model_dtype = None  # set when a biased layer is computed in float32
-        if state is not None:
-            if query.shape[2] == key.shape[2]:  # a new prefill: the correction belongs to an old cache
-                module._attention_bias = None
-            else:
-                fast = _kernel_decode(module, query, key, value, attention_mask, state, kwargs)
-                if fast is not None:
-                    return fast
-                if query.dtype != torch.float32:
-                    # the correction in full precision: a float mask must have the query's dtype (sdpa) or is
-                    # added to logits of that dtype (eager), which would round the fp32 log-weights (bf16:
-                    # 0.123456 -> 0.12354); the biased layer runs in float32 instead and its output is cast back
-                    model_dtype = query.dtype
-                    query, key, value = query.float(), key.float(), value.float()
-                attention_mask = bias_mask(state, query, key, attention_mask)
-                dropout = args[0] if args else kwargs.get("dropout", 0.0)  # kvpress's patch passes it positionally
-                if (
-                    name == "sdpa"
-                    and len(args) <= 1
-                    and not dropout
-                    and not kwargs.get("sliding_window")
-                    and not kwargs.get("softcap")
-                    and not kwargs.get("output_attentions")
-                    and getattr(module, "masked_key_indices", None) is None  # kvpress's AdaKV masking
-                    and query.shape[1] % key.shape[1] == 0
-                ):
-                    return _in_dtype(
-                        grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling")), model_dtype
-                    )
-        inner = func
-        if inner is None:  # eager: the model file's own eager function
-            inner = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-            if inner is None:
-                from transformers.models.llama.modeling_llama import eager_attention_forward as inner
-        return _in_dtype(inner(module, query, key, value, attention_mask, *args, **kwargs), model_dtype)
+def biased_attention(module, query, key, value, attention_mask, state: AttentionBias, call, name: str, args, kwargs):
+    """One attention call of a layer whose cache carries a decode-time bias (after the prefill).
 
-    wrapper._bias_wrapped = True
-    wrapper.__name__ = f"snis_{name}_attention"
-    return wrapper
+    The one-token step goes through the Triton decode kernel when the dispatch picks it (CUDA); otherwise the
+    layer runs in float32 (cast back to the model's dtype at the end) with the float mask of :func:`bias_mask`:
+    through :func:`grouped_sdpa` for plain ``sdpa`` calls (no dropout, sliding window, soft-cap, requested
+    weights or kvpress key masking), else through the wrapped function ``call``.
 
-
-def install_bias_attention() -> None:
-    """Wrap ``sdpa`` and register ``eager`` in transformers' ``ALL_ATTENTION_FUNCTIONS`` (idempotent).
-
-    Without a ``_attention_bias`` on the module the wrappers call the original function unchanged (for
-    ``eager``: the ``eager_attention_forward`` of the module's own modeling file).
-    """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if not getattr(ALL_ATTENTION_FUNCTIONS.get("sdpa"), "_bias_wrapped", False):
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = _wrap(ALL_ATTENTION_FUNCTIONS["sdpa"], "sdpa")
-    current = ALL_ATTENTION_FUNCTIONS.get("eager")
-    if not getattr(current, "_bias_wrapped", False):
-        ALL_ATTENTION_FUNCTIONS["eager"] = _wrap(current, "eager")
-
-
-def _decoder_layers(model):
-    inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    return inner.layers
-
-
-def take_biases(model) -> tuple:
-    """Detach the per-layer biases a prefill left on ``model``'s attention modules.
+    Args:
+        module: the attention module; query ``(B, H_Q, q, d)``; key, value ``(B, G, K, d)`` (``K >= P``);
+            attention_mask: the model's mask or None.
+        state: the layer's :class:`AttentionBias`.
+        call: the wrapped attention function, ``call(module, query, key, value, mask, *args, **kwargs)``.
+        name: ``"sdpa"`` or ``"eager"``, the implementation being wrapped.
+        args, kwargs: the rest of the call, passed on.
 
     Returns:
-        One entry per decoder layer: its :class:`AttentionBias` (bias ``(B, G, P)``) or ``None``. The modules
-        are cleared, so the next prefill (or replay) starts clean.
-    """
-    states = tuple(getattr(layer.self_attn, "_attention_bias", None) for layer in _decoder_layers(model))
-    clear_attention_bias(model)
-    return states
-
-
-def install_biases(model, states_per_run: list) -> None:
-    """Put the biases of the runs of one decode batch back on ``model``'s attention modules.
-
-    Layer ``i`` gets the batch-wise concatenation of the runs' biases (row ``k`` of the batch is run ``k``),
-    which :func:`bias_mask` applies per row; a layer without a state in every run gets none.
-
-    Args:
-        model: the causal LM.
-        states_per_run: per run, one :class:`AttentionBias` or ``None`` per decoder layer
-            (:func:`take_biases`); each run's biases have batch size 1 (or that run's rows).
+        ``(output (B, q, H_Q, d), weights or None)`` in the model's dtype.
 
     Raises:
-        ValueError: if some but not all runs have a state at a layer, or their padded lengths ``P`` differ.
+        ValueError: if the bias does not match the layer's cache (:func:`bias_mask`).
     """
-    if any(state is not None for states in states_per_run for state in states):
-        install_bias_attention()  # the states act through the wrapper
-    for i, layer in enumerate(_decoder_layers(model)):
-        layer_states = [states[i] for states in states_per_run]
-        present = [s is not None for s in layer_states]
-        if not any(present):
-            layer.self_attn._attention_bias = None
-            continue
-        if not all(present) or len({s.prefix_len for s in layer_states}) != 1:
-            raise ValueError(
-                f"layer {i}: runs decoded in one batch need attention biases of equal padded length "
-                f"(present={present}, lengths={[s.prefix_len if s else None for s in layer_states]})"
-            )
-        layer.self_attn._attention_bias = AttentionBias(torch.cat([s.bias for s in layer_states], dim=0))
-
-
-def select_bias_rows(model, index: torch.Tensor) -> None:
-    """Keep only the batch rows ``index`` of the biases on ``model``'s attention modules.
-
-    The companion of ``DynamicCache.batch_select_indices`` when a decode batch drops the rows that finished
-    (:func:`evaluation.replay.generate_answers`): row ``k`` of each layer's bias follows row ``index[k]`` of
-    the cache. Layers without a bias are left alone.
-
-    Args:
-        model: the causal LM.
-        index: ``(B',)`` long, the batch rows to keep, in their new order.
-    """
-    for layer in _decoder_layers(model):
-        state = getattr(layer.self_attn, "_attention_bias", None)
-        if state is not None:
-            layer.self_attn._attention_bias = AttentionBias(state.bias.index_select(0, index.to(state.bias.device)))
+    fast = _kernel_decode(module, query, key, value, attention_mask, state, kwargs)
+    if fast is not None:
+        return fast
+    model_dtype = None
+    if query.dtype != torch.float32:
+        # the correction in full precision: a float mask must have the query's dtype (sdpa) or is added to logits
+        # of that dtype (eager), which would round the fp32 log-weights (bf16: 0.123456 -> 0.12354); the biased
+        # layer runs in float32 instead and its output is cast back
+        model_dtype = query.dtype
+        query, key, value = query.float(), key.float(), value.float()
+    attention_mask = bias_mask(state, query, key, attention_mask)
+    dropout = args[0] if args else kwargs.get("dropout", 0.0)  # kvpress's patch passes it positionally
+    if (
+        name == "sdpa"
+        and len(args) <= 1
+        and not dropout
+        and not kwargs.get("sliding_window")
+        and not kwargs.get("softcap")
+        and not kwargs.get("output_attentions")
+        and getattr(module, "masked_key_indices", None) is None  # kvpress's AdaKV masking
+        and query.shape[1] % key.shape[1] == 0
+    ):
+        return _in_dtype(grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling")), model_dtype)
+    return _in_dtype(call(module, query, key, value, attention_mask, *args, **kwargs), model_dtype)

@@ -8,25 +8,27 @@ and a :class:`ResearchPress`:
 - :meth:`ResearchPress.reset`: the one per-request reset, called at the start of every prefill (by a forward
   pre-hook on the language model that every press of this project registers);
 - :meth:`ResearchPress.check_wrappers`: refuse, before any compute, a wrapper the press cannot work in;
-- :meth:`ResearchPress.summary`: statistics of the last prefill, written to each prediction row;
+- :meth:`ResearchPress.summary`: statistics of the last prefill, written to each prediction row, with the
+  standard key ``kept_entries`` (:data:`KEPT_ENTRIES`);
 - :meth:`ResearchPress.export_decode_state` / :meth:`ResearchPress.import_decode_state`: the per-layer
-  decode-time state (an :class:`presses.attention_bias.AttentionBias`), so a sweep can decode several
-  presses' caches as one batch.
+  decode-time state (an :class:`presses.attention_bias.AttentionBias`) of the cache it was computed for, the only
+  way it leaves the press, so a sweep can decode several presses' caches as one batch;
+- :meth:`ResearchPress.sharing`: a sweep's memo for intermediates that do not depend on the press's options.
 
 Wrappers. kvpress's wrappers (``ComposedPress``, ``PrefillDecodingPress``, ``AdaKVPress``...) call an inner
 press's ``post_init_from_model`` and ``forward_hook`` / ``compress`` / ``score``, never its ``__call__``. So a
 press must not depend on its own ``__call__``: setup happens in :meth:`ResearchPress.post_init_from_model`,
 and hooks a press needs beyond the attention hooks (on the language model or the decoder layers) are
 declared by :meth:`ResearchPress.model_hooks` and registered there. Those hooks act only while the press is
-in use: at every call they check that an attention forward hook of the model belongs to this press or to a
-wrapper holding it (:func:`press_in_use`), and remove themselves otherwise; once they have seen that hook,
-they are removed together with it, when the outermost ``with`` block exits. ARCHITECTURE.md shows the flow.
+in use (:func:`press_in_use`): this module tracks which kvpress presses are inside their ``with press(model)``
+block, per model, by wrapping kvpress's ``BasePress.__call__`` once (every kvpress press and wrapper enters
+through it), and removes a press's model hooks when the outermost press holding it leaves the model.
+ARCHITECTURE.md shows the flow.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -35,17 +37,15 @@ from typing import Any, ClassVar
 
 from kvpress.presses.base_press import BasePress
 
-from presses.attention_bias import install_biases, take_biases
+from presses import attention
+from presses.core.model import language_model
 
-__all__ = [
-    "Capabilities",
-    "ResearchPress",
-    "press_in_use",
-    "active_hook",
-    "wrapper_path",
-    "decoder_layers",
-    "language_model",
-]
+__all__ = ["Capabilities", "KEPT_ENTRIES", "ResearchPress", "held_presses", "press_in_use", "wrapper_path"]
+
+#: The standard key of every press summary: the kept cache entries per KV head, one number per layer, comma-
+#: separated (a float where KV heads keep different counts: their mean). The harness reads effective compression
+#: from it, ``1 - mean(kept) / T``, with no press-specific key.
+KEPT_ENTRIES = "kept_entries"
 
 
 @dataclass(frozen=True)
@@ -72,17 +72,6 @@ class Capabilities:
     composable: bool = True
 
 
-def language_model(model):
-    """The decoder stack of a causal LM (``model.model.language_model`` for multimodal wrappers, else
-    ``model.model``)."""
-    return model.model.language_model if hasattr(model.model, "language_model") else model.model
-
-
-def decoder_layers(model):
-    """The decoder layers of a causal LM (each with ``self_attn``)."""
-    return language_model(model).layers
-
-
 def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:
     """The chain of presses from ``owner`` down to ``press`` through dataclass fields and lists, or None.
 
@@ -106,30 +95,58 @@ def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:
     return None
 
 
+def held_presses(owner: Any, depth: int = 4):
+    """``owner`` and every press it holds through dataclass fields and lists (:func:`wrapper_path`'s traversal)."""
+    yield owner
+    if depth == 0 or not (dataclasses.is_dataclass(owner) and not isinstance(owner, type)):
+        return
+    for f in dataclasses.fields(owner):
+        value = getattr(owner, f.name, None)
+        for child in value if isinstance(value, (list, tuple)) else [value]:
+            if child is not None and not isinstance(child, (int, float, str, bool)):
+                yield from held_presses(child, depth - 1)
+
+
+#: Per model, the kvpress presses whose ``with press(model)`` block is open, outermost first.
+_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def press_in_use(model, press) -> list | None:
-    """The wrapper chain through which ``press`` is active on ``model``, or None when it is not in use.
+    """The wrapper chain through which ``press`` is in use on ``model`` (``[outer, ..., press]``), or None.
 
-    See :func:`active_hook`.
+    A press is in use while the ``with`` block of a press that holds it (or its own) is open on ``model``
+    (kvpress's ``BasePress.__call__``, tracked by this module); the innermost such block wins.
     """
-    found = active_hook(model, press)
-    return None if found is None else found[0]
-
-
-def active_hook(model, press) -> tuple[list, Any] | None:
-    """``(wrapper chain, hook)`` for the attention forward hook through which ``press`` is active, or None.
-
-    A press is in use while an attention forward hook of ``model`` is a bound method of the press itself or
-    of a press that holds it (kvpress registers ``self.forward_hook`` of the outermost press on every layer);
-    a hook wrapped with ``functools.wraps`` (e.g. a timer) is unwrapped first.
-    """
-    for layer in decoder_layers(model):
-        for hook in layer.self_attn._forward_hooks.values():
-            owner = getattr(inspect.unwrap(hook), "__self__", None)
-            if owner is not None:
-                path = wrapper_path(owner, press)
-                if path is not None:
-                    return path, hook
+    for outer in reversed(_ACTIVE.get(model, [])):
+        path = wrapper_path(outer, press)
+        if path is not None:
+            return path
     return None
+
+
+def _track_kvpress_blocks() -> None:
+    """Wrap kvpress's ``BasePress.__call__`` once so that :func:`press_in_use` knows the open ``with`` blocks, and
+    a press's model hooks leave with the last block that holds it (see the module docstring)."""
+    if getattr(BasePress.__call__, "_kvpress_research_tracked", False):
+        return
+    kvpress_call = BasePress.__call__
+
+    @contextmanager
+    def tracked_call(self, model):
+        active = _ACTIVE.setdefault(model, [])
+        active.append(self)
+        try:
+            with kvpress_call(self, model):
+                yield
+        finally:
+            del active[next(k for k in range(len(active) - 1, -1, -1) if active[k] is self)]
+            for press in held_presses(self):
+                if isinstance(press, ResearchPress) and not any(wrapper_path(o, press) for o in active):
+                    press._detach_model_hooks()
+
+    tracked_call._kvpress_research_tracked = True
+    tracked_call.__doc__ = kvpress_call.__doc__
+    BasePress.__call__ = tracked_call
 
 
 def _remove_handles(handles: list) -> None:
@@ -157,31 +174,53 @@ class ResearchPress(BasePress):
         return {}
 
     # ------------------------------------------------------------------ decode-time state
-    def export_decode_state(self, model) -> tuple:
-        """Take the decode-time state the last prefill left on ``model`` off its attention modules.
+    def export_decode_state(self, cache) -> tuple:
+        """Take the decode-time state the last prefill left with ``cache`` (the cache it compressed).
 
         Returns:
-            One entry per decoder layer: a :class:`presses.attention_bias.AttentionBias` (bias ``(B, G, P)``)
-            or ``None``. The modules are cleared.
+            One entry per layer of ``cache``: a :class:`presses.attention_bias.AttentionBias` (bias ``(B, G, P)``)
+            or ``None``. The cache keeps none.
         """
-        return take_biases(model)
+        return attention.take_decode_state(cache, len(cache))
 
-    def import_decode_state(self, model, states: tuple) -> None:
-        """Put decode-time state (as :meth:`export_decode_state` returned it) back on ``model``.
+    def import_decode_state(self, cache, states: tuple) -> None:
+        """Give ``cache`` decode-time state (as :meth:`export_decode_state` returned it).
 
         Raises:
-            ValueError: if ``states`` does not have one entry per decoder layer.
+            ValueError: if ``states`` does not have one entry per layer of ``cache``.
         """
-        if len(states) != len(decoder_layers(model)):
-            raise ValueError(f"decode state has {len(states)} layers, the model has {len(decoder_layers(model))}")
-        install_biases(model, [states])
+        if len(states) != len(cache):
+            raise ValueError(f"decode state has {len(states)} layers, the cache has {len(cache)}")
+        attention.put_decode_state(cache, [states])
+
+    # ------------------------------------------------------------------ a sweep's shared intermediates
+    @property
+    def memo(self):
+        """The memo of the sweep replaying this press (:meth:`sharing`), or None."""
+        return self.__dict__.get("_memo")
+
+    @contextmanager
+    def sharing(self, memo):
+        """Use ``memo`` inside the block for intermediates that do not depend on the press's options.
+
+        A sweep that replays one recorded prefill for several presses (the harness's shared prefill) passes one
+        memo (an object with ``get(key, compute, *keep)``, e.g. ``evaluation.memo.ReplayMemo``) to every press
+        of an example, so e.g. Page-EntroKV's observer attention or the probabilistic press's proposal is computed
+        once per layer for all ratios. Keep the block to one prefill: keys hold tensor identities.
+        """
+        previous = self.__dict__.get("_memo")
+        self.__dict__["_memo"] = memo
+        try:
+            yield
+        finally:
+            self.__dict__["_memo"] = previous
 
     # ------------------------------------------------------------------ hooks beyond the attention hooks
     def check_wrappers(self, path: list) -> None:
         """Raise a ``ValueError`` when the press cannot work inside the wrappers that hold it.
 
         Called at the start of every prefill with ``path``, the chain of presses from the outermost one
-        registered on the model down to this press (``[self]`` when used directly; see :func:`wrapper_path`).
+        in use on the model down to this press (``[self]`` when used directly; see :func:`wrapper_path`).
         Accepts everything by default.
         """
 
@@ -219,30 +258,17 @@ class ResearchPress(BasePress):
 
     def _guarded(self, model, fn: Callable) -> Callable:
         def hook(*args):
-            found = active_hook(model, self)
-            if found is None:  # the press (or its wrapper) left the model
+            path = press_in_use(model, self)
+            if path is None:  # the press (or its wrapper) left the model
                 self._detach_model_hooks()
                 return None
-            path, attention_hook = found
-            watched = self.__dict__.get("_watched")
-            if watched is None or watched() is not attention_hook:
-                # kvpress removes the attention hooks when the outermost `with` exits: leave with them
-                weakref.finalize(attention_hook, _remove_handles, self.__dict__.get("_model_hook_handles", []))
-                self.__dict__["_watched"] = weakref.ref(attention_hook)
             self.__dict__["_wrapper_path"] = path
             return fn(*args)
 
         return hook
 
     def _detach_model_hooks(self) -> None:
-        self.__dict__.pop("_watched", None)
         _remove_handles(self.__dict__.pop("_model_hook_handles", []))
 
-    @contextmanager
-    def __call__(self, model):
-        """kvpress's context manager; the model hooks are removed on exit too."""
-        try:
-            with super().__call__(model):
-                yield
-        finally:
-            self._detach_model_hooks()
+
+_track_kvpress_blocks()

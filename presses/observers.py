@@ -10,47 +10,44 @@ paper 000 section 3; paper 001 eq. 2 and appendix C (rows are averaged before an
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import torch
 
 from presses.core.observer import check_window, window_queries
-from presses.core.replay_memo import ReplayMemo
 from presses.kernels import window_attention
 
-__all__ = ["observer_attention", "shared_observers", "memoized_observers"]
-
-_memo = ReplayMemo()  # active inside shared_observers() blocks
-
-
-def shared_observers() -> AbstractContextManager[None]:
-    """Compute each layer's observer attention once for several presses that replay the same prefill.
-
-    Inside the block, :func:`memoized_observers` returns what it already computed for the same attention module,
-    the same ``hidden_states`` tensor object, keys of the same shape and the same observer count (the harness's
-    replays rebuild each layer's keys from the recorded ones, so their tensor objects differ). The observer attention
-    does
-    not depend on the compression ratio, the protection or the group selection, so e.g. Page-EntroKV at three
-    ratios computes it once per layer. Used by the harness's shared-prefill loop (``evaluation.loop``), whose
-    replays pass the recorded, never modified tensors of one prefill; keep the block to one prefill. The memo is
-    dropped when the block exits; blocks nest (the inner one starts empty).
-    """
-    return _memo.scope()
+__all__ = ["observer_attention", "memoized_observers"]
 
 
 def memoized_observers(
-    module, hidden_states: torch.Tensor, keys: torch.Tensor, observers: int, compute: Callable[[], torch.Tensor], *extra
+    memo,
+    module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    observers: int,
+    compute: Callable[[], torch.Tensor],
+    *extra,
 ) -> torch.Tensor:
-    """``compute()``, memoised inside a :func:`shared_observers` block (see there), else computed each time.
+    """``compute()``, or, with a sweep's ``memo``, what it already computed for the same layer inputs.
+
+    A sweep that replays one recorded prefill for several presses (the harness's shared prefill) passes a memo
+    (``memo.get(key, compute, *keep)``, e.g. ``evaluation.memo.ReplayMemo``); the observer attention does not
+    depend on the compression ratio, the protection or the group selection, so e.g. Page-EntroKV at three ratios
+    computes it once per layer. The key is the attention module, the same ``hidden_states`` tensor object, keys of
+    the same shape (a replay rebuilds each layer's keys from the recorded ones, so their tensor objects differ) and
+    the same observer count.
 
     Args:
+        memo: the sweep's memo, or None (compute).
         module, hidden_states, keys: the layer and the tensors the observer attention is computed from.
         observers: the number of observer queries.
         compute: returns the ``(B, H_Q, T)`` observer attention.
         extra: further objects the result depends on (e.g. ``position_embeddings``), identified by ``id``.
     """
-    key = (id(module), id(hidden_states), tuple(keys.shape), int(observers), *map(id, extra))
-    return _memo.get(key, compute, module, hidden_states, extra)
+    if memo is None:
+        return compute()
+    key = ("observers", id(module), id(hidden_states), tuple(keys.shape), int(observers), *map(id, extra))
+    return memo.get(key, compute, module, hidden_states, extra)
 
 
 def observer_attention(

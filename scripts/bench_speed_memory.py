@@ -384,14 +384,11 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
     import torch
     from transformers import DynamicCache
 
-    from presses.attention_bias import clear_attention_bias
-
     sync = _sync_fn(device)
     ids = context_ids.to(device)
     T = ids.shape[1]
     prefill, press_s, decode, peaks, deltas = [], [], [], [], []
     for _ in range(max(1, int(repeats))):
-        clear_attention_bias(model)
         mem = PeakMemory(device)
         mem.start()
         cache = DynamicCache()
@@ -415,7 +412,6 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
         peaks.append(peak)
         deltas.append(delta)
         del cache
-        clear_attention_bias(model)
     decode_s = statistics.median(decode)
     return {
         "context_length": T,
@@ -542,7 +538,7 @@ def run_bench(
     import torch
     from kvpress import KVPressTextGenerationPipeline
 
-    from presses.attention_bias import install_bias_attention
+    from presses import attention
 
     t_start = time.perf_counter()
     presses, ratios, lengths = validate(cfg)
@@ -555,7 +551,7 @@ def run_bench(
     query_aware = set(cfg.get("query_aware_presses", []))
     overrides = OmegaConf.to_container(cfg.press_overrides, resolve=True) if cfg.get("press_overrides") else {}
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(device))
-    install_bias_attention()  # every press runs through the same (wrapped) attention function
+    attention.install()  # every press runs through the same (wrapped) attention function
     warmed: set[str] = set()
     stopped = False
 

@@ -415,9 +415,6 @@ def kept_sets(model, press_name: str, press, ids, seed: int) -> tuple[dict, str]
     import torch
     from transformers import DynamicCache
 
-    from presses.attention_bias import clear_attention_bias
-
-    clear_attention_bias(model)
     cache = DynamicCache()
     ids = ids.to(model.device)
     T = ids.shape[1]
@@ -432,7 +429,6 @@ def kept_sets(model, press_name: str, press, ids, seed: int) -> tuple[dict, str]
                 f"accepted_layer={st.get('accepted_layer')} removed_chunks={st.get('removed_chunks')} "
                 f"T'={st.get('T_prime')} bypass={st.get('bypass_reason') or '-'}"
             )
-            clear_attention_bias(model)
             return {(-1, -1): kept}, detail
         draws = cpu_draws(seed) if press_name.startswith("snis") else contextlib.nullcontext()
         with draws, capture_inputs(press) as fps, press(model):
@@ -448,7 +444,6 @@ def kept_sets(model, press_name: str, press, ids, seed: int) -> tuple[dict, str]
             detail = f"m={st['num_samples_mean']:.6g} logical_compression={st.get('logical_compression', 0):.4f}"
         elif "effective_compression" in st:
             detail = f"effective_compression={st['effective_compression']:.4f}"
-    clear_attention_bias(model)
     return out, detail
 
 

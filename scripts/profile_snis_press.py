@@ -91,12 +91,10 @@ def profile(model, T: int, proposal: str, ratio: float, repeats: int, use_pyinst
 
     import presses.probabilistic.press as snis_press
     from presses import kernels
-    from presses.attention_bias import clear_attention_bias
 
     ids = torch.randint(100, 40000, (1, T), generator=torch.Generator().manual_seed(0))
 
     def prefill(press):
-        clear_attention_bias(model)
         cache = DynamicCache()
         w, c = time.perf_counter(), time.thread_time()
         with torch.inference_mode(), press(model) if press is not None else _null():

@@ -49,11 +49,12 @@ from transformers import DynamicCache  # noqa: E402
 
 from evaluation.datasets.needle import NeedleDataset  # noqa: E402
 from evaluation.harness import compose_config, write_atomic  # noqa: E402
+from evaluation.memo import ReplayMemo  # noqa: E402
 from evaluation.models import load_model  # noqa: E402
+from evaluation.registry import sharing  # noqa: E402
 from evaluation.replay import PrefillCapture, replay_prefill  # noqa: E402
 from evaluation.uor.study import retention_from_records  # noqa: E402
 from presses import PageEntroKVPress  # noqa: E402
-from presses.observers import shared_observers  # noqa: E402
 
 #: (variant name, press config, pooling override)
 VARIANTS = [
@@ -182,31 +183,31 @@ def run(args) -> None:
                 value_tokens = value_positions(tokenizer, ids, ex.answers[0])
                 with torch.inference_mode(), PrefillCapture(model) as capture:
                     model.model(input_ids=ids, past_key_values=DynamicCache())
-                with shared_observers():  # the entropy and mean variants of a policy share the observers
-                    for name, config, pooling in VARIANTS:
-                        press = build_press(config, args.ratio, pooling, observed=name == "ours_entropy")
-                        with torch.inference_mode():
-                            replay_prefill(model, press, capture)
-                        kept = retention_from_records(press.records, value_tokens)  # (L, G) bool
-                        s = press.summary()
-                        retention.append(
-                            {
-                                "protocol": protocol,
-                                "target_T": target,
-                                "T": ids.shape[1],
-                                "depth": ex.metadata["depth"],
-                                "id": ex.id,
-                                "variant": name,
-                                "pooled_selection": float(kept.float().mean()),
-                                "strict": int(bool(kept.all())),
-                                "effective_compression": s["effective_compression"],
-                            }
-                        )
-                        if name == "ours_entropy":
-                            fig9b += [
-                                {"protocol": protocol, "target_T": target, "T": ids.shape[1], "id": ex.id, **r}
-                                for r in fig9b_rows(press, value_tokens, G)
-                            ]
+                memo = ReplayMemo()  # the entropy and mean variants of a policy share the observers
+                for name, config, pooling in VARIANTS:
+                    press = build_press(config, args.ratio, pooling, observed=name == "ours_entropy")
+                    with torch.inference_mode(), sharing(press, memo):
+                        replay_prefill(model, press, capture)
+                    kept = retention_from_records(press.records, value_tokens)  # (L, G) bool
+                    s = press.summary()
+                    retention.append(
+                        {
+                            "protocol": protocol,
+                            "target_T": target,
+                            "T": ids.shape[1],
+                            "depth": ex.metadata["depth"],
+                            "id": ex.id,
+                            "variant": name,
+                            "pooled_selection": float(kept.float().mean()),
+                            "strict": int(bool(kept.all())),
+                            "effective_compression": s["effective_compression"],
+                        }
+                    )
+                    if name == "ours_entropy":
+                        fig9b += [
+                            {"protocol": protocol, "target_T": target, "T": ids.shape[1], "id": ex.id, **r}
+                            for r in fig9b_rows(press, value_tokens, G)
+                        ]
                 print(
                     f"{protocol} T={ids.shape[1]} depth={ex.metadata['depth']:g}: "
                     + ", ".join(

@@ -96,3 +96,13 @@ def capture_layer0(n_tokens: int, output_attentions: bool = False):
     with torch.no_grad(), _Capture()(model):
         model.model(input_ids=ids, past_key_values=DynamicCache(), output_attentions=output_attentions)
     return calls[0]
+
+
+def decode_biases(cache) -> list:
+    """The decode-time bias tensors ``(B, G, P)`` a press left with ``cache``, per layer (None where none), read
+    without taking them off (:mod:`presses.attention`)."""
+    from presses import attention
+
+    requests = attention.requests_of(cache)
+    found = {} if requests is None else requests.biases
+    return [found[i].bias if i in found else None for i in range(len(cache))]

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import presses.attention_bias as attention_bias
-from presses.attention_bias import AttentionBias, install_bias_attention
+from presses import attention
+from presses.attention_bias import AttentionBias
 
 LOG_WEIGHT = 0.123456  # bf16 rounds it to 0.12354 (8 significant bits)
 
@@ -34,11 +36,12 @@ def test_bias_reaches_the_logits_in_float32(impl, q_len, monkeypatch):
     bias[0, 0, 2] = LOG_WEIGHT
     bias[0, 1, 5] = float("-inf")  # padding
     module = _Attn(r)
-    module._attention_bias = AttentionBias(bias)
+    cache = DynamicCache()
+    k, v = cache.update(k, v, 0)  # the bias belongs to the cache whose layer 0 holds these keys
+    attention.set_decode_bias(cache, 0, AttentionBias(bias))
     masks = []
     real = attention_bias.bias_mask
     monkeypatch.setattr(attention_bias, "bias_mask", lambda *a: masks.append(real(*a)) or masks[-1])
-    install_bias_attention()
     out, _ = ALL_ATTENTION_FUNCTIONS[impl](module, q, k, v, None, dropout=0.0, scaling=d**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == (B, q_len, G * r, d)
     (mask,) = masks

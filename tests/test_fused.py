@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from _tiny_tokenizer import char_tokenizer
-from conftest import make_tiny_llama
+from conftest import decode_biases, make_tiny_llama
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from test_harness import composed
@@ -23,7 +23,9 @@ from transformers import DynamicCache
 
 from evaluation import fused, harness, replay
 from evaluation import run as entry
-from presses.attention_bias import install_biases, take_biases
+from evaluation.memo import ReplayMemo
+from evaluation.registry import sharing
+from presses import attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,8 +94,7 @@ def test_replay_rebuilds_the_compressed_cache_exactly(tiny, press_name):
         direct = DynamicCache()
         with press(model):
             model.model(input_ids=ids, past_key_values=direct)
-        direct_bias = [getattr(layer.self_attn, "_attention_bias", None) for layer in model.model.layers]
-        direct_bias = [s.bias.clone() if s is not None else None for s in direct_bias]
+        direct_bias = [b.clone() if b is not None else None for b in decode_biases(direct)]
         with replay.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
         replayed = replay.replay_prefill(model, press, capture)
@@ -113,12 +114,12 @@ def test_replay_rebuilds_the_compressed_cache_exactly(tiny, press_name):
         assert replayed.layers[i].keys.shape == direct.layers[i].keys.shape
         same(replayed.layers[i].keys, direct.layers[i].keys)
         same(replayed.layers[i].values, direct.layers[i].values)
-        state = getattr(model.model.layers[i].self_attn, "_attention_bias", None)
+        state = decode_biases(replayed)[i]
         if direct_bias[i] is None:
             assert state is None
-        else:  # the SNIS correction left on the module for decoding is the same too, kept slot for kept slot
-            assert torch.equal(torch.isfinite(state.bias), torch.isfinite(direct_bias[i]))
-            same(state.bias, direct_bias[i])
+        else:  # the SNIS correction left with the cache for decoding is the same too, kept slot for kept slot
+            assert torch.equal(torch.isfinite(state), torch.isfinite(direct_bias[i]))
+            same(state, direct_bias[i])
 
 
 def test_shared_proposals_compute_once_and_change_nothing(tiny, monkeypatch):
@@ -136,23 +137,22 @@ def test_shared_proposals_compute_once_and_change_nothing(tiny, monkeypatch):
         with replay.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
 
-        def replay_all():
+        def replay_all(memo=None):
             caches = []
             for press in presses:
-                cache = replay.replay_prefill(model, press, capture)
-                biases = [model.model.layers[i].self_attn._attention_bias.bias.clone() for i in range(3)]
+                with sharing(press, memo):
+                    cache = replay.replay_prefill(model, press, capture)
+                biases = [b.clone() for b in decode_biases(cache)]
                 caches.append(([layer.keys.clone() for layer in cache.layers], biases))
             return caches
 
         alone = replay_all()
         assert calls == ["h2o_h"] * 6 + ["min"] * 3  # 3 layers per press, nothing shared
         calls.clear()
-        with proposals.shared_proposals():
-            shared = replay_all()
+        shared = replay_all(ReplayMemo())
         assert calls == ["h2o_h"] * 3 + ["min"] * 3  # h2o_h once per layer for its two presses
         calls.clear()
-        with proposals.shared_proposals():  # a new block starts empty
-            replay_all()
+        replay_all(ReplayMemo())  # a new memo starts empty
         assert len(calls) == 6
     for (keys_a, bias_a), (keys_s, bias_s) in zip(alone, shared):
         assert all(torch.equal(a, b) for a, b in zip(keys_a, keys_s))
@@ -328,20 +328,20 @@ def test_snis_runs_of_equal_lengths_decode_as_one_batch(tiny, tmp_path):
     assert any(answers["snis_h2o_h", i] != answers["snis_h2o_h_uncorrected", i] for i in sep)
 
 
-def test_install_snis_states_refuses_mismatched_runs(tiny):
+def test_install_snis_states_refuses_mismatched_runs():
     from presses.attention_bias import AttentionBias
 
-    model, _ = tiny
+    cache = DynamicCache()
     a = tuple(AttentionBias(torch.zeros(1, 2, 5)) for _ in range(3))
     b = tuple(AttentionBias(torch.zeros(1, 2, 6)) for _ in range(3))
     with pytest.raises(ValueError, match="equal padded length"):
-        install_biases(model, [a, b])
+        attention.put_decode_state(cache, [a, b])
     with pytest.raises(ValueError, match="equal padded length"):
-        install_biases(model, [a, (None, None, None)])
-    install_biases(model, [a, a])
-    assert model.model.layers[0].self_attn._attention_bias.bias.shape == (2, 2, 5)
-    take_biases(model)
-    assert model.model.layers[0].self_attn._attention_bias is None
+        attention.put_decode_state(cache, [a, (None, None, None)])
+    attention.put_decode_state(cache, [a, a])
+    assert attention.requests_of(cache).biases[0].bias.shape == (2, 2, 5)
+    taken = attention.take_decode_state(cache, 3)
+    assert taken[0].bias.shape == (2, 2, 5) and not attention.requests_of(cache).biases
 
 
 def test_batched_decode_never_stops_at_the_first_token(tiny):
@@ -388,7 +388,6 @@ def test_rows_that_stop_leave_the_batch_and_the_others_decode_as_alone(tiny):
     from kvpress import KVPressTextGenerationPipeline
 
     from evaluation.registry import export_decode_state
-    from presses.attention_bias import clear_attention_bias
 
     model, tok = tiny
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
@@ -404,19 +403,15 @@ def test_rows_that_stop_leave_the_batch_and_the_others_decode_as_alone(tiny):
         caches, states = [], []
         for press in presses:
             caches.append(replay.replay_prefill(model, press, capture))
-            states.append(export_decode_state(press, model))
-            clear_attention_bias(model)
+            states.append(export_decode_state(press, caches[-1]))
         return replay.pad_to_common_lengths(caches, states)
 
     def decode(rows, max_new):
         caches, states = replayed()
         out = []
         for group in rows:
-            install_biases(model, [states[k] for k in group])
-            try:
-                out += replay.generate_answers(pipe, question, [caches[k] for k in group], 300, max_new)
-            finally:
-                clear_attention_bias(model)
+            group_caches, group_states = [caches[k] for k in group], [states[k] for k in group]
+            out += replay.generate_answers(pipe, question, group_caches, 300, max_new, group_states)
         return out
 
     with torch.inference_mode():
@@ -494,7 +489,6 @@ def test_round_robin_by_task_interleaves_and_keeps_every_example():
 def test_shared_observers_compute_once_and_change_nothing(tiny, monkeypatch):
     """Page-EntroKV at two ratios and two protections shares one observer attention per layer, bit for bit."""
     from presses import PageEntroKVPress
-    from presses.observers import shared_observers
 
     model, _ = tiny
     calls = []
@@ -516,10 +510,11 @@ def test_shared_observers_compute_once_and_change_nothing(tiny, monkeypatch):
         alone = [[layer.keys.clone() for layer in replay.replay_prefill(model, p, capture).layers] for p in presses]
         assert len(calls) == 3 * len(presses)
         calls.clear()
-        with shared_observers():
-            shared = [
-                [layer.keys.clone() for layer in replay.replay_prefill(model, p, capture).layers] for p in presses
-            ]
+        memo = ReplayMemo()
+        shared = []
+        for p in presses:
+            with sharing(p, memo):
+                shared.append([layer.keys.clone() for layer in replay.replay_prefill(model, p, capture).layers])
         assert len(calls) == 3  # once per layer
     assert len({tuple(k[0].shape) for k in alone}) > 1  # the presses keep different entries
     for a, b in zip(alone, shared):

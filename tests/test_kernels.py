@@ -408,6 +408,7 @@ def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
     """The SNIS press recomputing its ``h2o_h`` proposal (harmonic prior, query blocks of 32 rows; prefill
     statistics off, as for a masked or eager prefill) goes through the dispatch point: with Triton forced it
     equals the reference path, and the press keeps the same entries."""
+    from conftest import decode_biases
     from transformers import DynamicCache
 
     import presses.kernels.attention_columns as attention_columns
@@ -444,8 +445,7 @@ def test_snis_proposal_through_column_sums_kernel(tiny_llama, monkeypatch):
         cache = DynamicCache()
         with torch.no_grad(), press(model):
             model.model(input_ids=ids, past_key_values=cache)
-        bias = [layer.self_attn._attention_bias.bias for layer in model.model.layers]
-        results[mode] = (captured, bias)
+        results[mode] = (captured, decode_biases(cache))
         # reference mode never reaches Triton; triton mode runs 2 query blocks in each of the 2 layers
         assert len(triton_calls) == (0 if mode == "reference" else 4)
     (pi_ref, bias_ref), (pi_tri, bias_tri) = results["reference"], results["triton"]

@@ -28,22 +28,18 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported in this 
 
 import pytest
 import torch
+from conftest import decode_biases
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import presses.probabilistic.press as snis_press
 import presses.probabilistic.proposals as proposals
-from presses.attention_bias import install_bias_attention
+from presses import attention
 from presses.core.columns import column_sums, harmonic_prior
+from presses.core.model import attention_modules
 from presses.core.prefill_stats import attention_with_column_sums
 from presses.probabilistic import ProbabilisticEvictionPress
-from presses.probabilistic.prefill_attention import (
-    PrefillStats,
-    attention_modules,
-    install_prefill_attention,
-    prefill_statistics,
-    take_prefill_stats,
-)
+from presses.probabilistic.prefill_attention import PrefillStats, request_statistics, take_prefill_stats
 
 OUT_TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
 STAT_TOL = {torch.float32: (1e-6, 1e-4), torch.bfloat16: (1e-5, 1e-3), torch.float16: (1e-5, 1e-3)}
@@ -242,7 +238,7 @@ def _run_press(model, ids, fused: bool, monkeypatch, **press_kwargs):
     cache = DynamicCache()
     with torch.inference_mode(), press(model):
         hidden = model.model(input_ids=ids, past_key_values=cache).last_hidden_state
-    biases = [m._attention_bias.bias for m in attention_modules(model)]
+    biases = decode_biases(cache)
     monkeypatch.undo()
     return hidden, captured, biases, cache, recomputed, [t for t in taken if t is not None]
 
@@ -286,9 +282,10 @@ def test_press_through_forced_triton_keeps_the_same_entries(tiny_llama, monkeypa
             lambda *a, _mode=mode, _real=real, **kw: calls.append(_mode) or _real(*a, **kw),
         )
         press = ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o_h", budget="head", seed=0)
+        cache = DynamicCache()
         with torch.no_grad(), press(model):
-            hidden = model.model(input_ids=ids, past_key_values=DynamicCache()).last_hidden_state
-        results[mode] = (hidden, [m._attention_bias.bias for m in attention_modules(model)])
+            hidden = model.model(input_ids=ids, past_key_values=cache).last_hidden_state
+        results[mode] = (hidden, decode_biases(cache))
         monkeypatch.undo()
     assert calls == ["triton", "triton"]  # one call per layer, only when forced
     torch.testing.assert_close(results["triton"][0], results["reference"][0], atol=1e-5, rtol=1e-4)
@@ -345,51 +342,51 @@ def test_wrapper_is_a_passthrough_without_request_and_decoding_is_untouched(tiny
             return model(input_ids=nxt, past_key_values=cache, position_ids=torch.tensor([[50]])).logits
 
     before = logits_after(None)  # whatever ALL_ATTENTION_FUNCTIONS holds before the install
-    install_prefill_attention()
-    assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_prefill_stats_wrapped", False)
+    attention.install()
+    assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_kvpress_research_attention", False)
     assert torch.equal(logits_after(None), before)  # no request: bit for bit the wrapped function
-    with prefill_statistics(model, "h2o_h"):
-        assert all(m._prefill_stats_request is not None for m in attention_modules(model))
-        with torch.no_grad():
-            cache = DynamicCache()
-            model.model(input_ids=ids, past_key_values=cache)
-            stats = [m._prefill_stats for m in attention_modules(model)]
-            assert all(isinstance(s, PrefillStats) for s in stats)
-            model.model(input_ids=nxt, past_key_values=cache, position_ids=torch.tensor([[50]]))  # decode step
-            # a decode step inside the context neither computes nor drops the prefill's statistics
-            assert [m._prefill_stats for m in attention_modules(model)] == stats
-    assert all(m._prefill_stats_request is None and m._prefill_stats is None for m in attention_modules(model))
+    cache = DynamicCache()
+    request_statistics(cache, "h2o_h")
+    with torch.no_grad():
+        other = DynamicCache()  # a cache without the request is untouched
+        model.model(input_ids=ids, past_key_values=other)
+        assert attention.requests_of(other) is None and not attention.requests_of(cache).results
+        model.model(input_ids=ids, past_key_values=cache)
+        stats = dict(attention.requests_of(cache).results)
+        assert sorted(stats) == [0, 1] and all(isinstance(s, PrefillStats) for s in stats.values())
+        model.model(input_ids=nxt, past_key_values=cache, position_ids=torch.tensor([[50]]))  # decode step
+        # a decode step inside the context neither computes nor drops the prefill's statistics
+        assert attention.requests_of(cache).results == stats
+    request_statistics(cache, None)
+    assert attention.requests_of(cache).prefill is None and not attention.requests_of(cache).results
 
 
-def test_install_is_idempotent_in_either_order_with_the_snis_wrapper(tiny_llama):
+def test_install_is_idempotent(tiny_llama):
     model = tiny_llama(num_heads=4, num_kv_heads=2, num_layers=2, attn_implementation="sdpa")
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
-    for first, second in (
-        (install_bias_attention, install_prefill_attention),
-        (install_prefill_attention, install_bias_attention),
-    ):
-        first()
-        second()
-        chain = ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS["eager"]
-        for _ in range(3):  # a press entered again and again does not grow the wrapper chain
-            with ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o")(model), torch.no_grad():
-                model.model(input_ids=ids, past_key_values=DynamicCache())
-            first()
-            second()
-            assert (ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS["eager"]) == chain
+    attention.install()
+    chain = ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS["eager"]
+    for _ in range(3):  # a press entered again and again does not grow the wrapper chain
+        with ProbabilisticEvictionPress(compression_ratio=0.5, proposal="h2o")(model), torch.no_grad():
+            model.model(input_ids=ids, past_key_values=DynamicCache())
+        attention.install()
+        assert (ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS["eager"]) == chain
 
 
 def test_take_checks_kind_and_key_tensor_and_is_taken_once():
-    module = torch.nn.Module()
+    cache = DynamicCache()
     keys = torch.zeros(1, 1, 4, 2)
     scores = torch.full((1, 2, 4), 0.25)
-    module._prefill_stats = PrefillStats("harmonic_columns", scores, keys)
-    assert take_prefill_stats(module, keys.clone(), "h2o_h") is None  # another tensor (e.g. a replayed cache)
-    module._prefill_stats = PrefillStats("harmonic_columns", scores, keys)
-    assert take_prefill_stats(module, keys, "h2o") is None  # h2o needs unweighted column sums
-    module._prefill_stats = PrefillStats("harmonic_columns", scores, keys)
-    assert take_prefill_stats(module, keys, "min_h") is scores  # min_h and h2o_h share the harmonic sums
-    assert take_prefill_stats(module, keys, "min_h") is None  # taken once
+    results = attention.requests_of(cache, create=True).results
+    results[0] = PrefillStats("harmonic_columns", scores, keys)
+    assert take_prefill_stats(cache, 0, keys.clone(), "h2o_h") is None  # another tensor (e.g. a replayed cache)
+    results[0] = PrefillStats("harmonic_columns", scores, keys)
+    assert take_prefill_stats(cache, 0, keys, "h2o") is None  # h2o needs unweighted column sums
+    results[0] = PrefillStats("harmonic_columns", scores, keys)
+    assert take_prefill_stats(cache, 1, keys, "min_h") is None  # another layer's
+    assert take_prefill_stats(cache, 0, keys, "min_h") is scores  # min_h and h2o_h share the harmonic sums
+    assert take_prefill_stats(cache, 0, keys, "min_h") is None  # taken once
+    assert take_prefill_stats(None, 0, keys, "min_h") is None  # no cache, nothing to take
 
 
 def test_fused_prefill_clears_stale_adakv_masking(tiny_llama):

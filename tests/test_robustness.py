@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import decode_biases, make_tiny_llama
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from transformers import DynamicCache
@@ -334,7 +334,7 @@ def test_snis_padded_entries_get_zero_attention(dtype):
     out = decode(model, cache, T_LONG, output_attentions=True)
     n_padded = 0
     for layer, attn in zip(model.model.layers, out.attentions):
-        bias = layer.self_attn._attention_bias.bias  # (B, G, P): -inf on padding
+        bias = decode_biases(cache)[layer.self_attn.layer_idx]  # (B, G, P): -inf on padding
         r = attn.shape[1] // bias.shape[1]
         pad = torch.isinf(bias).repeat_interleave(r, dim=1)  # (B, H_Q, P)
         probs = attn[:, :, -1, : bias.shape[-1]]

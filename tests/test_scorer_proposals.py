@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from conftest import decode_biases
 from hydra.utils import instantiate
 from kvpress import (
     CriticalKVPress,
@@ -28,7 +29,9 @@ from transformers import DynamicCache
 
 import presses.probabilistic.press as snis_press
 from evaluation import replay
+from evaluation.memo import ReplayMemo
 from evaluation.registry import capabilities, press_input_problem
+from presses import attention
 from presses.core.coupon import expected_unique
 from presses.probabilistic import ProbabilisticEvictionPress, proposals
 from presses.probabilistic.proposals import compute_proposal
@@ -170,7 +173,7 @@ def test_named_adapter_press_equals_instance_press_bit_for_bit(tiny_llama, name,
     for proposal in (name, instance):
         press = ProbabilisticEvictionPress(proposal=proposal, window_size=8, kernel_size=3, **common)
         cache = _prefill(model, press, ids)
-        biases = [layer.self_attn._attention_bias.bias.clone() for layer in model.model.layers]
+        biases = [b.clone() for b in decode_biases(cache)]
         keys = [layer.keys.clone() for layer in cache.layers]
         results.append((keys, biases, _decode(model, cache, question, T)))
     (k_a, b_a, out_a), (k_b, b_b, out_b) = results
@@ -324,7 +327,8 @@ def test_scorer_setup_runs_and_no_fused_statistics_are_requested(tiny_llama):
     requests = []
 
     def compress_spy(module, *args):
-        requests.append(getattr(module, "_prefill_stats_request", None))
+        found = attention.requests_of(args[-1]["past_key_values"])  # the prefill's cache, from the hook's kwargs
+        requests.append(None if found is None else found.prefill)
         return real(module, *args)
 
     press = ProbabilisticEvictionPress(compression_ratio=0.5, proposal=Recording())
@@ -345,7 +349,7 @@ def test_replay_of_one_prefill_is_exact(tiny_llama, name):
         direct = DynamicCache()
         with press(model):
             model.model(input_ids=ids, past_key_values=direct)
-        direct_bias = [layer.self_attn._attention_bias.bias.clone() for layer in model.model.layers]
+        direct_bias = [b.clone() for b in decode_biases(direct)]
         with replay.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
         replayed = replay.replay_prefill(model, press, capture)
@@ -353,7 +357,7 @@ def test_replay_of_one_prefill_is_exact(tiny_llama, name):
         assert replayed.layers[i].keys.shape[2] < 96
         assert torch.equal(replayed.layers[i].keys, direct.layers[i].keys)
         assert torch.equal(replayed.layers[i].values, direct.layers[i].values)
-        assert torch.equal(model.model.layers[i].self_attn._attention_bias.bias, direct_bias[i])
+        assert torch.equal(decode_biases(replayed)[i], direct_bias[i])
 
 
 def test_shared_proposals_share_equal_scorers_only(captured, monkeypatch):
@@ -363,12 +367,12 @@ def test_shared_proposals_share_equal_scorers_only(captured, monkeypatch):
     monkeypatch.setattr(
         proposals, "scorer_scores", lambda s, *a, **k: calls.append(type(s).__name__) or real(s, *a, **k)
     )
-    with proposals.shared_proposals():
-        a = compute_proposal(ExpectedAttentionPress(), module, hs, keys, values, attn, kwargs)
-        b = compute_proposal(ExpectedAttentionPress(), module, hs, keys, values, attn, kwargs)  # equal: shared
-        c = compute_proposal(ExpectedAttentionPress(n_sink=2), module, hs, keys, values, attn, kwargs)
-        d = compute_proposal("tova", module, hs, keys, values, attn, kwargs)
-        e = compute_proposal(TOVAPress(), module, hs, keys, values, attn, kwargs)  # the name's scorer: shared
+    memo = ReplayMemo()
+    a = compute_proposal(ExpectedAttentionPress(), module, hs, keys, values, attn, kwargs, memo=memo)
+    b = compute_proposal(ExpectedAttentionPress(), module, hs, keys, values, attn, kwargs, memo=memo)  # equal: shared
+    c = compute_proposal(ExpectedAttentionPress(n_sink=2), module, hs, keys, values, attn, kwargs, memo=memo)
+    d = compute_proposal("tova", module, hs, keys, values, attn, kwargs, memo=memo)
+    e = compute_proposal(TOVAPress(), module, hs, keys, values, attn, kwargs, memo=memo)  # the name's scorer: shared
     assert calls == ["ExpectedAttentionPress", "ExpectedAttentionPress", "TOVAPress"]
     assert a is b and not torch.equal(a, c) and d is e
 

@@ -5,10 +5,12 @@ import math
 
 import pytest
 import torch
+from conftest import decode_biases
 from test_snis_press import _attend, _Attn, _decode, _prefill, _prompt
 from transformers import DynamicCache
 
 import presses.probabilistic.press as snis_press
+from presses import attention
 from presses.core.coupon import expected_unique
 from presses.probabilistic import ProbabilisticEvictionPress
 from presses.probabilistic.budget import search_num_samples
@@ -49,7 +51,7 @@ def test_page_size_one_equals_token_unit(tiny_llama, monkeypatch, budget, propos
             compression_ratio=ratio, proposal=proposal, budget=budget, seed=5, uniform_mix=0.01, **kw
         )
         cache = _prefill(model, press, ids)
-        biases = [layer.self_attn._attention_bias.bias.clone() for layer in model.model.layers]
+        biases = [b.clone() for b in decode_biases(cache)]
         keys = [layer.keys.clone() for layer in cache.layers]
         logits = _decode(model, cache, question, T)
         runs.append((calls, biases, keys, logits, press.summary()))
@@ -110,9 +112,10 @@ def _page_error(press, keys, values, post_k, post_v, query, full, pi, r, m, seed
     err = 0.0
     for seed in range(seeds):
         press._generator = torch.Generator().manual_seed(seed)
-        module = _Attn(r)
-        k, v = press._evict(module, keys, values, pi, torch.tensor(m))
-        out = _attend("sdpa", module, query, torch.cat([k, post_k], 2), torch.cat([v, post_v], 2), None)
+        module, cache = _Attn(r), DynamicCache()
+        k, v = press._evict(module, cache, keys, values, pi, torch.tensor(m))
+        (bias,) = attention.take_decode_state(cache, 1)  # the correction the eviction gave the cache
+        out = _attend("sdpa", module, query, torch.cat([k, post_k], 2), torch.cat([v, post_v], 2), None, bias)
         err += (out - full).abs().mean().item() / seeds
     return err
 
@@ -216,7 +219,7 @@ def test_drawn_pages_are_kept_whole_with_one_bias_per_page(tiny_llama, monkeypat
     n_pages_kept = []
     for layer, (pi, m, counts) in zip(model.model.layers, calls):
         idx = layer.self_attn.layer_idx
-        bias = layer.self_attn._attention_bias.bias[0]  # (G, P)
+        bias = decode_biases(cache)[idx][0]  # (G, P)
         for g in range(bias.shape[0]):
             drawn = (counts[0, g] > 0).nonzero().flatten().tolist()
             positions = [i for p in drawn for i in range(p * B, min((p + 1) * B, T))]
@@ -252,7 +255,7 @@ def test_padding_gets_zero_attention_and_pages_share_weights(tiny_llama, dtype):
             page_size=4,
         )
         cache = _prefill(model, press, _prompt(26, T))
-        biases = [layer.self_attn._attention_bias.bias for layer in model.model.layers]
+        biases = decode_biases(cache)
         pads = [~torch.isfinite(b) for b in biases]
         if any(p.any() for p in pads):
             break
@@ -343,7 +346,7 @@ def test_batch_and_extreme_ratios(tiny_llama, budget):
     press = ProbabilisticEvictionPress(compression_ratio=0.99, proposal="h2o", budget=budget, unit="page", page_size=4)
     cache = _prefill(model, press, ids)
     for layer in model.model.layers:
-        bias = layer.self_attn._attention_bias.bias  # (2, G, P)
+        bias = decode_biases(cache)[layer.self_attn.layer_idx]  # (2, G, P)
         kept = torch.isfinite(bias).sum(-1)
         assert bias.shape[0] == 2 and bool((kept >= 2).all())  # one page: 4 tokens, or the 2-token last page
         assert cache.layers[layer.self_attn.layer_idx].keys.shape[2] == bias.shape[-1] == int(kept.max())

@@ -4,12 +4,14 @@ import math
 
 import pytest
 import torch
+from conftest import decode_biases
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import presses.attention_bias as snis_attention
 import presses.probabilistic.press as snis_press
-from presses.attention_bias import AttentionBias, install_bias_attention
+from presses import attention
+from presses.attention_bias import AttentionBias
 from presses.probabilistic.budget import sample_counts
 from presses.probabilistic.correction import snis_bias
 from presses.probabilistic.press import ProbabilisticEvictionPress
@@ -28,8 +30,12 @@ class _Attn(torch.nn.Module):
         self.eval()
 
 
-def _attend(impl, module, q, k, v, mask):
-    install_bias_attention()
+def _attend(impl, module, q, k, v, mask, bias: AttentionBias | None = None):
+    """The installed attention function on ``k``, ``v`` held by layer 0 of a cache that carries ``bias``."""
+    attention.install()
+    cache = DynamicCache()
+    k, v = cache.update(k, v, 0)  # a decode-time bias belongs to the cache that holds these keys
+    attention.set_decode_bias(cache, 0, bias)
     out, _ = ALL_ATTENTION_FUNCTIONS[impl](module, q, k, v, mask, dropout=0.0, scaling=q.shape[-1] ** -0.5)
     return out.transpose(1, 2)  # (B, H, q, d)
 
@@ -76,12 +82,11 @@ def test_bias_softmax_equals_algorithm_1(impl, tau, correction):
     value = torch.cat([vals_full.gather(2, idx), post_v], 2)
     bias = snis_bias(counts, m, pi, tau, correction).gather(-1, order).masked_fill(~valid, float("-inf"))
     module = _Attn(r)
-    module._attention_bias = AttentionBias(bias)
     query = torch.randn(B, G * r, q_len, d, generator=g)
     # the model's own boolean causal mask, built for ANOTHER layer's (wider) prefix: only its tail is ours
     wide = 30 + n_after
     model_mask = torch.arange(wide).view(1, wide) <= torch.arange(wide - q_len, wide).view(q_len, 1)
-    out = _attend(impl, module, query, key, value, model_mask.view(1, 1, q_len, wide))
+    out = _attend(impl, module, query, key, value, model_mask.view(1, 1, q_len, wide), AttentionBias(bias))
 
     expected = torch.zeros(B, G * r, q_len, d, dtype=torch.float64)
     for h in range(G * r):
@@ -148,9 +153,10 @@ def test_corrected_error_shrinks_as_m_grows():
         err = 0.0
         for seed in range(20):
             press._generator = torch.Generator().manual_seed(seed)
-            module = _Attn(r)
-            k, v = press._evict(module, keys, values, pi, torch.tensor(m))
-            out = _attend("sdpa", module, query, torch.cat([k, post_k], 2), torch.cat([v, post_v], 2), None)
+            module, cache = _Attn(r), DynamicCache()
+            k, v = press._evict(module, cache, keys, values, pi, torch.tensor(m))
+            (bias,) = attention.take_decode_state(cache, 1)  # the correction the eviction gave the cache
+            out = _attend("sdpa", module, query, torch.cat([k, post_k], 2), torch.cat([v, post_v], 2), None, bias)
             err += (out - full).abs().mean().item() / 20
         errors.append(err)
     assert all(b < 0.8 * a for a, b in zip(errors, errors[1:])), errors
@@ -176,7 +182,7 @@ def test_physical_length_is_largest_kept_count(tiny_llama, budget):
     cache = _prefill(model, press, _prompt(4, batch=2))
     kept_all, padded_all = [], []
     for layer in model.model.layers:
-        bias = layer.self_attn._attention_bias.bias  # (B, G, P)
+        bias = decode_biases(cache)[layer.self_attn.layer_idx]  # (B, G, P)
         kept = torch.isfinite(bias).sum(-1)
         P = cache.layers[layer.self_attn.layer_idx].keys.shape[2]
         assert P == bias.shape[-1] == int(kept.max())
@@ -200,7 +206,7 @@ def test_padding_gets_zero_attention_and_logits_stay_finite(tiny_llama, dtype):
             compression_ratio=0.6, proposal="min", budget="head", seed=seed, proposal_temperature=0.1
         )
         cache = _prefill(model, press, _prompt(5))
-        pads = [~torch.isfinite(layer.self_attn._attention_bias.bias) for layer in model.model.layers]
+        pads = [~torch.isfinite(b) for b in decode_biases(cache)]
         if any(p.any() for p in pads):
             break
     assert any(p.any() for p in pads), "the test needs padding: groups with different kept counts"
@@ -298,9 +304,10 @@ def test_pipeline_applies_bias_after_the_press_context(tiny_llama, monkeypatch):
     # question forward (3 tokens + "\n" suffix -> unk) then decode steps, every layer, outside `with press`
     q_lens = [q for q, _ in calls]
     assert q_lens.count(1) >= 2 * 1 and q_lens[0] > 1 and len(calls) >= 2 * 2
-    # a later request without the press drops the state at its prefill
+    # a later request without the press decodes without a bias (its cache carries none)
+    calls.clear()
     pipe(context, question="w5", press=None, max_new_tokens=1)
-    assert all(layer.self_attn._attention_bias is None for layer in model.model.layers)
+    assert calls == []
 
 
 def test_new_prefill_without_press_is_uncompressed(tiny_llama):
@@ -312,7 +319,7 @@ def test_new_prefill_without_press_is_uncompressed(tiny_llama):
     with torch.no_grad():
         model.model(input_ids=ids, past_key_values=cache)
     got = _decode(model, cache, question, T)
-    assert all(layer.self_attn._attention_bias is None for layer in model.model.layers)
+    assert attention.requests_of(cache) is None
     for a, b in zip(got, ref):
         assert torch.allclose(a, b, atol=1e-5)
 
@@ -395,7 +402,6 @@ def test_grouped_sdpa_equals_repeat_kv_sdpa_and_wrapper_uses_it(r, q_len, monkey
         return real(*args)
 
     monkeypatch.setattr(snis_attention, "grouped_sdpa", counting)
-    module._attention_bias = state
-    wrapped = _attend("sdpa", module, q, k, v, None)
+    wrapped = _attend("sdpa", module, q, k, v, None, state)
     assert calls == [1]
     torch.testing.assert_close(wrapped, ref.transpose(1, 2))

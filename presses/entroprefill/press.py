@@ -39,7 +39,8 @@ from typing import Any, ClassVar
 import torch
 from kvpress import ComposedPress
 
-from presses.base import Capabilities, ResearchPress, language_model
+from presses.base import Capabilities, ResearchPress
+from presses.core.model import language_model, text_config
 from presses.core.paging import check_compression_ratio
 from presses.core.row_masses import chunk_ids
 from presses.entroprefill.chunking import CHUNK_MODES, ChunkPlan, find_question, plan_chunks, token_offsets
@@ -190,8 +191,7 @@ class EntroPrefillPress(ResearchPress):
     def post_init_from_model(self, model):
         """Read layer/head counts and FLOP coefficients, load the tokenizer if none was given, and register the
         model hooks (:meth:`model_hooks`)."""
-        cfg = model.config
-        cfg = getattr(cfg, "text_config", None) or cfg
+        cfg = text_config(model)
         L = cfg.num_hidden_layers
         if self.monitored_layers is None:
             monitored = list(range(max(0, L // 2 - 2), min(L - 2, L // 2 + 2) + 1))

@@ -201,6 +201,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         W = min(self.observers(T), n)
         pe = kwargs.get("position_embeddings")
         return memoized_observers(
+            self.memo,
             module,
             hidden_states,
             keys,

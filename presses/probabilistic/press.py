@@ -9,13 +9,15 @@ from kvpress import ComposedPress, PrefillDecodingPress, ScorerPress
 from torch import nn
 from transformers import QuantizedCache
 
-from presses.attention_bias import SUPPORTED_ATTENTION, AttentionBias, install_bias_attention
-from presses.base import Capabilities, ResearchPress, language_model
+from presses import attention
+from presses.attention_bias import AttentionBias
+from presses.base import Capabilities, ResearchPress
+from presses.core.model import language_model
 from presses.core.paging import check_compression_ratio, num_pages
 from presses.probabilistic.budget import BUDGETS, sample_counts, search_num_samples
 from presses.probabilistic.correction import snis_bias
 from presses.probabilistic.page_sampling import UNITS, expand_pages, page_proposal, page_target, page_tolerance
-from presses.probabilistic.prefill_attention import install_prefill_attention, request_statistics
+from presses.probabilistic.prefill_attention import request_statistics
 from presses.probabilistic.proposals import (
     NORMALIZATIONS,
     check_proposal,
@@ -204,11 +206,18 @@ class ProbabilisticEvictionPress(ResearchPress):
 
     # ------------------------------------------------------------------ eviction
     def _evict(
-        self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, num_samples: torch.Tensor
+        self,
+        module: nn.Module,
+        cache,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        pi: torch.Tensor,
+        num_samples: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw, keep the drawn entries, pad the layer, and leave the correction on ``module``.
+        """Draw, keep the drawn entries, pad the layer, and leave the correction with ``cache``.
 
         Args:
+            module, cache: the layer's attention module and the prefill's cache (it keeps the decode-time bias).
             keys, values: ``(B, G, t, d)`` the layer's prefill cache.
             pi: ``(B, G, n)`` group proposals over the sampling units (``n = t`` tokens, or
                 ``ceil(t / page_size)`` pages for ``unit="page"``).
@@ -233,7 +242,7 @@ class ProbabilisticEvictionPress(ResearchPress):
         new_keys = keys.reshape(B * G * t, d).index_select(0, rows).view(B, G, P, d).masked_fill_(pad, 0)
         new_values = values.reshape(B * G * t, -1).index_select(0, rows).view(B, G, P, -1).masked_fill_(pad, 0)
         bias = snis_bias(counts, m, pi, self.tau, self.correction).gather(-1, order)
-        module._attention_bias = AttentionBias(bias.masked_fill(~valid, float("-inf")))
+        attention.set_decode_bias(cache, module.layer_idx, AttentionBias(bias.masked_fill(~valid, float("-inf"))))
         self._stats[module.layer_idx] = {
             "padded": P,
             "kept": float(n_kept.double().mean()),
@@ -258,10 +267,10 @@ class ProbabilisticEvictionPress(ResearchPress):
             ValueError: when an earlier press already removed entries of this layer (``keys`` shorter than the
                 prefill), which only happens inside a ``ComposedPress`` (see :meth:`check_wrappers`).
         """
-        module._attention_bias = None
+        cache = kwargs.get("past_key_values")
+        attention.set_decode_bias(cache, module.layer_idx, None)
         if self.compression_ratio == 0:
             return keys, values
-        cache = kwargs.get("past_key_values")
         if isinstance(cache, QuantizedCache):
             raise NotImplementedError("ProbabilisticEvictionPress does not support QuantizedCache")
         if keys.shape[2] != hidden_states.shape[1]:
@@ -285,12 +294,13 @@ class ProbabilisticEvictionPress(ResearchPress):
             self.window_size,
             self.kernel_size,
             self.score_normalization,
+            self.memo,
         )
         if self.unit == "page":
             pi = page_proposal(pi, self.page_size)  # (B, G, P): pages are the sampling unit
         if self.budget == "head":
             m = search_num_samples(pi, self.compression_ratio, **self._search_options())  # (B, G)
-            return self._evict(module, keys, values, pi, m)
+            return self._evict(module, cache, keys, values, pi, m)
         composed = len(self.__dict__.get("_wrapper_path") or [self]) > 1
         # inside a wrapper a later press may select among this layer's entries before finalize: remember them
         self._pending[module.layer_idx] = (module, cache, pi, keys, row_fingerprints(keys) if composed else None)
@@ -334,7 +344,7 @@ class ProbabilisticEvictionPress(ResearchPress):
         for i in layers:
             module, cache = pending[i][:2]
             layer = cache.layers[module.layer_idx]
-            layer.keys, layer.values = self._evict(module, layer.keys, layer.values, pis[i], m)
+            layer.keys, layer.values = self._evict(module, cache, layer.keys, layer.values, pis[i], m)
 
     def _search_options(self) -> dict:
         """Options of :func:`presses.probabilistic.budget.search_num_samples` for the unit: none for tokens (target
@@ -359,10 +369,10 @@ class ProbabilisticEvictionPress(ResearchPress):
                 proposal that reads attention weights.
         """
         impl = getattr(model.config, "_attn_implementation", None)
-        if impl not in SUPPORTED_ATTENTION:
+        if impl not in attention.SUPPORTED_ATTENTION:
             raise ValueError(
                 f"attn_implementation={impl!r} is not supported by ProbabilisticEvictionPress: "
-                f"use one of {SUPPORTED_ATTENTION} (the correction is an additive float mask)"
+                f"use one of {attention.SUPPORTED_ATTENTION} (the correction is an additive float mask)"
             )
         scorer = self.scorer
         if needs_attention_weights(scorer) and impl != "eager":
@@ -372,8 +382,7 @@ class ProbabilisticEvictionPress(ResearchPress):
             )
         if scorer is not None and not isinstance(self.proposal, str):
             scorer.post_init_from_model(model)
-        install_bias_attention()
-        install_prefill_attention()
+        attention.install()
         super().post_init_from_model(model)
 
     def model_hooks(self, model):
@@ -391,11 +400,13 @@ class ProbabilisticEvictionPress(ResearchPress):
 
     def _request_statistics(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
-        if (cache is None or cache.get_seq_length() == 0) and self.compression_ratio > 0:
-            request_statistics([layer.self_attn for layer in module.layers], self.proposal, self.block_size)
+        if cache is not None and cache.get_seq_length() == 0 and self.compression_ratio > 0:
+            request_statistics(cache, self.proposal, self.block_size)
 
     def _finish_hook(self, module, args, kwargs, output):
-        request_statistics([layer.self_attn for layer in module.layers], None)
+        cache = kwargs.get("past_key_values")
+        if cache is not None:
+            request_statistics(cache, None)
         self.finalize()
         return output
 

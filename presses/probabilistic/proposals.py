@@ -17,7 +17,6 @@ computed in query blocks (``block_size`` rows at a time), never as a full ``t x 
 from __future__ import annotations
 
 import dataclasses
-from contextlib import AbstractContextManager
 
 import torch
 from kvpress import KnormPress, ObservedAttentionPress, ScorerPress, SnapKVPress, TOVAPress
@@ -27,7 +26,6 @@ from presses import kernels
 from presses.core.columns import harmonic_prior
 from presses.core.observer import window_queries
 from presses.core.renyi import pool_groups
-from presses.core.replay_memo import ReplayMemo
 from presses.probabilistic.prefill_attention import take_prefill_stats
 
 __all__ = [
@@ -50,7 +48,6 @@ __all__ = [
     "needs_attention_weights",
     "scorer_scores",
     "compute_proposal",
-    "shared_proposals",
 ]
 
 ATTENTION_PROPOSALS = ("min", "min_h", "h2o", "h2o_h")
@@ -64,8 +61,6 @@ NORMALIZATIONS = ("softmax", "sum")
 #: ObservedAttentionPress needs them; SnapKV and TOVA use them when the attention returns them and recompute their
 #: window's attention otherwise.
 ATTENTION_WEIGHT_SCORERS: tuple[type, ...] = (ObservedAttentionPress,)
-
-_memo = ReplayMemo()  # active inside shared_proposals() blocks
 
 
 def _check_block(block_size: int) -> None:
@@ -138,6 +133,7 @@ def head_proposals(
     values: torch.Tensor,
     position_embeddings,
     block_size: int = 128,
+    scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-head proposals of paper 003 appendix H.
 
@@ -146,8 +142,9 @@ def head_proposals(
     - ``h2o``:   ``pi^h(i) ~ sum_j p^h_j(i)`` (normalised H2O score, eq. 17)
     - ``h2o_h``: ``pi^h(i) ~ sum_j h_j p^h_j(i)``
 
-    When the layer's prefill attention already computed the statistic (:mod:`presses.probabilistic.prefill_attention`,
-    inside the press's prefill) it is used as is; otherwise the column sums are recomputed through the dispatch
+    When the layer's prefill attention already computed the statistic (``scores``, taken from the cache with
+    :func:`presses.probabilistic.prefill_attention.take_prefill_stats` inside the press's prefill) it is used as
+    is; otherwise the column sums are recomputed through the dispatch
     point :func:`presses.kernels.column_sums` (Triton on CUDA, :func:`presses.core.columns.column_sums`
     elsewhere). With the harmonic prior ``h_j`` of :func:`harmonic_prior` and ``||v_i||`` the L2 norm of the
     value of entry ``i`` in the head's KV group.
@@ -160,6 +157,7 @@ def head_proposals(
         values: ``(B, G, t, d)``.
         position_embeddings: ``(cos, sin)``.
         block_size: query rows per block for the all-row proposals.
+        scores: ``(B, H_Q, t)`` the column sums (or last row) the prefill's attention computed, or None.
 
     Returns:
         ``(B, H_Q, t)`` float32, each row summing to 1.
@@ -171,7 +169,6 @@ def head_proposals(
         raise ValueError(f"proposal={name!r} must be one of {ATTENTION_PROPOSALS}")
     _check_block(block_size)
     t = keys.shape[2]
-    scores = take_prefill_stats(module, keys, name)  # computed by the prefill's own attention, if it could
     if scores is None and name == "min":
         cos, sin = position_embeddings
         q = window_queries(module, hidden_states, 1, (cos, sin))
@@ -399,8 +396,8 @@ def scorer_scores(
 
 
 def _scorer_key(scorer: ScorerPress) -> tuple:
-    """What identifies a scorer's scores in the :func:`shared_proposals` memo: its class and field values when it is a
-    dataclass of plain values (equal scorers share), else the object itself (held by the memo entry)."""
+    """What identifies a scorer's scores in a sweep's memo (:func:`compute_proposal`): its class and field values
+    when it is a dataclass of plain values (equal scorers share), else the object itself (held by the memo entry)."""
     if dataclasses.is_dataclass(scorer):
         values = tuple((f.name, getattr(scorer, f.name, None)) for f in dataclasses.fields(scorer))
         if all(v is None or isinstance(v, (bool, int, float, str)) for _, v in values):
@@ -422,6 +419,7 @@ def compute_proposal(
     window_size: int = 64,
     kernel_size: int = 5,
     score_normalization: str = "softmax",
+    memo=None,
 ) -> torch.Tensor:
     """The group proposal ``pi`` of one layer (docs/methods.md §3 item 1): head proposals -> group mixture (``1/r``)
     -> temperature -> uniform mixing; scorer proposals give group scores -> ``score_normalization`` at temperature
@@ -436,6 +434,11 @@ def compute_proposal(
         block_size: query rows per block for the all-row proposals.
         window_size, kernel_size: SnapKV adapter parameters.
         score_normalization: ``"softmax"`` or ``"sum"`` for the scorer proposals.
+        memo: a memo of a sweep that replays one recorded prefill for several presses (``memo.get(key, compute,
+            *keep)``, e.g. ``evaluation.memo.ReplayMemo``), or None. The proposal does not depend on
+            ``compression_ratio``, ``correction``, ``tau``, ``budget`` or ``seed``, so the presses that differ only
+            there compute it once per layer; the key holds the module, the ``hidden_states`` and ``attentions``
+            tensor objects and the proposal options.
 
     Returns:
         ``(B, G, t)`` float32 rows summing to 1 (full support when ``uniform_mix > 0``).
@@ -448,7 +451,10 @@ def compute_proposal(
 
     def compute() -> torch.Tensor:
         if scorer is None:
-            pi = head_proposals(name, module, hidden_states, keys, values, kwargs["position_embeddings"], block_size)
+            stats = take_prefill_stats(kwargs.get("past_key_values"), module.layer_idx, keys, name)
+            pi = head_proposals(
+                name, module, hidden_states, keys, values, kwargs["position_embeddings"], block_size, stats
+            )
             pi = adjust_proposal(group_mixture(pi, keys.shape[1]), temperature, uniform_mix)
         else:
             scores = scorer_scores(scorer, module, hidden_states, keys, values, attentions, kwargs)
@@ -461,7 +467,7 @@ def compute_proposal(
             raise FloatingPointError(f"proposal {proposal_label(name)!r} produced non-finite values")
         return pi
 
-    if not _memo.active:
+    if memo is None:
         return compute()
     memo_key = (
         name if scorer is None else _scorer_key(scorer),
@@ -474,18 +480,4 @@ def compute_proposal(
         int(block_size),
         score_normalization,
     )
-    return _memo.get(memo_key, compute, module, hidden_states, attentions, scorer)
-
-
-def shared_proposals() -> AbstractContextManager[None]:
-    """Compute each layer's proposal once for several presses that replay the same prefill.
-
-    Inside the block, :func:`compute_proposal` returns the proposal it already computed for the same
-    attention module, the same ``hidden_states`` tensor object (and ``attentions``) and the same proposal
-    options. The proposal does not depend on ``compression_ratio``, ``correction``, ``tau``, ``budget`` or
-    ``seed``, so e.g. the corrected and uncorrected presses at two ratios share one computation. Used by
-    :mod:`evaluation.fused`, whose replays pass the recorded (never modified) inputs of one prefill; it is
-    only valid while the tensors a call sees are not changed in place, so keep the block to one prefill.
-    The memo is dropped when the block exits; blocks nest (the inner one starts empty).
-    """
-    return _memo.scope()
+    return memo.get(memo_key, compute, module, hidden_states, attentions, scorer)
