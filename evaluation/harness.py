@@ -167,37 +167,21 @@ def get_model(model_cfg: DictConfig, device: str, attn_implementation: str):
     return _MODEL_CACHE[key]
 
 
-def cache_stats(cache, model, context_length: int) -> dict:
-    """Effective compression of the context cache after the pipeline ran.
+def cache_stats(cache, model, context_length: int, press=None) -> dict:
+    """The compression of the context cache after a prefill under ``press``, fractions in ``[0, 1]``.
 
-    ``effective_compression = 1 - kept / T`` averaged over layers, where ``kept`` is the cache length
-    (physical). kvpress's head-wise presses (AdaKV) keep a dense cache and mask keys instead; their
-    masked entries are subtracted to give the logical count.
+    ``effective_compression = 1 - mean(kept) / T`` over layers, with ``kept`` the entries the press kept per KV
+    head (:func:`evaluation.registry.kept_entries`); ``physical_compression`` the same with the cache's lengths
+    (padding and masked keys count as held).
     """
+    from evaluation.registry import kept_entries
+
     lengths = [cache.get_seq_length(i) for i in range(len(cache))]
-    physical = 1 - sum(lengths) / (len(lengths) * context_length)
-    logical = physical
-    masked = [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
-    if any(m is not None for m in masked):
-        n_kv = model.config.num_key_value_heads
-        kept = [n - (len(m[0]) / n_kv if m is not None else 0) for n, m in zip(lengths, masked)]
-        logical = 1 - sum(kept) / (len(kept) * context_length)
-    return {"effective_compression": logical, "physical_compression": physical}
-
-
-def row_effective_compression(row: dict) -> float:
-    """A prediction row's effective compression, from the kept (logical) entries.
-
-    ``row["effective_compression"]`` (:func:`cache_stats`), unless the press reports its own logical count
-    (``press_stats["logical_compression"]``): a press that pads its per-group caches to the layer's longest and
-    masks the padding with a ``-inf`` bias (probabilistic eviction, each KV group keeping its own number of
-    draws) has a longer cache than it keeps, so the cache length would count the padding as kept. Rows written
-    before this rule hold the padded figure there; this function reads both. Fraction in ``[0, 1]``.
-    """
-    stats = row.get("press_stats") or {}
-    if isinstance(stats.get("logical_compression"), (int, float)) and stats.get("num_layers_evicted"):
-        return float(stats["logical_compression"])
-    return float(row["effective_compression"])
+    kept = kept_entries(press, model, cache)
+    return {
+        "effective_compression": 1 - sum(kept) / (len(kept) * context_length),
+        "physical_compression": 1 - sum(lengths) / (len(lengths) * context_length),
+    }
 
 
 # Keys a run may change between a start and its resume: they do not change its examples or predictions.
@@ -207,9 +191,8 @@ RESUME_FREE_KEYS = ("overwrite", "output_dir", "device")
 def config_changes(saved, cfg) -> list[str]:
     """The settings in which ``cfg`` differs from a run directory's ``saved`` config, as ``key: old -> new``.
 
-    Both are (resolved) configs; nested keys are compared leaf by leaf with dotted names, the keys in
-    ``RESUME_FREE_KEYS`` are ignored, and a ``_target_`` that merely moved (:data:`MOVED_TARGETS`), on either
-    side, counts as its new path.
+    Both are compared as run settings (:func:`evaluation.settings.run_settings`: the press as the class and fields
+    it builds), leaf by leaf with dotted names; the keys in ``RESUME_FREE_KEYS`` are ignored.
     """
 
     def flat(node, prefix=""):
@@ -217,13 +200,9 @@ def config_changes(saved, cfg) -> list[str]:
             return {k: v for key, val in node.items() for k, v in flat(val, f"{prefix}{key}.").items()}
         return {prefix[:-1]: node}
 
-    from evaluation.registry import MOVED_TARGETS  # kvpress is imported only when needed
+    from evaluation.settings import run_settings
 
-    old = flat(OmegaConf.to_container(OmegaConf.create(saved), resolve=True))
-    new = flat(OmegaConf.to_container(OmegaConf.create(cfg), resolve=True))
-    old, new = (
-        {k: MOVED_TARGETS.get(v, v) if k.endswith("_target_") else v for k, v in side.items()} for side in (old, new)
-    )  # either side may be the older config (the report compares shards)
+    old, new = (flat(run_settings(OmegaConf.create(side))) for side in (saved, cfg))
     return [
         f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
         for k in sorted(set(old) | set(new))
@@ -317,6 +296,8 @@ def _claim(cfg: DictConfig, names: dict[str, str], made: list[Path]):
     None), else None with the lock held. Directories this call creates are appended to ``made``."""
     from filelock import FileLock, Timeout
 
+    from evaluation.settings import run_settings
+
     check_names(names)
     check_ratio(cfg.compression_ratio)
     out = run_dir(cfg, names)
@@ -359,7 +340,7 @@ def _claim(cfg: DictConfig, names: dict[str, str], made: list[Path]):
         if overwrite:
             for name in ("predictions.jsonl", "metrics.json", COMMANDS_NAME):
                 (out / name).unlink(missing_ok=True)
-        write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))  # before any row
+        write_atomic(out / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(run_settings(cfg))))  # before any row
         return out, lock, None
     except BaseException:
         lock.release()
@@ -449,9 +430,8 @@ def prediction_row(
     press,
     **extra,
 ) -> dict:
-    """One ``predictions.jsonl`` row: the example, the prediction and its score, the effective compression
-    (:func:`row_effective_compression`) and the cache's physical one (:func:`cache_stats`), seconds, and
-    ``press.summary()`` when the press has one."""
+    """One ``predictions.jsonl`` row: the example, the prediction and its score, the effective and the physical
+    compression (:func:`cache_stats`), seconds, and ``press.summary()`` when the press has one."""
     row = {
         "id": ex.id,
         "task": ex.task or names["dataset"],
@@ -460,13 +440,12 @@ def prediction_row(
         "answers": ex.answers,
         "prediction": prediction,
         "score": float(dataset.score(prediction, ex)),
-        **cache_stats(cache, model, context_length),
+        **cache_stats(cache, model, context_length, press),
         "seconds": seconds,
         "press_stats": press.summary() if press is not None and hasattr(press, "summary") else None,
         **extra,
         "metadata": ex.metadata,
     }
-    row["effective_compression"] = row_effective_compression(row)  # kept entries, not padding
     return row
 
 
@@ -517,7 +496,7 @@ def summarize(rows: list[dict]) -> dict:
         "n": n,
         "score": mean([r["score"] for r in rows]),
         "per_task": {t: mean([r["score"] for r in rows if r["task"] == t]) for t in tasks},
-        "effective_compression": mean([row_effective_compression(r) for r in rows]),
+        "effective_compression": mean([r["effective_compression"] for r in rows]),
         "physical_compression": mean([r["physical_compression"] for r in rows]),
         "seconds_per_example": mean([r["seconds"] for r in rows]),
     }

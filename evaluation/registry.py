@@ -32,14 +32,15 @@ from kvpress import (
     TOVAPress,
 )
 
-from presses.base import Capabilities, ResearchPress, held_presses
+from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, held_presses
+from presses.core.model import attention_modules, text_config
 from presses.probabilistic import ProbabilisticEvictionPress
 
 __all__ = [
     "KVPRESS",
-    "MOVED_TARGETS",
     "UNKNOWN",
     "capabilities",
+    "kept_entries",
     "research_presses",
     "sharing",
     "inner_press",
@@ -57,10 +58,6 @@ KVPRESS: tuple[tuple[type, Capabilities], ...] = (
     (PyramidKVPress, Capabilities(shares_prefill=False)),
     (ScorerPress, Capabilities()),
 )
-
-#: Press classes that moved module with no change of behaviour (the layout by method): a run directory saved
-#: under the old import path resumes under the new one (``evaluation.harness.config_changes``).
-MOVED_TARGETS = {"presses.snis_press.ProbabilisticEvictionPress": "presses.probabilistic.ProbabilisticEvictionPress"}
 
 #: Anything else (kvpress's other wrappers and presses, user presses): run it through kvpress's pipeline.
 UNKNOWN = Capabilities(shares_prefill=False)
@@ -203,3 +200,26 @@ def sharing(press, memo):
         for p in research_presses(press):
             stack.enter_context(p.sharing(memo))
         yield
+
+
+def kept_entries(press, model, cache) -> list[float]:
+    """The cache entries ``press`` kept per KV head, one number per layer of ``cache`` (mean over heads).
+
+    A press of this project (or the one a wrapper holds) reports them in its summary (the contract's
+    :data:`presses.base.KEPT_ENTRIES`; the probabilistic press pads its groups, so its cache is longer than what it
+    keeps). kvpress's head-wise presses (AdaKV, CriticalAdaKV, KVzip) keep a dense cache and mask keys instead
+    (``masked_key_indices`` on the attention modules, kvpress's own state, cleared by kvpress at every prefill):
+    their masked entries are subtracted. Otherwise, the cache lengths.
+    """
+    lengths = [float(cache.get_seq_length(i)) for i in range(len(cache))]
+    for p in research_presses(press):
+        text = p.summary().get(KEPT_ENTRIES)
+        if text:
+            kept = [float(x) for x in str(text).split(",")]
+            if len(kept) == len(lengths):
+                return kept
+    masked = [getattr(module, "masked_key_indices", None) for module in attention_modules(model)]
+    if any(m is not None for m in masked):
+        n_kv = text_config(model).num_key_value_heads
+        return [n - (len(m[0]) / n_kv if m is not None else 0) for n, m in zip(lengths, masked)]
+    return lengths

@@ -47,7 +47,6 @@ from evaluation.harness import (
     COMMANDS_NAME,
     QA_SUFFIX,
     config_changes,
-    row_effective_compression,
     run_in_progress,
     write_atomic,
 )
@@ -263,7 +262,7 @@ def summary_table(runs: list[Run], confidence: float) -> list[dict]:
         n = len(scores)
         weighted = sum(len(v) / n * (sum(v) / len(v)) for v in by_task.values())
         task_avg = sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
-        eff = [row_effective_compression(r) for r in run.rows if r.get("effective_compression") is not None]
+        eff = [r["effective_compression"] for r in run.rows if r.get("effective_compression") is not None]
         out.append(
             {
                 "dataset": run.dataset,

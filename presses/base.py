@@ -40,7 +40,15 @@ from kvpress.presses.base_press import BasePress
 from presses import attention
 from presses.core.model import language_model
 
-__all__ = ["Capabilities", "KEPT_ENTRIES", "ResearchPress", "held_presses", "press_in_use", "wrapper_path"]
+__all__ = [
+    "Capabilities",
+    "KEPT_ENTRIES",
+    "ResearchPress",
+    "held_presses",
+    "kept_entries_text",
+    "press_in_use",
+    "wrapper_path",
+]
 
 #: The standard key of every press summary: the kept cache entries per KV head, one number per layer, comma-
 #: separated (a float where KV heads keep different counts: their mean). The harness reads effective compression
@@ -107,6 +115,11 @@ def held_presses(owner: Any, depth: int = 4):
                 yield from held_presses(child, depth - 1)
 
 
+def kept_entries_text(kept) -> str:
+    """The :data:`KEPT_ENTRIES` value: kept entries per KV head, one number per layer, comma-separated."""
+    return ",".join(f"{float(k):.6g}" for k in kept)
+
+
 #: Per model, the kvpress presses whose ``with press(model)`` block is open, outermost first.
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -170,7 +183,8 @@ class ResearchPress(BasePress):
         first hook of that prefill), so no request sees another's statistics or draws."""
 
     def summary(self) -> dict[str, Any]:
-        """Statistics of the last prefill (a flat dict of numbers and strings; ``{}`` before the first)."""
+        """Statistics of the last prefill (a flat dict of numbers and strings; ``{}`` before the first), with
+        :data:`KEPT_ENTRIES` (:func:`kept_entries_text`) once a prefill compressed."""
         return {}
 
     # ------------------------------------------------------------------ decode-time state

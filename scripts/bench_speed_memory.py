@@ -24,8 +24,8 @@ For each context length ``T`` (ascending), compression ratio and press, one row 
   outside the press context (the SNIS press's decode-time bias stays on the attention modules).
 * ``kv_full_bytes``: ``2 L B G T d e`` (keys and values of every context token, the cache's dtype);
   ``kv_physical_bytes``: the key and value tensors actually held after the prefill (padded shapes);
-  ``kv_logical_bytes``: the kept (unmasked, unpadded) entries: from ``press.summary()["logical_compression"]``
-  when the press reports it (SNIS), else from :func:`evaluation.harness.cache_stats` (AdaKV-style masked keys).
+  ``kv_logical_bytes``: the kept (unmasked, unpadded) entries (:func:`evaluation.harness.cache_stats`: the press's
+  own count, or the cache minus AdaKV-style masked keys).
 * ``peak_mem_mb`` / ``peak_mem_delta_mb``: on CPU the process's peak RSS (``VmHWM``) over the row, reset
   before the row by writing ``5`` to ``/proc/self/clear_refs``, and its excess over the RSS at the row's
   start; on CUDA ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` and its excess
@@ -403,10 +403,7 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
             press_s.append(timer.seconds)
             full, physical = kv_bytes(cache, T)
             stats = press.summary() if press is not None and hasattr(press, "summary") else {}
-            if "logical_compression" in stats:
-                logical = full * (1 - float(stats["logical_compression"]))
-            else:
-                logical = full * (1 - cache_stats(cache, model, T)["effective_compression"])
+            logical = full * (1 - cache_stats(cache, model, T, press)["effective_compression"])
             decode.append(greedy_decode(model, cache, question_ids, T, decode_tokens, sync))
         peak, delta = mem.stop()
         peaks.append(peak)

@@ -167,11 +167,16 @@ def test_resume_refuses_other_settings(tmp_path):
     assert not (out / "predictions.jsonl").exists()
 
 
-def test_a_moved_press_class_resumes_but_another_class_does_not():
-    saved = {"press": {"_target_": "presses.snis_press.ProbabilisticEvictionPress", "tau": 1.0}}
-    moved = {"press": {"_target_": "presses.probabilistic.ProbabilisticEvictionPress", "tau": 1.0}}
-    other = {"press": {"_target_": "presses.page_entrokv.PageEntroKVPress", "tau": 1.0}}
-    assert harness.config_changes(saved, moved) == []
-    assert harness.config_changes(saved, other) == [
-        "press._target_: 'presses.probabilistic.ProbabilisticEvictionPress' -> 'presses.page_entrokv.PageEntroKVPress'"
-    ]
+def test_a_run_is_identified_by_the_press_it_builds():
+    """The same press stated two ways (a module path, a default left out or restated) is one run; another class or
+    a changed field is a change; a press class that no longer exists is one clear error."""
+    stated = {"press": {"_target_": "presses.probabilistic.ProbabilisticEvictionPress", "tau": 1.0}}
+    built = {"press": {"_target_": "presses.ProbabilisticEvictionPress"}}
+    assert harness.config_changes(stated, built) == []
+    changes = harness.config_changes(stated, {"press": {"_target_": "presses.PageEntroKVPress"}})
+    assert "press._target_: 'presses.ProbabilisticEvictionPress' -> 'presses.PageEntroKVPress'" in changes
+    tau2 = {"press": {"_target_": "presses.ProbabilisticEvictionPress", "tau": 2.0}}
+    assert harness.config_changes(stated, tau2) == ["press.tau: 1.0 -> 2.0"]
+    moved = {"press": {"_target_": "presses.snis_press.ProbabilisticEvictionPress", "tau": 1.0}}
+    with pytest.raises(ValueError, match="presses.snis_press.ProbabilisticEvictionPress.*evaluation.migrate"):
+        harness.config_changes(moved, built)

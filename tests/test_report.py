@@ -360,22 +360,28 @@ def test_protocols_side_by_side_compare_the_same_presses(tmp_path):
     assert "side by side" not in build_report(only_after, tmp_path / "r2", plots=False).read_text()
 
 
-def test_shards_whose_press_target_only_moved_are_one_run(tmp_path):
-    """A shard saved before a press class moved (evaluation.registry.MOVED_TARGETS) and one saved after are the
-    same settings, whichever shard is older."""
-    from evaluation.registry import MOVED_TARGETS
+def test_shards_whose_saved_presses_differ_only_in_how_they_are_stated_are_one_run(tmp_path):
+    """A shard saved as the yaml tree that built its press (an old module path, defaults left out) and one saved as
+    the press's settings (every field) are the same run, whichever shard is older; a changed field is not."""
+    from evaluation.settings import run_settings
 
-    ((old_target, new_target),) = MOVED_TARGETS.items()
     root = tmp_path / "runs"
-    for shard, target in (("shard_0_of_2", new_target), ("shard_1_of_2", old_target)):
+    full = run_settings({"press": {"_target_": "presses.ProbabilisticEvictionPress", "compression_ratio": 0.5}})
+    stated = "\n".join(f"  {k}: {v}" for k, v in full["press"].items() if k != "_target_")
+    trees = (
+        f"press:\n  _target_: presses.ProbabilisticEvictionPress\n{stated}\n",
+        "press:\n  _target_: presses.probabilistic.ProbabilisticEvictionPress\n  compression_ratio: 0.5\n",
+    )
+    for shard, tree in zip(("shard_0_of_2", "shard_1_of_2"), trees):
         _write_run(root, "snis_min_h", "0.5", [(f"{shard}-e", "A", 1)], shard=shard)
         (root / "ruler" / "tiny" / "snis_min_h" / "cr0.5" / shard / "config.yaml").write_text(
-            f"compression_ratio: 0.5\nshard: {shard[6]}/2\npress:\n  _target_: {target}\n"
+            f"compression_ratio: 0.5\nshard: {shard[6]}/2\n{tree}"
         )
     (run,) = scan(root)
     assert run.complete, run.problems
     (root / "ruler" / "tiny" / "snis_min_h" / "cr0.5" / "shard_1_of_2" / "config.yaml").write_text(
-        f"compression_ratio: 0.5\nshard: 1/2\npress:\n  _target_: {new_target}\n  tau: 2.0\n"
+        "compression_ratio: 0.5\nshard: 1/2\npress:\n  _target_: presses.ProbabilisticEvictionPress\n"
+        "  compression_ratio: 0.5\n  tau: 2.0\n"
     )
     (run,) = scan(root)
     assert not run.complete and "tau" in run.problems[0]
@@ -390,9 +396,9 @@ def test_a_question_inside_section_names_its_protocol(tmp_path):
 
 def test_effective_compression_counts_kept_entries_not_padding(tmp_path):
     """A SNIS row's cache holds its KV groups' draws padded to the layer's longest (masked), so its cache length
-    overstates what is kept: the report reads the press's logical count (rows written before the rule too);
-    a press without one (or one that evicted nothing) keeps the cache figure."""
-    from evaluation.harness import row_effective_compression
+    overstates what is kept: rows written before the kept count was the rule get it from their press's logical
+    count (``python -m evaluation.migrate``), and the report reads ``effective_compression``."""
+    from evaluation.migrate import migrate
 
     root = tmp_path / "runs"
     _write_run(root, "snis_min", "0.5", [("e1", "A", 1), ("e2", "A", 0)])
@@ -402,16 +408,13 @@ def test_effective_compression_counts_kept_entries_not_padding(tmp_path):
         row.update(effective_compression=0.37, press_stats={"logical_compression": logical, "num_layers_evicted": 30})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _write_run(root, "tova", "0.5", [("e1", "A", 1), ("e2", "A", 1)])
+    tova_rows = (root / "ruler" / "tiny" / "tova" / "cr0.5" / "predictions.jsonl").read_bytes()
+    assert migrate(root)["rows"] == 2
+    assert migrate(root)["rows"] == 0  # idempotent
+    assert (root / "ruler" / "tiny" / "tova" / "cr0.5" / "predictions.jsonl").read_bytes() == tova_rows
     build_report(root, tmp_path / "out", plots=False)
     eff = {
         r["press"]: float(r["effective_compression"])
         for r in _csv(tmp_path / "out" / "tables" / "ruler__tiny__summary.csv")
     }
     assert eff == pytest.approx({"snis_min": 0.50, "tova": 0.5})
-    assert row_effective_compression({"effective_compression": 0.3, "press_stats": None}) == 0.3
-    assert (
-        row_effective_compression(
-            {"effective_compression": 0.0, "press_stats": {"logical_compression": 0.0, "num_layers_evicted": 0}}
-        )
-        == 0.0
-    )

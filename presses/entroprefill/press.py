@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 from kvpress import ComposedPress
 
-from presses.base import Capabilities, ResearchPress
+from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, kept_entries_text
 from presses.core.model import language_model, text_config
 from presses.core.paging import check_compression_ratio
 from presses.core.row_masses import chunk_ids
@@ -251,7 +251,8 @@ class EntroPrefillPress(ResearchPress):
         ``compression`` (the total, ``1 - kept/T`` with ``kept`` the cache entries per layer averaged over
         layers), split into ``prune_compression`` (``1 - T'/T``) and ``page_compression`` (``1 - kept/T'``, 0
         without a page policy), ``analytic_saving`` (eq. 32) and ``prefill_time_s`` (wall time of the decoder
-        stack, chunk planning and the page policy included). With a page policy: ``page_kept_tokens`` and the
+        stack, chunk planning and the page policy included), ``kept_entries`` (the cache entries per layer after the
+        prefill, the contract's :data:`presses.base.KEPT_ENTRIES`). With a page policy: ``page_kept_tokens`` and the
         policy's own ``summary()`` keys prefixed ``page_``.
         """
         return dict(self._stats)
@@ -411,6 +412,9 @@ class EntroPrefillPress(ResearchPress):
             self._bypass(reasons.pop() if len(reasons) == 1 else "no_layer_accepted")
         self._stats["layer_reasons"] = ";".join(f"{k}:{v}" for k, v in sorted(self._reasons.items()))
         self._stats["prefill_time_s"] = _now(self._device) - self._t0
+        cache = kwargs.get("past_key_values")
+        if cache is not None:  # the dense cache holds exactly the kept entries (retained support, paged)
+            self._stats[KEPT_ENTRIES] = kept_entries_text(cache.get_seq_length(i) for i in range(len(cache)))
         return output
 
     def _layer_pre_hook(self, layer_idx, module, args, kwargs):

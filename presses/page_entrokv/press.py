@@ -12,7 +12,7 @@ from kvpress import ComposedPress, ScorerPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
-from presses.base import Capabilities, ResearchPress
+from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, kept_entries_text
 from presses.core.observer import window_queries
 from presses.core.paging import (
     BUDGET_CONFLICT_MODES,
@@ -511,8 +511,8 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         ``budget_tokens`` ``b``, ``protected_tokens`` (after any shrinking), ``protection_shrunk`` (1 when
         protection shrank to fit the budget), ``budget_conflict`` (1 if the protected pages exceeded ``b`` in
         ``keep_protected`` mode), ``observers`` (observer queries), ``fallback_groups`` (groups pooled by max,
-        over all layers), ``layers`` and ``bypass`` (why nothing was evicted, or ``""``). Empty before the first
-        prefill."""
+        over all layers), ``layers``, ``bypass`` (why nothing was evicted, or ``""``) and ``kept_entries`` (per
+        layer, the contract's :data:`presses.base.KEPT_ENTRIES`). Empty before the first prefill."""
         if not self._stats:
             return {}
         n = len(self._stats)
@@ -529,4 +529,5 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             "fallback_groups": int(sum(s["fallback"] for s in self._stats)),
             "layers": n,
             "bypass": last["bypass"],
+            KEPT_ENTRIES: kept_entries_text(s["kept"] for s in self._stats),
         }

@@ -11,7 +11,7 @@ from transformers import QuantizedCache
 
 from presses import attention
 from presses.attention_bias import AttentionBias
-from presses.base import Capabilities, ResearchPress
+from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, kept_entries_text
 from presses.core.model import language_model
 from presses.core.paging import check_compression_ratio, num_pages
 from presses.probabilistic.budget import BUDGETS, sample_counts, search_num_samples
@@ -414,7 +414,8 @@ class ProbabilisticEvictionPress(ResearchPress):
     def summary(self) -> dict[str, float | int | str]:
         """Statistics of the last prefill: logical (kept) and physical (padded) compression per layer
         (comma-separated strings, layer order) and averaged over layers, the mean draws ``m`` and the
-        sampling ``unit``; for ``unit="page"`` also ``page_size``, ``num_pages`` (``ceil(T / page_size)``)
+        sampling ``unit``, ``kept_entries`` (the contract's :data:`presses.base.KEPT_ENTRIES`: mean kept entries per
+        KV group, per layer); for ``unit="page"`` also ``page_size``, ``num_pages`` (``ceil(T / page_size)``)
         and the kept (drawn) pages per KV group, averaged over groups (per layer) and over layers."""
         if not self._stats or self._seq_len == 0:
             return {"logical_compression": 0.0, "physical_compression": 0.0, "num_layers_evicted": 0}
@@ -433,6 +434,7 @@ class ProbabilisticEvictionPress(ResearchPress):
             "logical_compression_per_layer": ",".join(f"{x:.4f}" for x in logical),
             "physical_compression_per_layer": ",".join(f"{x:.4f}" for x in physical),
             "unit": self.unit,
+            KEPT_ENTRIES: kept_entries_text(self._stats[i]["kept"] for i in layers),
             **(self._page_summary(layers) if self.unit == "page" else {}),
         }
 

@@ -1,0 +1,75 @@
+"""Bring run directories written by earlier versions of the harness up to the current format, in place.
+
+    python -m evaluation.migrate results          # or runs/, or any output_dir
+
+Two changes, both idempotent and written atomically:
+
+1. ``config.yaml`` holds the run's settings (:func:`evaluation.settings.run_settings`: the press as the class and
+   every field it built), where earlier versions saved the yaml tree that built it. (The committed results were
+   migrated with this command; a class that moved module before then, ``presses.snis_press``, was mapped to its
+   new path once, by hand.)
+2. A prediction row's ``effective_compression`` counts the kept entries. Rows written before this rule by a press
+   that pads its per-group caches (probabilistic eviction) hold the padded (physical) figure there, which their
+   ``physical_compression`` also holds; their press reported the kept one as ``press_stats.logical_compression``,
+   which is copied over. Nothing else in a row changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from evaluation.harness import write_atomic
+from evaluation.settings import run_settings
+
+__all__ = ["migrate"]
+
+
+def _migrated_row(row: dict) -> dict:
+    stats = row.get("press_stats") or {}
+    kept = stats.get("logical_compression")
+    if isinstance(kept, (int, float)) and stats.get("num_layers_evicted") and row.get("effective_compression") != kept:
+        return {**row, "effective_compression": float(kept)}
+    return row
+
+
+def migrate(root: Path) -> dict[str, int]:
+    """Migrate every run directory under ``root``; returns the counts of configs and rows changed."""
+    changed = {"configs": 0, "rows": 0}
+    for config in sorted(Path(root).rglob("config.yaml")):
+        if not (config.parent / "predictions.jsonl").exists() and not (config.parent / "metrics.json").exists():
+            continue  # not a run directory
+        node = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
+        new = run_settings(node)
+        if new != node:
+            write_atomic(config, OmegaConf.to_yaml(OmegaConf.create(new)))
+            changed["configs"] += 1
+        rows_path = config.parent / "predictions.jsonl"
+        if rows_path.exists():
+            lines = rows_path.read_text().splitlines(keepends=True)
+            try:
+                rows = [json.loads(line) for line in lines]
+            except json.JSONDecodeError:  # a torn last line (a killed run): leave the file to the harness's resume
+                changed["skipped"] = changed.get("skipped", 0) + 1
+                continue
+            new_rows = [_migrated_row(r) for r in rows]
+            n = sum(a is not b for a, b in zip(rows, new_rows))
+            if n:  # unchanged rows keep their bytes
+                text = "".join(line if a is b else json.dumps(b) + "\n" for line, a, b in zip(lines, rows, new_rows))
+                write_atomic(rows_path, text)
+                changed["rows"] += n
+    return changed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", type=Path, help="a results or output directory")
+    args = parser.parse_args(argv)
+    print(json.dumps(migrate(args.root)))
+
+
+if __name__ == "__main__":
+    main()
