@@ -672,9 +672,12 @@ def dual_certificate(root: Path, file: str):
 def audit_radius(root: Path, file: str, config: str = "configs/press/entroprefill.yaml"):
     """Theorem 5.1: the recorded audit radius equals eq. 17 with the configured J, H_Q, delta, m_a; accepted
     layers satisfy eta_hat + b <= eps_audit."""
+    from evaluation.harness import compose_config
+    from evaluation.settings import run_settings
     from presses.entroprefill.equations import hoeffding_radius
 
-    cfg = yaml.safe_load(_path(root, config).read_text())
+    _path(root, config)  # the config must exist; its press's settings are the class defaults it does not restate
+    cfg = run_settings(compose_config([f"press={Path(config).stem}"]))["press"]
     shape = _model_shape(root)
     L = shape["L"]
     layers = cfg.get("monitored_layers")

@@ -110,9 +110,14 @@ PAGE_SIZE = 16
 def build_press(config: str, ratio: float, pooling: str | None, observed: bool = False) -> PageEntroKVPress:
     """The press of ``configs/press/<config>.yaml`` at ``ratio`` and page size :data:`PAGE_SIZE`, with
     ``record=True`` (and a pooling override)."""
-    overrides = [f"press={config}", f"compression_ratio={ratio}", "press.record=true", f"press.page_size={PAGE_SIZE}"]
+    overrides = [
+        f"press={config}",
+        f"compression_ratio={ratio}",
+        "++press.record=true",
+        f"++press.page_size={PAGE_SIZE}",
+    ]
     if pooling:
-        overrides.append(f"press.pooling={pooling}")
+        overrides.append(f"++press.pooling={pooling}")
     node = compose_config(overrides).press
     if observed:
         node._target_ = f"{__name__}._Observed"

@@ -338,7 +338,7 @@ def test_forced_layer_equals_reference_on_retained_support(shared, attn):
     ids = shared[1]
     T = ids.shape[1]
     decode = [65, 66, 67]
-    press = EntroPrefillPress(tokenizer=TOK, force_layer=1, force_chunks=[1, 3], n_sink=2)
+    press = EntroPrefillPress(compression_ratio=0.5, tokenizer=TOK, force_layer=1, force_chunks=[1, 3], n_sink=2)
     got, cache = run_press(model, ids, press, decode)
     st = press.summary()
     plan = press._plan
@@ -386,7 +386,7 @@ def test_audit_positions_are_seeded_and_in_question(tiny_llama):
     ids = prompt(3)
     pos = []
     for _ in range(2):
-        press = EntroPrefillPress(tokenizer=TOK, seed=7, audit_size=32)
+        press = EntroPrefillPress(compression_ratio=0.5, tokenizer=TOK, seed=7, audit_size=32)
         run_press(model, ids, press, [])
         pos.append(press._audit_pos.clone())
         q0, q1 = press._plan.question
@@ -419,11 +419,13 @@ def _check_full_prefill(shared, press, reason, ids=None):
 
 def test_fallback_no_chunks(shared):
     ids = torch.tensor([TOK.encode("Some text without passage markers.\n\nQuestion: why?")])
-    _check_full_prefill(shared, EntroPrefillPress(tokenizer=TOK), "no_chunks", ids=ids)
+    _check_full_prefill(shared, EntroPrefillPress(compression_ratio=0.5, tokenizer=TOK), "no_chunks", ids=ids)
 
 
 def test_fallback_all_heads_ineligible(shared):
-    st = _check_full_prefill(shared, EntroPrefillPress(tokenizer=TOK, z_min=1.0), "all_heads_ineligible")
+    st = _check_full_prefill(
+        shared, EntroPrefillPress(compression_ratio=0.5, tokenizer=TOK, z_min=1.0), "all_heads_ineligible"
+    )
     # default monitored layers of L=4: L//2-2 .. L//2+2 clipped to [0, L-2] = [0, 1, 2]
     assert st["layer_reasons"] == "0:all_heads_ineligible;1:all_heads_ineligible;2:all_heads_ineligible"
 
@@ -436,11 +438,13 @@ def test_fallback_nonfinite(shared, monkeypatch):
         return masses * float("nan"), None if average is None else average * float("nan")
 
     monkeypatch.setattr(ep, "row_chunk_statistics", nan_rows)
-    _check_full_prefill(shared, EntroPrefillPress(tokenizer=TOK), "nonfinite")
+    _check_full_prefill(shared, EntroPrefillPress(compression_ratio=0.5, tokenizer=TOK), "nonfinite")
 
 
 def test_fallback_target_infeasible(shared):
-    st = _check_full_prefill(shared, EntroPrefillPress(tokenizer=TOK, epsilon=0.0), "target_infeasible")
+    st = _check_full_prefill(
+        shared, EntroPrefillPress(compression_ratio=0.5, tokenizer=TOK, epsilon=0.0), "target_infeasible"
+    )
     assert st["U_l"] < st["target_saving"]
 
 
@@ -449,6 +453,7 @@ def test_fallback_no_layer_accepted(shared):
     st = _check_full_prefill(
         shared,
         EntroPrefillPress(
+            compression_ratio=0.5,
             tokenizer=TOK,
             epsilon=0.9,
             epsilon_audit=0.05,
@@ -464,6 +469,7 @@ def test_fallback_no_layer_accepted(shared):
     st = _check_full_prefill(
         shared,
         EntroPrefillPress(
+            compression_ratio=0.5,
             tokenizer=TOK,
             epsilon=0.9,
             epsilon_audit=0.05,
@@ -479,18 +485,18 @@ def test_fallback_no_layer_accepted(shared):
 
 def test_missing_question_raises(shared):
     with pytest.raises(ValueError, match="query_aware=true"):
-        run_press(shared[0], prompt(3, question=False), EntroPrefillPress(tokenizer=TOK), [])
+        run_press(shared[0], prompt(3, question=False), EntroPrefillPress(compression_ratio=0.5, tokenizer=TOK), [])
 
 
 def test_bad_parameters_raise():
     with pytest.raises(ValueError, match="compression_ratio"):
         EntroPrefillPress(compression_ratio=1.2)
     with pytest.raises(ValueError, match="zeta"):
-        EntroPrefillPress(zeta=0.0)
+        EntroPrefillPress(compression_ratio=0.5, zeta=0.0)
     with pytest.raises(ValueError, match="chunking"):
-        EntroPrefillPress(chunking="sentences")
+        EntroPrefillPress(compression_ratio=0.5, chunking="sentences")
     with pytest.raises(ValueError, match="force_chunks"):
-        EntroPrefillPress(force_chunks=[0])
+        EntroPrefillPress(compression_ratio=0.5, force_chunks=[0])
 
 
 def test_proposal_observers_suffix_or_whole_query(shared):
@@ -499,11 +505,13 @@ def test_proposal_observers_suffix_or_whole_query(shared):
     model, ids = shared[0], shared[1]
     T = ids.shape[1]
     for mode, window in (("suffix", 5), ("query", 5)):
-        press = EntroPrefillPress(tokenizer=TOK, proposal_window=window, proposal_observers=mode, n_sink=2)
+        press = EntroPrefillPress(
+            compression_ratio=0.5, tokenizer=TOK, proposal_window=window, proposal_observers=mode, n_sink=2
+        )
         run_press(model, ids, press, [])
         q0, q1 = press._plan.question
         assert q1 == T and q1 - q0 > window
         expected = torch.arange(T - window, T) if mode == "suffix" else torch.arange(q0, T)
         assert torch.equal(press._proposal_pos, expected)
     with pytest.raises(ValueError, match="proposal_observers='all'"):
-        EntroPrefillPress(proposal_observers="all")
+        EntroPrefillPress(compression_ratio=0.5, proposal_observers="all")

@@ -68,7 +68,9 @@ def tiny():
 def test_composition_equals_page_policy_on_pruned_cache(tiny, attn, removed):
     model, ids = tiny[attn], prompt(5)
     T = ids.shape[1]
-    press = EntroPrefillPress(tokenizer=TOK, force_layer=1, force_chunks=removed, n_sink=2, page_policy=page_policy())
+    press = EntroPrefillPress(
+        compression_ratio=0.5, tokenizer=TOK, force_layer=1, force_chunks=removed, n_sink=2, page_policy=page_policy()
+    )
     got, cache = run_press(model, ids, press, DECODE)
     R = press._plan.retained_indices(removed)
     ref, ref_cache = pruned_then_paged(model, ids, 1, R, page_policy(), DECODE)
@@ -93,7 +95,9 @@ def test_observers_of_the_retained_support_are_not_the_prompt_tail(tiny):
     """With the last passage removed, the policy's last 48 observers on R differ from the prompt's last 48
     positions: a driver that read the prompt's tail instead would keep other pages in the shallow layers."""
     ids = prompt(5)
-    press = EntroPrefillPress(tokenizer=TOK, force_layer=1, force_chunks=[1, 4], n_sink=2, page_policy=page_policy())
+    press = EntroPrefillPress(
+        compression_ratio=0.5, tokenizer=TOK, force_layer=1, force_chunks=[1, 4], n_sink=2, page_policy=page_policy()
+    )
     run_press(tiny["eager"], ids, press, [])
     R = press._plan.retained_indices([1, 4])
     assert not torch.equal(R[-48:], torch.arange(ids.shape[1] - 48, ids.shape[1]))
@@ -129,6 +133,7 @@ def test_bypass_evicts_the_full_prefill_like_the_policy_alone(tiny, make_policy,
         press = EntroPrefillPress(tokenizer=TOK, compression_ratio=0.0, page_policy=make_policy())
     else:
         press = EntroPrefillPress(
+            compression_ratio=0.5,
             tokenizer=TOK,
             epsilon=0.9,
             epsilon_audit=0.05,
@@ -151,7 +156,9 @@ def test_bypass_evicts_the_full_prefill_like_the_policy_alone(tiny, make_policy,
 def test_page_policy_statistics_reset_per_request(tiny):
     model = tiny["sdpa"]
     policy = page_policy()
-    press = EntroPrefillPress(tokenizer=TOK, force_layer=1, force_chunks=[1], n_sink=2, page_policy=policy)
+    press = EntroPrefillPress(
+        compression_ratio=0.5, tokenizer=TOK, force_layer=1, force_chunks=[1], n_sink=2, page_policy=policy
+    )
     run_press(model, prompt(5), press, [])
     first = press.summary()
     run_press(model, prompt(3), press, [])
@@ -172,17 +179,17 @@ def test_refused_page_policies():
     with pytest.raises(ValueError, match="decode-time state"):
         EntroPrefillPress(page_policy=ProbabilisticEvictionPress(compression_ratio=0.5))
     with pytest.raises(ValueError, match="changes the prefill"):
-        EntroPrefillPress(page_policy=EntroPrefillPress())
+        EntroPrefillPress(compression_ratio=0.5, page_policy=EntroPrefillPress())
     with pytest.raises(ValueError, match="eager attention weights"):
         check_page_policy(ObservedAttentionPress(compression_ratio=0.5))
     with pytest.raises(ValueError, match="must be a kvpress press"):
-        EntroPrefillPress(page_policy="page_entrokv")
+        EntroPrefillPress(compression_ratio=0.5, page_policy="page_entrokv")
 
 
 def test_composed_press_error_points_to_page_policy(tiny):
     from kvpress import ComposedPress
 
-    press = ComposedPress([EntroPrefillPress(tokenizer=TOK), page_policy()])
+    press = ComposedPress([EntroPrefillPress(compression_ratio=0.5, tokenizer=TOK), page_policy()])
     with pytest.raises(ValueError, match=r"page_policy=\.\.\."):
         run_press(tiny["sdpa"], prompt(3), press, [])
 
@@ -192,7 +199,7 @@ def test_hydra_config_nests_the_page_policy():
 
     from evaluation.harness import compose_config
 
-    cfg = compose_config(["press=entroprefill_page", "compression_ratio=0.3", "press.page_policy.page_size=8"])
+    cfg = compose_config(["press=entroprefill_page", "compression_ratio=0.3", "++press.page_policy.page_size=8"])
     press = instantiate(cfg.press)
     assert isinstance(press, EntroPrefillPress) and isinstance(press.page_policy, PageEntroKVPress)
     assert press.compression_ratio == press.page_policy.compression_ratio == 0.3

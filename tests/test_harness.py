@@ -160,7 +160,7 @@ def test_resume_refuses_other_settings(tmp_path):
     with pytest.raises(ValueError, match=r"n_samples: 1 -> 3"):
         harness.start_run(composed(*base[:-2], "n_samples=3", f"output_dir={tmp_path}"), names)
     with pytest.raises(ValueError, match=r"press.window_size: 64 -> 8"):
-        harness.start_run(composed(*base, "press.window_size=8"), names)
+        harness.start_run(composed(*base, "++press.window_size=8"), names)
     assert harness.config_changes({"a": {"b": 1}, "seed": 1}, {"a": {"b": 2}, "seed": 1}) == ["a.b: 1 -> 2"]
     (out / "metrics.json").unlink()
     harness.start_run(composed(*base, "seed=43", "overwrite=true"), names)  # overwrite starts afresh

@@ -546,7 +546,7 @@ def _tiny_harness(monkeypatch, tmp_path, press: str, *overrides, n_samples=2, de
 def test_needle_depth_0_and_100_through_the_harness(name, monkeypatch, tmp_path):
     """The harness's needle dataset (byte tokenizer, ~640 tokens) at depths 0 and 100 %, query-aware
     (empty question after compression) for EntroPrefill, whose needle question has no "Question:"."""
-    extra = ["query_aware=true", "press.question_pattern='What is the special'"] if name == "entroprefill" else []
+    extra = ["query_aware=true", "++press.question_pattern='What is the special'"] if name == "entroprefill" else []
     cfg, names = _tiny_harness(monkeypatch, tmp_path, name, *extra)
     if name == "pyramidkv":  # per-layer lengths break the mask of the question forward: the guard says so
         with pytest.raises(ValueError, match="different number of entries per layer.*multi-token forward"):
@@ -601,7 +601,7 @@ def test_killed_run_resumes_without_lost_or_duplicated_rows(monkeypatch, tmp_pat
 
 
 def test_harness_raises_clear_error_for_too_short_context(monkeypatch, tmp_path):
-    cfg, names = _tiny_harness(monkeypatch, tmp_path, "snapkv", "press.window_size=1024")
+    cfg, names = _tiny_harness(monkeypatch, tmp_path, "snapkv", "++press.window_size=1024")
     with pytest.raises(
         ValueError, match=r"SnapKVPress: the context has T=\d+ tokens but needs more than window_size=1024"
     ):

@@ -389,11 +389,11 @@ def test_hydra_config_with_a_nested_scorer_target():
         "compression_ratio=0.25",
         "press.proposal._target_=kvpress.SnapKVPress",
         "+press.proposal.window_size=16",
-        "press.score_normalization=softmax",
+        "++press.score_normalization=softmax",
     )
     press = instantiate(cfg.press)
     assert press.proposal == SnapKVPress(window_size=16) and press.score_normalization == "softmax"
-    press = instantiate(composed("press=snis_h2o", "press.proposal=tova").press)
+    press = instantiate(composed("press=snis_h2o", "++press.proposal=tova").press)
     assert press.proposal == "tova" and press.scorer == TOVAPress()
 
 

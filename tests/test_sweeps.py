@@ -29,8 +29,20 @@ def _jobs(cfg, extra=()) -> list[dict[str, str]]:
     return [dict(o.split("=", 1) for o in job) for job in batch]
 
 
+def _grid_presses(hydra_compose) -> set[str]:
+    """Every press config but the baseline, PyramidKV (README, Limits) and the presses that need the question inside
+    the context (the registry's ``needs_question``: the grid runs kvpress's protocol, the question after)."""
+    from hydra.utils import instantiate
+
+    from evaluation.registry import capabilities
+
+    names = {p.stem for p in (CONFIG_DIR / "press").glob("*.yaml")} - {"no_press", "pyramidkv"}
+    return {n for n in names if not capabilities(instantiate(hydra_compose([f"press={n}"]).press)).needs_question}
+
+
 def test_standard_grid_is_every_press_by_three_ratios(hydra_compose):
-    presses = {p.stem for p in (CONFIG_DIR / "press").glob("*.yaml")} - {"no_press", "pyramidkv", "entroprefill"}
+    presses = _grid_presses(hydra_compose)
+    assert "entroprefill_page" not in presses and "page_entrokv" in presses
     jobs = _jobs(hydra_compose(["+experiment=grid", "dataset=ruler"]))
     assert {j["press"] for j in jobs} == presses
     assert {j["compression_ratio"] for j in jobs} == {"0.25", "0.5", "0.75"}
@@ -38,7 +50,7 @@ def test_standard_grid_is_every_press_by_three_ratios(hydra_compose):
 
 
 def test_sharded_grid_and_paper003_grid(hydra_compose):
-    presses = {p.stem for p in (CONFIG_DIR / "press").glob("*.yaml")} - {"no_press", "pyramidkv", "entroprefill"}
+    presses = _grid_presses(hydra_compose)
     jobs = _jobs(hydra_compose(["+experiment=grid"]), extra=["shard=0/2,1/2"])
     assert len(jobs) == 6 * len(presses) and {j["shard"] for j in jobs} == {"0/2", "1/2"}
     jobs = _jobs(hydra_compose(["+experiment=grid_paper003"]))

@@ -84,7 +84,8 @@ class EntroPrefillPress(ResearchPress):
 
     Parameters:
         compression_ratio: token-saving target as a fraction of the candidate document tokens
-            ``N``: the scan stops once ``ceil(compression_ratio * N)`` tokens are removed
+            ``N`` (0 prunes nothing, as for every kvpress press; the benchmark runs 0.5): the scan stops once
+            ``ceil(compression_ratio * N)`` tokens are removed
             (``B_pref = N - target``); a layer whose greedy saving falls short is not accepted.
         chunking: ``"passage" | "paragraph" | "regex" | "block"`` (:mod:`presses.entroprefill.chunking`).
         delimiter: regex for ``chunking="regex"``.
@@ -120,7 +121,7 @@ class EntroPrefillPress(ResearchPress):
             Its own ``compression_ratio`` applies to the retained support ``T'``.
     """
 
-    compression_ratio: float = 0.5
+    compression_ratio: float = 0.0
     chunking: str = "passage"
     delimiter: str | None = None
     block_size: int = 128

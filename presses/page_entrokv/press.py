@@ -55,9 +55,8 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         window_size: ``W``: the pages touching the last ``W`` positions are protected, and the default observers
             are the last ``W`` queries; ``>= 1``.
         n_sink: leading attention-sink positions ``|S|`` (isolated from the entropy, protected), ``>= 0``.
-        page_size: ``B`` tokens per page, ``>= 1``; default 16, vLLM's block size. The benchmark config
-            ``configs/press/page_entrokv.yaml`` uses 32, chosen by win score on a development split
-            (``results/tuning/page_entrokv``).
+        page_size: ``B`` tokens per page, ``>= 1``; default 32, chosen by win score on a development split
+            (``results/tuning/page_entrokv``; paper 000 and vLLM's block size use 16).
         alpha: Rényi order (2 = collision, 1 = Shannon, ``inf`` = min-entropy), ``> 0``.
         tau: group temperature ``tau_g > 0``; ``tau -> inf`` is mean pooling.
         pooling: ``"entropy"`` (default), ``"raw_entropy"`` (no sink isolation), ``"mean"`` (``1/r``),
@@ -104,7 +103,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     compression_ratio: float = 0.0
     window_size: int = 64
     n_sink: int = 4
-    page_size: int = 16
+    page_size: int = 32
     alpha: float = 2.0
     tau: float = 0.5
     pooling: str = "entropy"

@@ -94,7 +94,7 @@ class ProbabilisticEvictionPress(ResearchPress):
         budget: ``"global"`` or ``"head"`` (per KV group).
         proposal_temperature: ``T``, ``pi ~ pi ** (1/T)`` / ``softmax(score / T)`` (appendix D.1).
         uniform_mix: weight ``a`` of the uniform in ``pi' = (1 - a) pi + a / t`` (appendix D.1).
-        seed: seed of the sampling generator.
+        seed: seed of the sampling generator (42, the harness's default run seed).
         block_size: query rows per block for the all-row proposals.
         window_size, kernel_size: parameters of the ``"snapkv"`` name's SnapKVPress.
         score_normalization: how a scorer's scores become the proposal: ``"softmax"`` (default; any real score,
@@ -110,7 +110,7 @@ class ProbabilisticEvictionPress(ResearchPress):
     budget: str = "global"
     proposal_temperature: float = 1.0
     uniform_mix: float = 0.0
-    seed: int = 0
+    seed: int = 42
     block_size: int = 128
     window_size: int = 64
     kernel_size: int = 5

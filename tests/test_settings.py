@@ -1,0 +1,101 @@
+"""One source for every default, and runs identified by the press they build (issue 28, deliverable 3).
+
+- every ``configs/press/*.yaml`` states only what differs from its class (a value equal to the class default is a
+  second source of that default; an interpolation such as ``${seed}`` links a run setting and is allowed);
+- the committed run directories resume under today's configs: for each, the press today's ``press=<name>`` builds
+  at its ratio has the settings its ``config.yaml`` holds;
+- the class defaults are the tuned values the benchmark runs (``PageEntroKVPress().page_size``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+from test_harness import composed
+
+from evaluation.settings import press_settings, run_settings
+from presses import PageEntroKVPress, ProbabilisticEvictionPress
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESS_CONFIGS = sorted((ROOT / "configs" / "press").rglob("*.yaml"))
+
+
+def _restated(node: dict) -> list[str]:
+    """Keys of a raw yaml press node (nested presses too) whose value equals its class's default."""
+    target = node.get("_target_")
+    if not target:
+        return []
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(get_class(target)) if f.default is not dataclasses.MISSING
+    }
+    found = []
+    for key, value in node.items():
+        if isinstance(value, dict):
+            found += [f"{key}.{k}" for k in _restated(value)]
+        elif key in defaults and not (isinstance(value, str) and value.startswith("${")) and value == defaults[key]:
+            found.append(f"{key}: {value!r}")
+    return found
+
+
+@pytest.mark.parametrize("path", PRESS_CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs" / "press")))
+def test_a_press_yaml_states_only_what_differs_from_its_class(path):
+    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    node.pop("defaults", None)
+    if "_target_" not in node:  # a variant: check it against the class of the config it extends
+        base = next(p for p in PRESS_CONFIGS if p.stem in str(OmegaConf.load(path).get("defaults")))
+        node["_target_"] = OmegaConf.load(base)["_target_"]
+    assert _restated(node) == []
+
+
+def test_the_class_defaults_are_the_tuned_values():
+    chosen = json.loads((ROOT / "results" / "tuning" / "page_entrokv" / "chosen.json").read_text())
+    press = PageEntroKVPress()
+    assert {key: getattr(press, key) for key in chosen} == chosen  # the dev split's choice, page_size 32
+    assert ProbabilisticEvictionPress().seed == composed().seed  # the harness's default run seed
+
+
+def _committed_runs():
+    for config in sorted((ROOT / "results").rglob("config.yaml")):
+        if (config.parent / "predictions.jsonl").exists():
+            yield config
+
+
+def test_committed_runs_resume_with_todays_configs():
+    """For every committed run, the press ``press=<name> compression_ratio=<ratio>`` builds today is the one its
+    ``config.yaml`` holds, field for field (a changed default or a yaml that dropped a value would show here)."""
+    checked, built = 0, {}
+    for config in _committed_runs():
+        saved = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
+        parts = config.relative_to(ROOT / "results").parts
+        shard = parts[-2].startswith("shard_")
+        name = parts[-4] if shard else parts[-3]
+        ratio = saved["compression_ratio"]
+        key = (name, ratio, saved.get("seed"))
+        if key not in built:
+            built[key] = run_settings(
+                composed(f"press={name}", f"compression_ratio={ratio}", f"seed={saved.get('seed', 42)}")
+            )["press"]
+        assert built[key] == saved["press"], config
+        checked += 1
+    assert checked > 300
+
+
+def test_settings_are_the_built_press_not_the_yaml():
+    a = run_settings({"press": {"_target_": "presses.page_entrokv.PageEntroKVPress", "page_size": 32}})
+    b = run_settings({"press": {"_target_": "presses.PageEntroKVPress"}})
+    assert a == b and a["press"] == press_settings(PageEntroKVPress())
+    assert a["press"]["_target_"] == "presses.PageEntroKVPress" and a["press"]["page_size"] == 32
+    c = run_settings({"press": {"_target_": "presses.PageEntroKVPress", "page_size": 16}})
+    assert c["press"]["page_size"] == 16
+    nested = run_settings(
+        {"press": {"_target_": "kvpress.AdaKVPress", "press": {"_target_": "kvpress.SnapKVPress", "window_size": 8}}}
+    )
+    assert nested["press"]["press"] == {"_target_": "kvpress.SnapKVPress", **nested["press"]["press"]}
+    assert nested["press"]["press"]["window_size"] == 8 and "kernel_size" in nested["press"]["press"]
+    with pytest.raises(ValueError, match="cannot build the press kvpress.NoSuchPress"):
+        run_settings({"press": {"_target_": "kvpress.NoSuchPress"}})
