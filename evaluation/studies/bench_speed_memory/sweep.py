@@ -21,6 +21,7 @@ from evaluation.studies.tables import read_rows
 
 logger = logging.getLogger("bench_speed_memory")
 
+#: seconds a sweep may run on CUDA when time_limit_s is auto (a device lent for minutes)
 GPU_TIME_LIMIT_S = 480.0
 
 
