@@ -1,10 +1,10 @@
-"""scripts/bench_speed_memory.py on a tiny random Llama: rows, byte accounting, overhead reference, resume."""
+"""The speed and memory benchmark (:mod:`evaluation.studies.bench_speed_memory`) on a tiny random Llama: rows, byte
+accounting, overhead reference, resume."""
 
 from __future__ import annotations
 
 import copy
 import csv
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -13,20 +13,13 @@ import pytest
 from conftest import make_tiny_llama
 from hydra import compose, initialize_config_dir
 
+from evaluation.studies.bench_speed_memory import measure, report, sweep
+from evaluation.studies.bench_speed_memory.rows import COLUMNS, write_rows
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(REPO / "configs")
 T = 96
 L, H, G, HIDDEN = 2, 4, 2, 64  # head_dim 16
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_speed_memory", REPO / "scripts" / "bench_speed_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script()
 
 
 def _tokenizer():
@@ -66,11 +59,11 @@ def test_config_defaults_match_the_issue():
     assert list(cfg.compression_ratios) == [0.5, 0.75] and cfg.decode_tokens == 64
     assert {"no_press", "snapkv", "page_entrokv", "snis_h2o_h", "entroprefill"} <= set(cfg.presses)
     assert cfg.output_dir == "results/speed_memory"
-    assert bench.resolve_time_limit(cfg.time_limit_s, "cuda:0") == 480
-    assert bench.resolve_time_limit(cfg.time_limit_s, "cpu") == math.inf
+    assert sweep.resolve_time_limit(cfg.time_limit_s, "cuda:0") == 480
+    assert sweep.resolve_time_limit(cfg.time_limit_s, "cpu") == math.inf
     for name in cfg.presses:  # every listed press instantiates at both ratios
         for r in cfg.compression_ratios:
-            press = bench.make_press(name, r, cfg.seed)
+            press = sweep.make_press(name, r, cfg.seed)
             assert (press is None) == (name == "no_press")
             if press is not None:
                 assert press.compression_ratio == r
@@ -79,11 +72,11 @@ def test_config_defaults_match_the_issue():
 def test_rows_bytes_overhead_and_resume(tmp_path, model, monkeypatch):
     tok = _tokenizer()
     cfg = _cfg(tmp_path, "compression_ratios=[0.5]")
-    rows = bench.run_bench(cfg, model, tok, "tiny", "cpu", command="pytest-command")
+    rows = sweep.run_bench(cfg, model, tok, "tiny", "cpu", command="pytest-command")
 
     with open(tmp_path / "speed_memory.csv", newline="") as f:
         reader = csv.DictReader(f)
-        assert reader.fieldnames == bench.COLUMNS
+        assert reader.fieldnames == COLUMNS
         assert len(list(reader)) == len(rows)
     by = {r["press"]: r for r in rows}
     assert set(by) == {"no_press", "snapkv", "knorm", "snis_h2o_h"}
@@ -128,21 +121,21 @@ def test_rows_bytes_overhead_and_resume(tmp_path, model, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a finished row was measured again")
 
-    monkeypatch.setattr(bench, "measure_row", boom)
-    assert bench.run_bench(cfg, model, tok, "tiny", "cpu", command="again") == rows
+    monkeypatch.setattr(sweep, "measure_row", boom)
+    assert sweep.run_bench(cfg, model, tok, "tiny", "cpu", command="again") == rows
     monkeypatch.undo()
 
     # a new ratio: only its rows, plus the run's own SnapKV and full-prefill references, are measured
     calls = []
-    real = bench.measure_row
+    real = sweep.measure_row
 
     def counting(model_, press, *a, **k):
         calls.append(type(press).__name__ if press is not None else None)
         return real(model_, press, *a, **k)
 
-    monkeypatch.setattr(bench, "measure_row", counting)
+    monkeypatch.setattr(sweep, "measure_row", counting)
     cfg2 = _cfg(tmp_path, "compression_ratios=[0.5,0.75]", "presses=[snapkv,knorm]")
-    rows2 = bench.run_bench(cfg2, model, tok, "tiny", "cpu", command="more")
+    rows2 = sweep.run_bench(cfg2, model, tok, "tiny", "cpu", command="more")
     assert sorted(map(str, calls)) == ["KnormPress", "None", "SnapKVPress"]
     new = {r["press"]: r for r in rows2 if r["compression_ratio"] == "0.75"}
     assert set(new) == {"snapkv", "knorm"} and len(rows2) == len(rows) + 2
@@ -151,7 +144,7 @@ def test_rows_bytes_overhead_and_resume(tmp_path, model, monkeypatch):
 
 def test_time_limit_stops_cleanly(tmp_path, model):
     cfg = _cfg(tmp_path, "compression_ratios=[0.5]")
-    rows = bench.run_bench(cfg, model, _tokenizer(), "tiny", "cpu", command="x", time_limit_s=1e-9)
+    rows = sweep.run_bench(cfg, model, _tokenizer(), "tiny", "cpu", command="x", time_limit_s=1e-9)
     assert rows == []
     assert "Incomplete" in (tmp_path / "README.md").read_text()
 
@@ -168,7 +161,7 @@ def test_hook_timer_counts_outermost_calls_and_restores():
             return [(model, "forward", lambda x: self.forward_hook(x) * 10)]
 
     press = Press()
-    with bench.HookTimer(press) as timer:
+    with measure.HookTimer(press) as timer:
         assert "forward_hook" in vars(press) and press.forward_hook(3) == 7
         assert press.forward_hook.__wrapped__.__self__ is press  # the contract still finds the owner
         ((_, _, hook),) = press.model_hooks("model")
@@ -176,7 +169,7 @@ def test_hook_timer_counts_outermost_calls_and_restores():
         assert press.helper(1) == 2  # not a hook: not timed
     assert timer.calls == 2 and timer.seconds > 0
     assert "forward_hook" not in vars(press) and "model_hooks" not in vars(press)
-    with bench.HookTimer(None) as timer:
+    with measure.HookTimer(None) as timer:
         pass
     assert timer.seconds == 0
 
@@ -192,9 +185,9 @@ def test_hook_timer_counts_outermost_calls_and_restores():
 )
 def test_bad_config_is_rejected(tmp_path, override, match):
     with pytest.raises(ValueError, match=match):
-        bench.validate(_cfg(tmp_path, override))
+        sweep.validate(_cfg(tmp_path, override))
     with pytest.raises(ValueError, match="time_limit_s=-1"):
-        bench.resolve_time_limit(-1, "cpu")
+        sweep.resolve_time_limit(-1, "cpu")
 
 
 def test_context_that_falls_short_of_T_is_an_error(tmp_path, model):
@@ -206,11 +199,11 @@ def test_context_that_falls_short_of_T_is_an_error(tmp_path, model):
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device="cpu")
     cfg = _cfg(tmp_path)
     ds = copy.deepcopy(cfg.contexts.query_aware)
-    ids, _ = bench.build_context(ds, pipe, tok, 8192, 0, True)
+    ids, _ = sweep.build_context(ds, pipe, tok, 8192, 0, True)
     assert ids.shape[1] >= 0.8 * 8192
     ds.fact_kinds = ["city"]
     with pytest.raises(ValueError, match=r"built a context of \d+ tokens for T=8192, below 80% of T"):
-        bench.build_context(ds, pipe, tok, 8192, 0, True)
+        sweep.build_context(ds, pipe, tok, 8192, 0, True)
 
 
 def test_comparison_table_lists_rows_measured_again(tmp_path):
@@ -219,7 +212,7 @@ def test_comparison_table_lists_rows_measured_again(tmp_path):
 
     def row(press, T, ratio, full, press_s, over, stamp):
         return {
-            **{c: "" for c in bench.COLUMNS},
+            **{c: "" for c in COLUMNS},
             "model": "m",
             "press": press,
             "T": str(T),
@@ -244,10 +237,10 @@ def test_comparison_table_lists_rows_measured_again(tmp_path):
         row("no_press", 2048, 0.0, 1.0, 0, 0, "new"),
         row("entroprefill", 2048, 0.5, 0.7, 0.04, 0.2, "new"),
     ]
-    bench.write_rows(tmp_path / "before.csv", before)
+    write_rows(tmp_path / "before.csv", before)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="bench_speed_memory", overrides=["compare_with=[before.csv,missing.csv]"])
-    lines = bench.comparison_tables(tmp_path, after, cfg)
+    lines = report.comparison_tables(tmp_path, after, cfg)
     table = [line for line in lines if line.startswith("| m |")]
     assert table == [
         "| m | snapkv | 0.5 | 2048 | 1.07 | 1.01 | 215.3 | 220.0 | 1.00 | 1.00 |",

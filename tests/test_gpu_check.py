@@ -1,11 +1,10 @@
 """The GPU check (issue 19) without a GPU: ``scripts/gpu_check.sh --dry-run`` runs every stage on the CPU
 (kernel tests interpreted, the benchmark on toy shapes, the presses end to end on a 2-layer model with the
 Triton kernels interpreted against the torch references, the README) and writes every table; plus the
-kept-position and agreement helpers of ``scripts/gpu_end_to_end.py`` checked by hand."""
+kept-position and agreement helpers of :mod:`evaluation.studies.gpu_end_to_end` checked by hand."""
 
 from __future__ import annotations
 
-import csv
 import os
 import shutil
 import subprocess
@@ -15,27 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from evaluation.studies import gpu_end_to_end as e2e
+from evaluation.studies import gpu_report
+from evaluation.studies.bench_kernels import KERNELS
+from evaluation.studies.tables import read_rows
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import gpu_end_to_end as e2e  # noqa: E402
-import gpu_report  # noqa: E402
-
-KERNELS = {
-    "window_attention",
-    "column_sums_h2o_h",
-    "pooled_page_scores",
-    "expected_unique_many",
-    "biased_decode",
-    "biased_decode_vs_sdpa_mask",
-    "row_chunk_masses_proposal",
-    "row_chunk_masses_audit",
-}
-
-
-def _rows(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +44,7 @@ def dry_run(tmp_path_factory):
 def test_dry_run_every_stage_exits_zero(dry_run):
     proc, out = dry_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    stages = {r["stage"]: r["rc"] for r in _rows(out / "stages.csv")}
+    stages = {r["stage"]: r["rc"] for r in read_rows(out / "stages.csv")}
     assert stages == {"install": "0", "tests": "0", "bench": "0", "e2e": "0", "report": "0"}
     install = (out / "install.txt").read_text()
     assert "nothing to install" in install and "VERSION: kvpress 0.5.5" in install  # the dry run reads versions
@@ -74,10 +58,10 @@ def test_dry_run_kernel_tests_junit(dry_run):
     assert len(window) == 4 and {c["dtype"] for c in window} == {"float32"}  # ids name the dtype
 
 
-def test_dry_run_benchmark_rows(dry_run):
+def test_dry_run_benchmarkread_rows(dry_run):
     _, out = dry_run
-    rows = [r for p in sorted((out / "kernels" / "dry_run").glob("*.csv")) for r in _rows(p)]
-    assert {r["kernel"] for r in rows} == KERNELS
+    rows = [r for p in sorted((out / "kernels" / "dry_run").glob("*.csv")) for r in read_rows(p)]
+    assert {r["kernel"] for r in rows} == set(KERNELS)  # every kernel the benchmark knows
     for r in rows:
         assert r["status"].startswith("PLUMBING CHECK") and r["T"] == "64"
         assert float(r["max_abs_diff"]) < 1e-5, r  # interpreted kernel vs torch reference
@@ -87,7 +71,7 @@ def test_dry_run_benchmark_rows(dry_run):
 
 def test_dry_run_end_to_end_agreement_and_timing(dry_run):
     _, out = dry_run
-    summary = {r["press"]: r for r in _rows(out / "end_to_end" / "agreement_summary.csv")}
+    summary = {r["press"]: r for r in read_rows(out / "end_to_end" / "agreement_summary.csv")}
     assert set(summary) == set(e2e.PRESSES)
     for name, r in summary.items():
         assert r["error"] == "", r
@@ -98,7 +82,7 @@ def test_dry_run_end_to_end_agreement_and_timing(dry_run):
     assert float(summary["page_entrokv"]["kept_reference_mean"]) == 64.0  # floor(128 * (1 - 0.5))
     assert float(summary["snapkv"]["kept_reference_mean"]) == 64.0
     assert summary["entroprefill"]["reference_detail"].startswith("accepted_layer=0")  # the pruning path ran
-    timing = _rows(out / "end_to_end" / "timing.csv")
+    timing = read_rows(out / "end_to_end" / "timing.csv")
     assert [r["press"] for r in timing] == [e2e.NO_PRESS, *e2e.PRESSES]
     assert all(r["error"] == "" and float(r["prefill_s"]) > 0 for r in timing), timing
     assert float(timing[0]["physical_vs_full"]) == 1.0 and float(timing[1]["physical_vs_full"]) == 0.5

@@ -1,5 +1,5 @@
 """Page policy under the strict budget: docs/methods.md §1 steps 6-9, paper 000 Theorem 3 (cardinality),
-paper 001 section 7 (Proposition 7.1, byte accounting)."""
+paper 001 section 7 (Proposition 7.1; its union and byte accounting: tests/test_uor.py)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,12 @@ import pytest
 import torch
 
 from presses.core.paging import (
-    allocation_bytes,
     page_budget,
     page_scores,
-    page_union,
     protected_page_mask,
     select_pages,
     select_positions,
     token_budget,
-    union_bytes,
 )
 
 
@@ -200,20 +197,3 @@ def test_prop71_competitive_retention():
                 assert j // B in pages[0, gi].tolist(), (T, B, ratio, K, j)
                 hits += 1
     assert hits > 50
-
-
-def test_union_and_byte_accounting():
-    """Prop. 7.1 second part: K <= U_l <= min(G K, N_P); payload formulas of paper 001 section 7."""
-    g = torch.Generator().manual_seed(3)
-    T, B, G = 512, 16, 4
-    _, pages, plan = select_positions(torch.rand(1, G, T, generator=g), 0.75, B, 4, 32)
-    n_pages = pages.shape[-1]
-    U = page_union(pages[0])
-    assert n_pages <= U <= min(G * n_pages, plan.num_pages)
-    identical = pages[0, :1].expand(G, -1)
-    assert page_union(identical) == n_pages  # one shared selection: union equals the group's own set
-    K = [n_pages] * G * 2  # two layers
-    d, e = 64, 2
-    assert allocation_bytes(K, d, B, e) == 2 * e * d * B * n_pages * G * 2
-    assert union_bytes([U, U], G, d, B, e) == 2 * e * d * B * G * 2 * U
-    assert union_bytes([U, U], G, d, B, e) >= allocation_bytes(K, d, B, e)

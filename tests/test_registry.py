@@ -1,6 +1,7 @@
 """The harness reads what a press can do from one registry (issue 16): ``evaluation/registry.py``.
 
-A grep of ``evaluation/`` (the harness; the UOR analysis of paper 000 under ``evaluation/uor`` aside) finds
+A grep of ``evaluation/`` (the harness; the analyses aside: paper 000's UOR study under ``evaluation/uor`` and the
+studies of named presses under ``evaluation/studies``) finds
 ``isinstance`` on a press class, a press class name, or a press config name only in the registry, and the
 uncompressed baseline ``no_press`` only where run directories are named.
 """
@@ -26,7 +27,8 @@ from evaluation.registry import UNKNOWN, capabilities
 from presses import EntroPrefillPress, PageEntroKVPress, ProbabilisticEvictionPress
 
 ROOT = Path(__file__).resolve().parent.parent
-HARNESS = [p for p in sorted((ROOT / "evaluation").rglob("*.py")) if "uor" not in p.relative_to(ROOT).parts]
+ANALYSES = {"uor", "studies"}  # they study named presses; the harness runs any press
+HARNESS = [p for p in sorted((ROOT / "evaluation").rglob("*.py")) if not ANALYSES & set(p.relative_to(ROOT).parts)]
 PRESS_CLASSES = sorted(
     {name for name in dir(kvpress) if name.endswith("Press") and name != "BasePress"}
     | {"PageEntroKVPress", "ProbabilisticEvictionPress", "EntroPrefillPress", "ResearchPress"}

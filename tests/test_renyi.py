@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from presses.core.needle_group import needle_group_attention
+from evaluation.studies.needle_group import needle_group_attention
 from presses.core.pooling import pooled_group_scores
 from presses.core.renyi import group_weights, renyi_entropy, sink_isolate
 

@@ -1,19 +1,11 @@
-"""scripts/tune_page_entrokv.py's ranking: over-budget and incomplete candidates never lead (issue 14)."""
+"""The Page-EntroKV search's ranking (:mod:`evaluation.studies.tune_page_entrokv`): over-budget and incomplete
+candidates never lead (issue 14)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tune_page_entrokv.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("tune_page_entrokv", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from evaluation.studies import tune_page_entrokv
 
 
 def _records(mod, name, win, eff_delta=0.0, n=20, cells=None):
@@ -41,7 +33,7 @@ def _records(mod, name, win, eff_delta=0.0, n=20, cells=None):
 
 
 def test_over_budget_and_incomplete_candidates_rank_last():
-    mod = _module()
+    mod = tune_page_entrokv
     records = (
         _records(mod, "fair", 0.90)
         + _records(mod, "fair_low", 0.80)

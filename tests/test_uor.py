@@ -10,6 +10,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from evaluation.uor.pages import allocation_bytes, page_union, union_bytes
 from evaluation.uor.replay import (
     alpha_sweep,
     bonferroni_bound,
@@ -28,7 +29,7 @@ from evaluation.uor.replay import (
     tau_sweep,
     top_s,
 )
-from presses.core.paging import allocation_bytes, page_union, union_bytes
+from presses.core.paging import select_positions
 
 
 def random_sets(r: int, s: int, T: int, n: int, seed: int) -> torch.Tensor:
@@ -214,6 +215,23 @@ def test_bytes_formulas():
     pages = torch.tensor([[0, 1, 2, 9], [0, 1, 3, 9], [0, 2, 4, 9]])
     assert page_union(pages) == 6
     assert pages_touched(torch.tensor([[0, 1, 15, 16, 47], [3, 3, 3, 3, 3]]), 16).tolist() == [3, 1]
+
+
+def test_union_and_byte_accounting():
+    """Prop. 7.1 second part: K <= U_l <= min(G K, N_P); payload formulas of paper 001 section 7."""
+    g = torch.Generator().manual_seed(3)
+    T, B, G = 512, 16, 4
+    _, pages, plan = select_positions(torch.rand(1, G, T, generator=g), 0.75, B, 4, 32)
+    n_pages = pages.shape[-1]
+    U = page_union(pages[0])
+    assert n_pages <= U <= min(G * n_pages, plan.num_pages)
+    identical = pages[0, :1].expand(G, -1)
+    assert page_union(identical) == n_pages  # one shared selection: union equals the group's own set
+    K = [n_pages] * G * 2  # two layers
+    d, e = 64, 2
+    assert allocation_bytes(K, d, B, e) == 2 * e * d * B * n_pages * G * 2
+    assert union_bytes([U, U], G, d, B, e) == 2 * e * d * B * G * 2 * U
+    assert union_bytes([U, U], G, d, B, e) >= allocation_bytes(K, d, B, e)
 
 
 def test_page_accounting_from_records():

@@ -51,6 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from evaluation.harness import CONFIG_DIR, command_line
+from evaluation.uor.pages import allocation_bytes, page_union, union_bytes
 from evaluation.uor.replay import (
     HEAD_CLASSES,
     SCORERS,
@@ -70,7 +71,6 @@ from evaluation.uor.replay import (
     summarize_cells,
     tau_sweep,
 )
-from presses.core.paging import allocation_bytes, page_union, union_bytes
 from presses.core.pooling import pooled_group_scores
 from presses.core.renyi import group_weights
 from presses.observers import observer_attention
@@ -265,7 +265,7 @@ def page_accounting(records: list[dict], head_dim: int, page_size: int, bytes_pe
 
     Per layer ``l``: ``K_{l,g}`` kept pages of each group, ``U_l = |union_g K_{l,g}|``; per-group allocation
     ``2 e d B sum_g K_{l,g}`` bytes against union materialisation ``2 e d B G U_l`` bytes
-    (:func:`presses.core.paging.allocation_bytes`, :func:`presses.core.paging.union_bytes`).
+    (:func:`evaluation.uor.pages.allocation_bytes`, :func:`evaluation.uor.pages.union_bytes`).
 
     Args:
         records: a page press's ``records`` with ``layer_idx`` and ``kept_pages`` ``(G, n)`` (one prompt).

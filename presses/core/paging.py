@@ -1,16 +1,15 @@
 """Page-granular KV selection under a strict token budget (one job: pages).
 
-docs/methods.md §1 steps 6-9; paper 001 section 7 (eq. 29, Proposition 7.1 and the byte accounting);
-paper 000 Theorem 3 (cardinality exactness). Page ``k`` holds positions ``[kB, (k+1)B)``; the last
-page may be partial. Shapes use ``B`` for the batch, ``G`` KV groups, ``T`` positions, ``P`` pages
-(``P = ceil(T / page_size)``).
+docs/methods.md §1 steps 6-9; paper 001 section 7 (eq. 29, Proposition 7.1; its union and byte accounting is the
+UOR study's, :mod:`evaluation.uor.pages`); paper 000 Theorem 3 (cardinality exactness). Page ``k`` holds positions
+``[kB, (k+1)B)``; the last page may be partial. Shapes use ``B`` for the batch, ``G`` KV groups, ``T`` positions,
+``P`` pages (``P = ceil(T / page_size)``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +27,6 @@ __all__ = [
     "select_pages",
     "pages_to_positions",
     "select_positions",
-    "page_union",
-    "allocation_bytes",
-    "union_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -368,37 +364,3 @@ def select_positions(
     ps = page_scores(scores, page_size, page_score)
     pages = select_pages(ps, plan.protected, plan.num_selected)
     return pages_to_positions(pages, T, page_size), pages, plan
-
-
-def page_union(pages: torch.Tensor) -> int:
-    """``U_l = |union_g K_{l,g}|``: distinct pages kept by any group of one layer (paper 001 eq. 30).
-
-    Args:
-        pages: ``(G, n)`` page ids of one layer (one batch row).
-    """
-    return int(torch.unique(pages).numel())
-
-
-def allocation_bytes(pages_per_group: Iterable[int], head_dim: int, page_size: int, bytes_per_element: int) -> int:
-    """Per-group page allocation payload ``2 e d B sum_{l,g} K_{l,g}`` bytes (paper 001 section 7).
-
-    Args:
-        pages_per_group: ``K_{l,g}`` page counts, one per (layer, group).
-        head_dim: ``d``. page_size: ``B``. bytes_per_element: ``e`` (2 for fp16/bf16).
-
-    Excludes metadata, padding, quantisation scales, allocator reservation (as the paper states).
-    """
-    return 2 * bytes_per_element * head_dim * page_size * int(sum(pages_per_group))
-
-
-def union_bytes(
-    union_pages_per_layer: Iterable[int], num_groups: int, head_dim: int, page_size: int, bytes_per_element: int
-) -> int:
-    """Union-materialisation payload ``2 e d B G sum_l U_l`` bytes, when a physical block holds all
-    ``G`` groups of a layer (paper 001 section 7).
-
-    Args:
-        union_pages_per_layer: ``U_l`` per layer (:func:`page_union`).
-        num_groups: ``G``. head_dim: ``d``. page_size: ``B``. bytes_per_element: ``e``.
-    """
-    return 2 * bytes_per_element * head_dim * page_size * num_groups * int(sum(union_pages_per_layer))

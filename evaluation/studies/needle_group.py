@@ -4,7 +4,8 @@ One KV group of ``r`` heads over ``T`` positions with ``n_sink`` sinks: head 0, 
 ``needle_mass`` on one needle position and the rest uniformly on the other non-sink positions; its ``r - 1``
 siblings are uniform on the non-sink positions except the needle; no head puts mass on the sinks. Entropy
 pooling should lift the needle to about ``needle_mass`` (Table 10 "pooled"), mean pooling leaves it at
-``needle_mass / r``. Used by the Table 10 test (``tests/test_renyi.py``) and the claims ledger's Table 10 rows.
+``needle_mass / r``. Used by the claims ledger's Table 10 rows (:mod:`evaluation.studies.claims_ledger.analytic`)
+and the Table 10 test (``tests/test_renyi.py``).
 """
 
 from __future__ import annotations

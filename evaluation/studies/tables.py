@@ -1,0 +1,65 @@
+"""The studies' tables: the rows of a CSV file in and out, numbers for Markdown cells, a Markdown table, and the
+command a study records beside its artifacts. Its imports are the standard library's (writing a CSV file imports
+:mod:`evaluation.harness` when called): the GPU check's report imports it on a machine that may lack the project's
+dependencies (``scripts/gpu_check.sh``)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import shlex
+from pathlib import Path
+
+__all__ = ["read_rows", "write_rows", "num", "fmt", "markdown_table", "command"]
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a CSV file with a header, as dicts of strings (``csv.DictReader``); ``[]`` when the file does
+    not exist."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def num(x) -> float:
+    """``float(x)``; NaN for an empty or malformed cell (``None``, ``""``, ``"-"``)."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def fmt(x, spec: str = ".3g") -> str:
+    """A number for a Markdown cell, ``format(num(x), spec)``; ``-`` for NaN, infinite or empty values."""
+    v = num(x)
+    return "-" if not math.isfinite(v) else format(v, spec)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> list[str]:
+    """The lines of a Markdown table; a cell's ``|`` becomes ``/`` and its line breaks spaces."""
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in row) + " |" for row in rows]
+    return out
+
+
+def command(script: str, argv: list[str]) -> str:
+    """The command line a study records: ``python scripts/<script>.py`` and its arguments, shell-quoted (the same
+    whether the study ran through the script or as ``python -m evaluation.studies.<script>``)."""
+    return shlex.join(["python", f"scripts/{script}.py", *argv])
+
+
+def write_rows(path: Path, rows: list[dict], columns: list[str] | None = None) -> None:
+    """Write ``rows`` as a CSV file with the header ``columns`` (default: every key of ``rows``, in first-seen
+    order); a missing cell is empty and a key outside ``columns`` is left out. Atomic
+    (:func:`evaluation.harness.write_atomic`): an interrupted write leaves the previous file."""
+    from evaluation.harness import write_atomic
+
+    columns = list(columns) if columns is not None else list(dict.fromkeys(k for r in rows for k in r))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(Path(path), buf.getvalue())
