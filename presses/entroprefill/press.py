@@ -74,6 +74,10 @@ PROPOSAL_OBSERVERS = ("suffix", "query")
 class EntroPrefillPress(ResearchPress):
     """Query-aware chunk pruning during prefill (paper 001 Algorithm 1; docs/methods.md §4).
 
+    Paper: *EntroPrefill: Rényi-Guided Context Pruning with Conditional Stability Guarantees for Retrieval-Augmented
+    Generation* (2026), https://arxiv.org/abs/2610.09757. Method, defaults and the choices we settled:
+    ``docs/methods.md`` §4 (§4 step 7 for ``page_policy``).
+
     At each monitored layer: proposal rows of the query tokens (eq. 2), floored sink-isolated collision weights (eqs.
     3-5), chunk priorities (eqs. 8-9),
     greedy feasible scan and dual certificate (eqs. 14-15), stability streak (eq. 19) and an

@@ -41,6 +41,10 @@ MAX_OBSERVERS = 4096
 class PageEntroKVPress(ResearchPress, ScorerPress):
     """Page-EntroKV (paper 000; docs/methods.md §1): one page selection per (layer, KV group) at prefill.
 
+    Paper: Inbasekaran S., *Page-EntroKV: Hardware-Aligned, Entropy-Weighted KV-Cache Eviction under Grouped-Query
+    Attention* (2026; the text we work from names no arXiv id), with its page policy from paper 001 section 7,
+    https://arxiv.org/abs/2610.09757. Method, defaults and the choices we settled: ``docs/methods.md`` §1.
+
     The observer attention (the last ``observer_window`` prompt queries, averaged over the observers) is pooled
     inside each GQA group with weights ``softmax(-H_alpha / tau)`` of the sink-isolated Rényi entropy, projected
     onto pages of ``page_size`` tokens by block-max, and the best pages are kept under the strict budget

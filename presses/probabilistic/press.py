@@ -35,6 +35,10 @@ __all__ = ["ProbabilisticEvictionPress"]
 class ProbabilisticEvictionPress(ResearchPress):
     """Sample the kept entries from a proposal and correct decoding by self-normalised importance sampling.
 
+    Paper: R. Geh, A. Chen, D. Israel, A. Grover, G. Van den Broeck, *A Probabilistic Interpretation of KV Cache
+    Eviction* (paper 003, 2026; the text we work from names no arXiv id). Method, defaults and the choices we
+    settled: ``docs/methods.md`` §3 (§3.8 for ``unit="page"``, an extension of ours).
+
     Per layer and KV group, build a proposal ``pi`` over the ``t`` prompt entries
     (:mod:`presses.probabilistic.proposals`, paper 003 appendix H / D), pick the number of draws ``m`` whose
     expected kept count is ``(1 - compression_ratio) t`` (:mod:`presses.probabilistic.budget`, appendix F), draw
