@@ -7,7 +7,7 @@
 #   bash scripts/slurm_local.sh stop [DIR]     cancel the cluster's jobs, stop the daemons `start` started
 #   bash scripts/slurm_local.sh status [DIR]   exit status 0 when the cluster this script started is up
 #
-# DIR (default: $SLURM_LOCAL_DIR, else the directory named by the running cluster's config, else /tmp/slurm-local)
+# DIR (default: $SLURM_LOCAL_DIR, else the running cluster's, named in its config, else /tmp/slurm-local)
 # holds the cluster's state, logs (DIR/log), job database (DIR/db) and the ids of the processes it started
 # (DIR/pids); `stop` ends those processes by these ids, and nothing else. The config goes to $SLURM_CONF (default
 # /etc/slurm/slurm.conf, where sbatch and sinfo look), slurmdbd.conf beside it; a config there that this script did
@@ -38,8 +38,15 @@ conf_dir_of() { # the state directory named in this script's config, if that con
     [ -f "$CONF" ] && sed -n "s|^$MARKER ||p" "$CONF" | head -n 1
 }
 
+running_dir() { # the state directory of the cluster this script started and that runs now, if any
+    local dir
+    dir=$(conf_dir_of)
+    [ -n "$dir" ] && [ -s "$dir/pids/slurmctld.pid" ] && kill -0 "$(cat "$dir/pids/slurmctld.pid")" 2>/dev/null &&
+        echo "$dir"
+}
+
 ACTION=${1:-}
-DIR=${2:-${SLURM_LOCAL_DIR:-$(conf_dir_of)}}
+DIR=${2:-${SLURM_LOCAL_DIR:-$(running_dir)}}
 DIR=${DIR:-/tmp/slurm-local}
 case "$DIR" in /*) ;; *) DIR=$PWD/$DIR ;; esac
 PIDS=$DIR/pids
@@ -213,9 +220,8 @@ start)
         echo "slurm_local: running (state in $DIR; node $(node_state))"
         exit 0
     fi
-    running=$(conf_dir_of)
-    if [ -n "$running" ] && [ "$running" != "$DIR" ] && [ -s "$running/pids/slurmctld.pid" ] &&
-        kill -0 "$(cat "$running/pids/slurmctld.pid")" 2>/dev/null; then
+    running=$(running_dir)
+    if [ -n "$running" ] && [ "$running" != "$DIR" ]; then
         die 1 "a cluster of this script runs from $running; stop it first (bash scripts/slurm_local.sh stop)"
     fi
     install_packages
