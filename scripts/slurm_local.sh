@@ -204,14 +204,20 @@ stop_daemons() { # newest first; TERM, then KILL after 15 s
     done
 }
 
-cancel_jobs() { # the cluster's queued and running jobs; their runs resume when resubmitted
+queue_empty() { [ -z "$(timeout 10 squeue -h -o %A 2>/dev/null)" ]; }
+
+# Cancel the cluster's queued and running jobs, after 5 s for those ending (their runs resume when resubmitted);
+# then wait until every job has left the queue.
+cancel_jobs() {
     local jobs i
-    jobs=$(timeout 10 squeue -h -o %A 2>/dev/null | sort -u)
-    [ -n "$jobs" ] || return 0
-    echo "slurm_local: cancelling jobs ${jobs//$'\n'/ }"
-    # shellcheck disable=SC2086  # one argument per job id
-    scancel $jobs 2>/dev/null
-    for ((i = 0; i < 120; i++)); do [ -z "$(timeout 10 squeue -h -o %A 2>/dev/null)" ] && break; sleep 0.25; done
+    for ((i = 0; i < 20; i++)); do queue_empty && return 0; sleep 0.25; done
+    jobs=$(timeout 10 squeue -h -t PENDING,RUNNING,SUSPENDED -o %A 2>/dev/null | sort -u)
+    if [ -n "$jobs" ]; then
+        echo "slurm_local: cancelling jobs ${jobs//$'\n'/ }"
+        # shellcheck disable=SC2086  # one argument per job id
+        scancel $jobs 2>/dev/null
+    fi
+    for ((i = 0; i < 120; i++)); do queue_empty && break; sleep 0.25; done
 }
 
 case "$ACTION" in
