@@ -160,14 +160,11 @@ def test_slurm_array_survives_a_cancelled_job_and_equals_the_local_sweep(
     out = tmp_path / "runs"
     name = f"kvpress-test-{uuid.uuid4().hex[:8]}"
     args = _sweep(checkpoint, out, "hydra/launcher=slurm", f"hydra.launcher.name={name}")
-    sweep = subprocess.Popen(
-        [sys.executable, "-m", *args],
-        cwd=ROOT,
-        env=cli_env(tmp_path, **ONE_THREAD),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log = tmp_path / "sweep.log"
+    with open(log, "w") as sink:
+        sweep = subprocess.Popen(
+            [sys.executable, "-m", *args], cwd=ROOT, env=cli_env(tmp_path, **ONE_THREAD), stdout=sink, stderr=sink
+        )
     try:
         shard0 = out / "needle" / "llama-3.2-3b" / "knorm" / "cr0.75" / "shard_0_of_2"
         _wait_for(lambda: _complete_lines(shard0 / "predictions.jsonl") >= 1, 300, "row of shard 0")
@@ -175,20 +172,22 @@ def test_slurm_array_survives_a_cancelled_job_and_equals_the_local_sweep(
         # its step (the job's Python) killed at once: a plain `scancel <job>` sends SIGTERM, which submitit ignores,
         # and SIGKILL seconds later (KillWait), by which time this small shard has finished
         subprocess.run(["scancel", "--signal=KILL", f"{job}.0"], check=True)
-        log, _ = sweep.communicate(timeout=300)
+        _wait_for(lambda: job not in _jobs(name), 60, f"end of job {job}'s processes")
+        before = {}
+        for run in out.glob("needle/*/*/*/shard_0_of_2"):  # killed mid-run: some rows, no metrics
+            before[run] = (run / "predictions.jsonl").read_text()
+            assert 1 <= before[run].count("\n") < N // 2 and not (run / "metrics.json").exists(), run
+        assert len(before) == len(PRESSES)
+
+        # resubmitted, the killed shard alone, while the first command waits for submitit to see the failure
+        resubmit = ["shard=0/2" if arg == SWEEP[0] else arg for arg in args]
+        rc, stdout, stderr, _ = _run(resubmit, tmp_path, **ONE_THREAD)
+        assert rc == 0, (stdout + stderr)[-3000:]
+        sweep.wait(timeout=300)
     finally:
         sweep.kill()
-    assert sweep.returncode != 0 and f"{job} (task: 0)" in log and "FAILED" in log, log[-3000:]
-    _wait_for(lambda: job not in _jobs(name), 60, f"end of job {job}'s processes")
-    before = {}
-    for run in out.glob("needle/*/*/*/shard_0_of_2"):  # killed mid-run: some rows, no metrics
-        before[run] = (run / "predictions.jsonl").read_text()
-        assert 1 <= before[run].count("\n") < N // 2 and not (run / "metrics.json").exists(), run
-    assert len(before) == len(PRESSES)
-
-    resubmit = ["shard=0/2" if arg == SWEEP[0] else arg for arg in args]  # the cancelled shard alone
-    rc, stdout, stderr, _ = _run(resubmit, tmp_path, **ONE_THREAD)
-    assert rc == 0, (stdout + stderr)[-3000:]
+    text = log.read_text()
+    assert sweep.returncode != 0 and f"{job} (task: 0)" in text and "FAILED" in text, text[-3000:]
     _wait_for(lambda: not _jobs(name), 120, "end of the first array's job 1")
     for run, text in before.items():  # resumed after its last complete row; the rows before the kill unchanged
         complete = text[: text.rfind("\n") + 1]
