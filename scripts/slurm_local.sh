@@ -206,11 +206,14 @@ stop_daemons() { # newest first; TERM, then KILL after 15 s
 
 queue_empty() { [ -z "$(timeout 10 squeue -h -o %A 2>/dev/null)" ]; }
 
-# Cancel the cluster's queued and running jobs, after 5 s for those ending (their runs resume when resubmitted);
-# then wait until every job has left the queue.
+# Cancel the cluster's queued and running jobs, after 15 s for those ending (a sweep returns once its jobs have
+# written their results, before their processes exit; the runs of cancelled jobs resume when resubmitted); then wait
+# until every job has left the queue.
 cancel_jobs() {
     local jobs i
-    for ((i = 0; i < 20; i++)); do queue_empty && return 0; sleep 0.25; done
+    queue_empty && return 0
+    echo "slurm_local: waiting up to 15 s for the jobs in the queue to end"
+    for ((i = 0; i < 60; i++)); do queue_empty && return 0; sleep 0.25; done
     jobs=$(timeout 10 squeue -h -t PENDING,RUNNING,SUSPENDED -o %A 2>/dev/null | sort -u)
     if [ -n "$jobs" ]; then
         echo "slurm_local: cancelling jobs ${jobs//$'\n'/ }"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -58,6 +59,8 @@ def test_submitit_slurm_launcher_composes(hydra_compose):
     cfg = hydra_compose(["+experiment=grid", "hydra/launcher=slurm"])
     assert cfg.hydra.launcher._target_ == target and cfg.device == "cpu"
     assert cfg.hydra.launcher.gpus_per_node is None  # a CPU run asks for no GPU; GPU runs ask for theirs:
+    setup = OmegaConf.to_container(cfg.hydra.launcher.setup, resolve=True)  # shell lines (YAML could make dicts)
+    assert len(setup) == 1 and isinstance(setup[0], str) and setup[0].startswith("export OMP_NUM_THREADS=")
     gpu = ["hydra.launcher.partition=gpu", "hydra.launcher.gpus_per_node=1", "device=cuda:0"]
     cfg = hydra_compose(["+experiment=grid", "hydra/launcher=slurm", *gpu])
     assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.hydra.launcher.partition == "gpu"
