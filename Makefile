@@ -12,6 +12,15 @@ RESULTS ?= results
 # The committed needle table (results/needle/smollm2-135m): 8 presses x {0.5, 0.75}, 5 depths x 8 samples, 2k tokens,
 # plus the probabilistic-eviction presses (issue 3). `make sweep` shares one prefill per example across them
 # (python -m evaluation.fused); `make sweep SWEEP_PRESSES=snapkv,page_entrokv` runs a subset.
+# LAUNCHER=slurm (or submitit_local, joblib_local): each shared-prefill sweep (make sweep, make paper003-grid) runs as
+# one job array of SHARDS shards, one job per shard (python -m evaluation.fused -m hydra/launcher=slurm shard=0/4,...);
+# make waits for the array, and the same command again resumes what a killed or failed job left (README, "Running on
+# a cluster"). LAUNCH_ARGS: the launcher's settings and other overrides, e.g. on GPUs
+# LAUNCH_ARGS="hydra.launcher.partition=gpu hydra.launcher.gpus_per_node=1 device=cuda:0".
+LAUNCHER ?=
+SHARDS ?= 4
+LAUNCH_ARGS ?=
+LAUNCH = $(if $(LAUNCHER),-m hydra/launcher=$(LAUNCHER) shard=$(shell seq -s, -f '%g/$(SHARDS)' 0 $$(($(SHARDS) - 1))) $(LAUNCH_ARGS))
 SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean,snis_min,snis_min_uncorrected,snis_min_h,snis_min_h_uncorrected,snis_h2o,snis_h2o_uncorrected,snis_h2o_h,snis_h2o_h_uncorrected
 SWEEP_RATIOS ?= 0.5,0.75
 
@@ -32,7 +41,7 @@ eval: install                # one run, then its summary table: $(OUTPUT)/README
 	$(PY) -m evaluation.report $(OUTPUT) --out $(OUTPUT)
 
 sweep: install
-	$(PY) -m evaluation.fused model=$(MODEL) dataset=$(DATASET) presses=[$(SWEEP_PRESSES)] ratios=[$(SWEEP_RATIOS)] output_dir=$(RESULTS)
+	$(PY) -m evaluation.fused $(LAUNCH) model=$(MODEL) dataset=$(DATASET) presses=[$(SWEEP_PRESSES)] ratios=[$(SWEEP_RATIOS)] output_dir=$(RESULTS)
 
 report: install
 	$(PY) -m evaluation.report $(RESULTS) --out $(RESULTS)
@@ -51,14 +60,15 @@ entroprefill-bench: install  # EntroPrefill vs full prefill on keyfacts (the com
 # uncorrected, with pi_min and pi_min-h also over pages.
 # The 11 offline tasks; add qa_1 and qa_2 with P003_TASKS=[...,qa_1,qa_2] P003_EXTRA=dataset.qa_data_dir=<dir>
 # (docs/methods.md, RULER); P003_EXTRA passes any other Hydra override too (e.g. device=cuda:0).
-# Resumable; SHARD=i/n runs one share (e.g. make paper003-grid SHARD=0/2 & make paper003-grid SHARD=1/2).
+# Resumable; SHARD=i/n runs one share (e.g. make paper003-grid SHARD=0/2 & make paper003-grid SHARD=1/2);
+# LAUNCHER=slurm SHARDS=n runs each of its two sweeps as an array of n jobs.
 P003_TASKS ?= [niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe]
 P003_SNIS = snis_min,snis_min_uncorrected,snis_min_tau2,snis_min_h,snis_min_h_uncorrected,snis_min_h_tau2,snis_h2o,snis_h2o_uncorrected,snis_h2o_tau2,snis_h2o_h,snis_h2o_h_uncorrected,snis_h2o_h_tau2,snis_min_page,snis_min_h_page
 P003_EXTRA ?=
 P003_ARGS = model=$(MODEL) dataset=ruler_paper003 "dataset.context_lengths=[2048]" "dataset.tasks=$(P003_TASKS)" output_dir=$(RESULTS) $(if $(SHARD),shard=$(SHARD)) $(P003_EXTRA)
 paper003-grid: install       # -> results/ruler_paper003/; then make report claims
-	$(PY) -m evaluation.fused $(P003_ARGS) "presses=[no_press,streaming_llm,snapkv,tova,knorm,$(P003_SNIS)]" "ratios=[0.25,0.5,0.75]"
-	$(PY) -m evaluation.fused $(P003_ARGS) "presses=[observed_attention]" "ratios=[0.25,0.5,0.75]"
+	$(PY) -m evaluation.fused $(LAUNCH) $(P003_ARGS) "presses=[no_press,streaming_llm,snapkv,tova,knorm,$(P003_SNIS)]" "ratios=[0.25,0.5,0.75]"
+	$(PY) -m evaluation.fused $(LAUNCH) $(P003_ARGS) "presses=[observed_attention]" "ratios=[0.25,0.5,0.75]"
 
 bench-kernels: install       # Triton kernels vs references on a CUDA GPU -> results/kernels/
 	$(PY) scripts/bench_kernels.py

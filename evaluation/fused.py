@@ -3,6 +3,7 @@
 Usage (``configs/fused.yaml``)::
 
     python -m evaluation.fused dataset=<dataset> presses=[<press>,<press>] ratios=[0.5,0.75] [query_aware=true]
+    python -m evaluation.fused -m hydra/launcher=slurm shard=0/4,1/4,2/4,3/4 ...   # one job per shard (README)
 
 Writes the same run directories, rows and metrics as ``python -m evaluation.run`` (so ``make report`` reads
 both), and resumes the same way: an example is prefilled only if some run still lacks its row. The replay is

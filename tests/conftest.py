@@ -60,6 +60,18 @@ def make_tiny_llama(
     return model
 
 
+def make_sharp_tiny_llama(attn_implementation: str = "sdpa"):
+    """The end-to-end tests' tiny Llama (4 query heads, 2 KV heads, 3 layers, hidden 64, seed 4) with its output
+    layer scaled by 5: sharper logits, so greedy answers vary from example to example and depend on what the cache
+    kept."""
+    model = make_tiny_llama(
+        num_heads=4, num_kv_heads=2, num_layers=3, hidden=64, attn_implementation=attn_implementation, seed=4
+    )
+    with torch.no_grad():
+        model.lm_head.weight.mul_(5.0)
+    return model
+
+
 @pytest.fixture
 def tiny_llama():
     """Factory fixture: ``tiny_llama(num_heads=4, num_kv_heads=2, ...)``."""

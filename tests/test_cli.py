@@ -30,8 +30,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 SMALL = ["dataset.context_length=200", "dataset.depths=[0,100]", "max_new_tokens=2"]
 
 
-def _run(args: list[str], tmp_path: Path, offline: bool = True, timeout: float = 300, **env) -> tuple:
-    """``python -m <args>`` from the checkout (its code, not an installed copy); returns (rc, stdout, stderr, s)."""
+def cli_env(tmp_path: Path, offline: bool = True, **env) -> dict[str, str]:
+    """The environment of a command a user runs from the checkout (its code, not an installed copy): a Hugging
+    Face cache of its own under ``tmp_path``, offline unless told, none of pytest's settings."""
     environ = {
         k: v
         for k, v in os.environ.items()
@@ -40,6 +41,12 @@ def _run(args: list[str], tmp_path: Path, offline: bool = True, timeout: float =
     environ.update({"HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(ROOT), **env})
     if offline:
         environ["HF_HUB_OFFLINE"] = "1"
+    return environ
+
+
+def _run(args: list[str], tmp_path: Path, offline: bool = True, timeout: float = 300, **env) -> tuple:
+    """``python -m <args>`` from the checkout (:func:`cli_env`); returns (rc, stdout, stderr, seconds)."""
+    environ = cli_env(tmp_path, offline, **env)
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", *args], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout

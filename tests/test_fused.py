@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from _tiny_tokenizer import char_tokenizer
-from conftest import decode_biases, make_tiny_llama
+from conftest import decode_biases, make_sharp_tiny_llama
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from test_harness import composed
@@ -50,11 +50,7 @@ SETTINGS = ["n_samples=2", "dataset.context_length=512", "dataset.max_new_tokens
 
 
 def _tiny(monkeypatch, attn_implementation: str):
-    model = make_tiny_llama(
-        num_heads=4, num_kv_heads=2, num_layers=3, hidden=64, attn_implementation=attn_implementation, seed=4
-    )
-    with torch.no_grad():  # sharper logits: greedy answers then depend on what the cache kept
-        model.lm_head.weight.mul_(5.0)
+    model = make_sharp_tiny_llama(attn_implementation)
     tok = char_tokenizer()
     monkeypatch.setattr(harness, "get_model", lambda *args, **kwargs: (model, tok))
     return model, tok

@@ -401,15 +401,13 @@ def test_harness_runs_the_config_and_the_shared_prefill_sweep_equals_it(tmp_path
     """``python -m evaluation.run press=snis_expected_attention`` through the harness (the nested config saved and
     resumed), and the shared-prefill sweep gives the same rows (its capability ``shares_prefill`` is true)."""
     from _tiny_tokenizer import char_tokenizer
-    from conftest import make_tiny_llama
+    from conftest import make_sharp_tiny_llama
     from test_fused import _rows, _runs
 
     from evaluation import fused, harness
     from evaluation import run as entry
 
-    model = make_tiny_llama(num_heads=4, num_kv_heads=2, num_layers=3, hidden=64, attn_implementation="sdpa", seed=4)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(5.0)
+    model = make_sharp_tiny_llama()
     monkeypatch.setattr(harness, "get_model", lambda *args, **kwargs: (model, char_tokenizer()))
     presses = ["no_press", "snis_expected_attention"]
     for cfg, names in _runs(presses, [0.5], tmp_path / "separate"):

@@ -1,10 +1,15 @@
-"""Sweep grids and launcher configs compose with the harness config (no job is launched)."""
+"""Sweep grids, launcher configs and the Makefile's launcher option compose with the harness config (no job is
+launched; tests/test_launchers.py launches them)."""
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -63,9 +68,44 @@ def test_submitit_slurm_launcher_composes(hydra_compose):
     # The SLURM launcher is the `slurm` extra for users; the `dev` extra (make install) has it too, so this runs in CI.
     target = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert hydra_compose(["hydra/launcher=submitit_slurm"]).hydra.launcher._target_ == target
-    cfg = hydra_compose(["+experiment=grid", "hydra/launcher=slurm", "hydra.launcher.partition=gpu"])
-    assert cfg.hydra.launcher._target_ == target
+    cfg = hydra_compose(["+experiment=grid", "hydra/launcher=slurm"])
+    assert cfg.hydra.launcher._target_ == target and cfg.device == "cpu"
+    assert cfg.hydra.launcher.gpus_per_node is None  # a CPU run asks for no GPU; GPU runs ask for theirs:
+    setup = OmegaConf.to_container(cfg.hydra.launcher.setup, resolve=True)  # shell lines (YAML could make dicts)
+    assert len(setup) == 1 and isinstance(setup[0], str) and setup[0].startswith("export OMP_NUM_THREADS=")
+    gpu = ["hydra.launcher.partition=gpu", "hydra.launcher.gpus_per_node=1", "device=cuda:0"]
+    cfg = hydra_compose(["+experiment=grid", "hydra/launcher=slurm", *gpu])
     assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.hydra.launcher.partition == "gpu"
+
+
+def test_make_launcher_runs_each_shared_prefill_sweep_as_an_array_of_shards():
+    """``make paper003-grid LAUNCHER=slurm SHARDS=3``: both of its sweeps become ``evaluation.fused -m`` over three
+    shards on the SLURM launcher, with ``LAUNCH_ARGS`` passed on; the command lines parse as Hydra sweeps."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    venv = Path(sys.executable).parent.parent  # `make -n` prints the commands, with this interpreter's venv
+    launch = ["LAUNCHER=slurm", "SHARDS=3", "LAUNCH_ARGS=hydra.launcher.gpus_per_node=1 device=cuda:0"]
+    make = ["make", "-n", "paper003-grid", f"VENV={venv}", *launch]
+    printed = subprocess.run(make, cwd=CONFIG_DIR.parent, capture_output=True, text=True, check=True).stdout
+    sweeps = [shlex.split(line) for line in printed.splitlines() if " -m evaluation.fused " in line]
+    assert len(sweeps) == 2
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        for argv in sweeps:
+            args = argv[argv.index("evaluation.fused") + 1 :]
+            assert args[0] == "-m"
+            (jobs,) = BasicSweeper.split_arguments(parser.parse_overrides(args[1:]), None)
+            assert sorted(dict(o.split("=", 1) for o in job)["shard"] for job in jobs) == ["0/3", "1/3", "2/3"]
+            cfg = compose("fused", overrides=jobs[0], return_hydra_config=True)
+            assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.device == "cuda:0" and cfg.shard == "0/3"
+    plain = subprocess.run(
+        ["make", "-n", "sweep", f"VENV={venv}"], cwd=CONFIG_DIR.parent, capture_output=True, text=True, check=True
+    )
+    (line,) = [line for line in plain.stdout.splitlines() if " -m evaluation.fused " in line]
+    assert "hydra/launcher" not in line and "shard=" not in line  # without LAUNCHER: one process, as before
 
 
 def test_joblib_launcher_composes(hydra_compose):
