@@ -17,9 +17,9 @@ from conftest import make_tiny_llama
 from hydra.utils import instantiate
 from kvpress import FinchPress
 from test_harness import composed
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, DynamicCache
 
-from evaluation import harness, prompt_delimiter
+from evaluation import fused, harness, prompt_delimiter
 from evaluation import run as entry
 from evaluation.models import embedded_model_dir
 from evaluation.pipeline import TextGenerationPipeline
@@ -148,10 +148,16 @@ def test_finch_through_the_harness_leaves_other_runs_alone(tmp_path, windows):
         assert row["physical_compression"] == row["effective_compression"]
 
 
-def test_finch_needs_the_question_inside(tmp_path):
+def test_finch_needs_the_question_inside_and_evaluation_run(tmp_path):
+    names = {"press": "finch", "dataset": "needle", "model": "smollm2-135m"}
     cfg = composed("press=finch", f"output_dir={tmp_path}", "n_samples=1")
     with pytest.raises(ValueError, match="needs the question inside the compressed context: set query_aware=true"):
-        entry.run(cfg, {"press": "finch", "dataset": "needle", "model": "smollm2-135m"})
+        entry.run(cfg, names)
+    cfg = composed("press=finch", f"output_dir={tmp_path}", "n_samples=1", "query_aware=true")
+    with pytest.raises(
+        ValueError, match=r"press finch \(FinchPress\) cannot share a prefill.*python -m evaluation.run"
+    ):
+        fused.run_fused([(cfg, names)], "test")
     assert not any(tmp_path.iterdir())
 
 
@@ -194,3 +200,60 @@ def test_embedded_model_runs_finch_with_the_question_inside(tmp_path, windows):
     (at,) = (ids == token_id).nonzero()[0].tolist()
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     assert window == len(ids) - at - 1 and tok.decode(ids[at + 1 :]).startswith("\n\nWhat is the special magic")
+
+
+def _finch_prefill(press, model, tok, n_document: int, batch: int = 1):
+    """Prefill ``document + delimiter + question`` (8 question tokens) under ``press``; the cache and the plain
+    prefill of the same ids without the delimiter."""
+    gen = torch.Generator().manual_seed(n_document)
+    document, question = torch.randint(4, 99, (batch, n_document), generator=gen), torch.randint(4, 99, (batch, 8))
+    delimiter = torch.full((batch, 1), press.delimiter_token_id)
+    cache, plain = DynamicCache(), DynamicCache()
+    with torch.inference_mode():
+        with press(model):
+            model.model(input_ids=torch.cat([document, delimiter, question], 1), past_key_values=cache)
+        model.model(input_ids=torch.cat([document, question], 1), past_key_values=plain)
+    return cache, plain
+
+
+@pytest.mark.parametrize(
+    ("n_document", "ratio", "dtype", "heads", "attn"),
+    [
+        (1, 0.5, torch.float32, (4, 2), "sdpa"),  # short documents (8 question tokens after the delimiter)
+        (2, 0.5, torch.float32, (4, 2), "sdpa"),
+        (64, 0.5, torch.float32, (4, 2), "sdpa"),
+        (300, 0.0, torch.float32, (4, 2), "sdpa"),
+        (300, 0.99, torch.float32, (4, 2), "sdpa"),
+        (300, 0.5, torch.float16, (4, 2), "sdpa"),
+        (300, 0.5, torch.bfloat16, (4, 2), "sdpa"),
+        (300, 0.5, torch.float32, (4, 2), "eager"),
+        (300, 0.5, torch.float32, (4, 4), "sdpa"),
+        (300, 0.5, torch.float32, (4, 1), "sdpa"),
+    ],
+    ids=["D1", "D2", "D64", "ratio0", "ratio0.99", "fp16", "bf16", "eager", "MHA", "MQA"],
+)
+def test_limits(n_document, ratio, dtype, heads, attn):
+    """README Limits, finch row: the delimiter is dropped from the prefill, ``max(1, int(T (1 - ratio)))`` of the
+    ``T`` remaining tokens are kept (the question window's scores are the highest, so it goes last), and a decode
+    step after it is finite; ratio 0 keeps the plain prefill's cache bit for bit."""
+    model = make_tiny_llama(num_heads=heads[0], num_kv_heads=heads[1], attn_implementation=attn, dtype=dtype)
+    tok, press = copy.deepcopy(char_tokenizer()), FinchPress(compression_ratio=ratio)
+    press.update_model_and_tokenizer(model, tok)
+    model.to(dtype)  # the resized rows
+    cache, plain = _finch_prefill(press, model, tok, n_document)
+    T = n_document + 8
+    assert press.window_size == 8
+    assert [cache.get_seq_length(i) for i in range(2)] == [max(1, int(T * (1 - ratio)))] * 2
+    if ratio == 0:
+        assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, plain.layers))
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([[65]]), past_key_values=cache, position_ids=torch.tensor([[T]])).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_batch_of_two_is_refused_by_kvpress():
+    """README Limits, finch row: kvpress's delimiter hook takes one row (the harness runs batch 1)."""
+    model, tok, press = make_tiny_llama(attn_implementation="sdpa"), copy.deepcopy(char_tokenizer()), FinchPress(0.5)
+    press.update_model_and_tokenizer(model, tok)
+    with pytest.raises(AssertionError, match="Only batch size 1 is supported"):
+        _finch_prefill(press, model, tok, 50, batch=2)

@@ -31,10 +31,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SETTINGS = ["n_samples=2", "dataset.context_length=512", "dataset.max_new_tokens=6", "dataset.depths=[0,50]"]
 
 
-def _tiny_model(checkpoint: Path, attn_implementation: str = "sdpa"):
+def _tiny_model(checkpoint: Path, attn_implementation: str = "sdpa", heads=(4, 2), dtype=torch.float32):
     model = make_tiny_llama(
-        num_heads=4,
-        num_kv_heads=2,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
         num_layers=3,
         hidden=64,
         attn_implementation=attn_implementation,
@@ -44,13 +44,13 @@ def _tiny_model(checkpoint: Path, attn_implementation: str = "sdpa"):
     with torch.no_grad():
         model.lm_head.weight.mul_(5.0)  # sharper logits: greedy answers then depend on what the cache kept
         for layer in model.model.layers:
-            bias = layer.self_attn.q_proj.bias.view(4, 16)
+            bias = layer.self_attn.q_proj.bias.view(heads[0], 64 // heads[0])
             bias.zero_()
             bias[:, 7] = 4.0  # rotary pair (7, 15) turns by 3e-4 rad per position: a direction every query shares
     tok = char_tokenizer()
     tok.save_pretrained(checkpoint)
     model.config.name_or_path = str(checkpoint)  # KVzip reloads the tokenizer from here, as from a checkpoint
-    return model, tok
+    return model.to(dtype), tok
 
 
 @pytest.fixture
@@ -97,6 +97,46 @@ def test_kvzip_refuses_eager_attention(tmp_path):
     model, _ = _tiny_model(tmp_path, attn_implementation="eager")
     with pytest.raises(ValueError, match=r"KVzipPress does not support attn_implementation='eager'.*use sdpa"):
         guards.check_press_input(_press("kvzip", 0.5), model, 300)
+
+
+@pytest.mark.parametrize(
+    ("T", "ratio", "dtype", "heads"),
+    [
+        (1, 0.5, torch.float32, (4, 2)),  # short contexts: T <= n_sink = 4 makes every position a sink
+        (2, 0.5, torch.float32, (4, 2)),
+        (64, 0.5, torch.float32, (4, 2)),
+        (300, 0.0, torch.float32, (4, 2)),  # ratio 0: nothing scored, nothing masked
+        (300, 0.99, torch.float32, (4, 2)),
+        (300, 0.5, torch.float16, (4, 2)),
+        (300, 0.5, torch.bfloat16, (4, 2)),
+        (300, 0.5, torch.float32, (4, 4)),  # MHA, r = 1
+        (300, 0.5, torch.float32, (4, 1)),  # MQA, r = H_Q
+    ],
+    ids=["T1", "T2", "T64", "ratio0", "ratio0.99", "fp16", "bf16", "MHA", "MQA"],
+)
+def test_limits(tmp_path, T, ratio, dtype, heads):
+    """README Limits, kvzip row: the cache stays dense, ``int(ratio L G T)`` keys are masked across layers and
+    heads (no per-head floor: a head may lose its whole context), and a decode step after it is finite."""
+    model, _ = _tiny_model(tmp_path, heads=heads, dtype=dtype)
+    ids = torch.randint(4, 128, (1, T), generator=torch.Generator().manual_seed(T))
+    cache = DynamicCache()
+    with torch.inference_mode():
+        with _press("kvzip", ratio)(model):
+            model.model(input_ids=ids, past_key_values=cache)
+        masks = [layer.self_attn.masked_key_indices for layer in model.model.layers]
+        assert [cache.get_seq_length(i) for i in range(3)] == [T] * 3
+        assert sum(len(m[0]) for m in masks if m is not None) == int(3 * heads[1] * T * ratio)
+        logits = model(input_ids=torch.tensor([[65]]), past_key_values=cache, position_ids=torch.tensor([[T]])).logits
+    assert torch.isfinite(logits).all()
+    kvzip_path.take_masked_keys(model)
+
+
+def test_batch_of_two_is_refused_by_kvpress(tmp_path):
+    """README Limits, kvzip row: kvpress's reconstruction takes one row (the harness runs batch 1)."""
+    model, _ = _tiny_model(tmp_path)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"), torch.inference_mode():
+        with _press("kvzip", 0.5)(model):
+            model.model(input_ids=torch.randint(4, 128, (2, 100)), past_key_values=DynamicCache())
 
 
 def test_one_pass_scores_every_ratio_and_both_variants_exactly(tiny, passes):
@@ -181,6 +221,15 @@ def test_fused_equals_separate_runs_at_two_ratios(tiny, tmp_path, passes):
     assert len(predictions) > 3  # compression changes what the model says: the comparison is not trivial
     metrics = json.loads((tmp_path / "fused/needle/smollm2-135m/kvzip/cr0.75/metrics.json").read_text())
     assert metrics["n"] == 2 and metrics["effective_compression"] == pytest.approx(0.75, abs=1e-3)
+
+
+def test_fused_equals_separate_runs_with_the_question_inside(tiny, tmp_path):
+    """The question-inside protocol (``query_aware=true``, an empty question after compression): still equal."""
+    presses, ratios, settings = ["kvzip", "kvzip_plus"], [0.5], (*SETTINGS, "query_aware=true")
+    for cfg, names in _runs(presses, ratios, tmp_path / "separate", settings):
+        entry.run(cfg, names)
+    fused.run_fused(_runs(presses, ratios, tmp_path / "fused", settings), "test")
+    assert len(_assert_fused_equals_separate(tmp_path, presses, ratios, "needle-qa")) > 1
 
 
 def test_embedded_model_tokenizer_is_local():
