@@ -1,7 +1,7 @@
 """KVzip's path in the shared-prefill sweep (capability ``scores_once``): one context-reconstruction scoring pass
 per example, shared by every compression ratio and by KVzip and KVzip+, then kvpress's own selection per run.
 
-kvpress's ``KVzipPress`` (KVzip, https://arxiv.org/abs/2505.23416) prefills the context uncompressed; on leaving
+kvpress's KVzip press (KVzip, https://arxiv.org/abs/2505.23416) prefills the context uncompressed; on leaving
 ``with press(model)`` it runs the model again on that cache to reconstruct the context chunk by chunk, its attention
 hooks scoring every cached pair (``score_kvzip``: the most attention a reconstruction query pays it; KVzip+ also
 divides by the query's hidden-state norm and multiplies by the value's output norm) and cutting the cache back to
@@ -42,7 +42,7 @@ from presses.base import decoder_layers, language_model
 
 __all__ = ["SCORING_FIELDS", "SELECTION_FIELDS", "score", "select", "selected_runs", "masked_keys", "take_masked_keys"]
 
-#: Fields of ``KVzipPress`` that only ``compress_post`` reads (the selection): the scores do not depend on them.
+#: Fields of kvpress's KVzip press that only ``compress_post`` reads (the selection): the scores do not depend on them.
 SELECTION_FIELDS = frozenset({"compression_ratio", "layerwise"})
 #: Fields that ``score_kvzip`` reads but the reconstruction forwards do not: presses differing only in these (and in
 #: :data:`SELECTION_FIELDS`) share one reconstruction pass, each with its own scores.
@@ -80,7 +80,7 @@ def score(presses: list, model, capture, context_ids: torch.Tensor) -> dict[tupl
     """One reconstruction pass over the captured prefill's cache, scoring for every press of ``presses``.
 
     Args:
-        presses: ``KVzipPress`` instances with ``compression_ratio > 0`` sharing one pass (equal fields outside
+        presses: kvpress KVzip presses with ``compression_ratio > 0`` sharing one pass (equal fields outside
             :data:`SCORING_FIELDS` and :data:`SELECTION_FIELDS`).
         model: the causal LM the capture was taken on.
         capture: a filled :class:`evaluation.replay.PrefillCapture` of ``context_ids``.

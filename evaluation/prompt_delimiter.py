@@ -1,9 +1,9 @@
 """The delimiter token a press needs between the document and the question (capability ``needs_delimiter``:
-kvpress's ``FinchPress``), set up as kvpress's own evaluation sets it up.
+kvpress's Finch press), set up as kvpress's own evaluation sets it up.
 
 Finch compresses with the question inside the context (``query_aware=true``) and finds where the question starts
 by a delimiter token: kvpress adds the token to the tokenizer and resizes the model's embeddings
-(``FinchPress.update_model_and_tokenizer``), then prompts ``document + delimiter + question``; its embedding hook
+(its ``update_model_and_tokenizer``), then prompts ``document + delimiter + question``; its embedding hook
 drops the delimiter again, and the tokens after it are SnapKV's observation window. Here:
 
 - the run gets a model and tokenizer of its own (``evaluation.harness.get_model``'s ``variant``), so the resized
