@@ -40,7 +40,17 @@ from kvpress.utils import extract_keys_and_values
 
 from presses.base import decoder_layers, language_model
 
-__all__ = ["SCORING_FIELDS", "SELECTION_FIELDS", "score", "select", "selected_runs", "masked_keys", "take_masked_keys"]
+__all__ = [
+    "SCORING_FIELDS",
+    "SELECTION_FIELDS",
+    "masked_keys",
+    "pass_key",
+    "score",
+    "scores_key",
+    "select",
+    "selected_runs",
+    "take_masked_keys",
+]
 
 #: Fields of kvpress's KVzip press that only ``compress_post`` reads (the selection): the scores do not depend on them.
 SELECTION_FIELDS = frozenset({"compression_ratio", "layerwise"})
@@ -80,8 +90,7 @@ def score(presses: list, model, capture, context_ids: torch.Tensor) -> dict[tupl
     """One reconstruction pass over the captured prefill's cache, scoring for every press of ``presses``.
 
     Args:
-        presses: kvpress KVzip presses with ``compression_ratio > 0`` sharing one pass (equal fields outside
-            :data:`SCORING_FIELDS` and :data:`SELECTION_FIELDS`).
+        presses: kvpress KVzip presses with ``compression_ratio > 0`` and one :func:`pass_key`.
         model: the causal LM the capture was taken on.
         capture: a filled :class:`evaluation.replay.PrefillCapture` of ``context_ids``.
         context_ids: ``(1, T)``, the prefill's input ids.
@@ -128,6 +137,12 @@ def scores_key(press) -> tuple:
     return _key(press, SELECTION_FIELDS)
 
 
+def pass_key(press) -> tuple:
+    """What a press's reconstruction pass depends on (``chunk_size``): its fields outside :data:`SELECTION_FIELDS`
+    and :data:`SCORING_FIELDS`."""
+    return _key(press, SELECTION_FIELDS | SCORING_FIELDS)
+
+
 def select(press, scores: torch.Tensor, model) -> tuple:
     """kvpress's ``compress_post`` on a copy of ``scores`` (``(L, 1, G, T)``, :func:`score`): the masks it leaves on
     the modules, taken off (:func:`take_masked_keys`)."""
@@ -151,7 +166,7 @@ def selected_runs(runs: list, model, capture, context_ids: torch.Tensor) -> Iter
     passes: dict = {}
     for run in runs:
         if run.press.compression_ratio > 0:
-            passes.setdefault(_key(run.press, SELECTION_FIELDS | SCORING_FIELDS), []).append(run.press)
+            passes.setdefault(pass_key(run.press), []).append(run.press)
     scores, seconds = {}, {}
     for key, presses in passes.items():
         start = time.perf_counter()
@@ -162,5 +177,5 @@ def selected_runs(runs: list, model, capture, context_ids: torch.Tensor) -> Iter
         start = time.perf_counter()
         scored = run.press.compression_ratio > 0
         masks = select(run.press, scores[scores_key(run.press)], model) if scored else take_masked_keys(model)
-        shared = seconds[_key(run.press, SELECTION_FIELDS | SCORING_FIELDS)] if scored else 0.0
+        shared = seconds[pass_key(run.press)] if scored else 0.0
         yield run, capture.uncompressed_cache(), shared + time.perf_counter() - start, masks

@@ -140,36 +140,45 @@ def test_batch_of_two_is_refused_by_kvpress(tmp_path):
 
 
 def test_one_pass_scores_every_ratio_and_both_variants_exactly(tiny, passes):
-    """The masks selected from the shared scores equal those of each press's own prefill, tensor for tensor."""
+    """The masks selected from the shared scores equal those of each press's own prefill, tensor for tensor: one pass
+    for two ratios and both variants, and one more for a press with another ``chunk_size`` (three chunks)."""
     model, _ = tiny
     specs = [("kvzip", 0.25), ("kvzip", 0.6), ("kvzip_plus", 0.25), ("kvzip_plus", 0.6), ("kvzip", 0.0)]
+    specs += [("kvzip", 0.6, "+press.chunk_size=128"), ("kvzip_plus", 0.25, "+press.layerwise=true")]
+
+    def build(name, ratio, *overrides):
+        return instantiate(composed(f"press={name}", f"compression_ratio={ratio}", *overrides).press)
+
     ids = torch.randint(4, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     direct = []
     with torch.inference_mode():
-        for name, ratio in specs:
-            with _press(name, ratio)(model):
+        for spec in specs:
+            with build(*spec)(model):
                 model.model(input_ids=ids, past_key_values=DynamicCache())
             direct.append(kvzip_path.take_masked_keys(model))
-        assert len(passes) == 4  # one per compressing press, each after its own prefill
+        assert len(passes) == 6  # one per compressing press, each after its own prefill
         passes.clear()
         with replay.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
-        runs = [SimpleNamespace(press=_press(name, ratio)) for name, ratio in specs]
+        runs = [SimpleNamespace(press=build(*spec)) for spec in specs]
         shared = list(kvzip_path.selected_runs(runs, model, capture, ids))
-    assert len(passes) == 1  # one reconstruction pass for two ratios and two variants
+    assert len(passes) == 2  # chunk_size 2048 (two ratios, both variants, layerwise or not) and chunk_size 128
     assert [item[0] for item in shared] == runs
-    for (name, ratio), own, (_, cache, seconds, masks) in zip(specs, direct, shared):
+    for spec, own, (_, cache, seconds, masks) in zip(specs, direct, shared):
         assert seconds > 0 and cache.get_seq_length(0) == 300
         assert torch.equal(cache.layers[0].keys, capture.layers[0][3])
-        if ratio == 0:
+        if spec[1] == 0:
             assert all(m is None for m in masks) and all(m is None for m in own)
             continue
         masked = sum(len(m[0]) for m in masks)
-        assert masked == int(3 * 2 * 300 * ratio), (name, ratio)  # layers x KV heads x T x ratio, across layers
+        assert masked == 3 * int(2 * 300 * spec[1]) if "layerwise" in str(spec[-1]) else int(3 * 2 * 300 * spec[1]), (
+            spec
+        )
         for a, b in zip(own, masks):
-            assert all(torch.equal(x, y) for x, y in zip(a, b)), (name, ratio)
-    # the comparison is not trivial: the variants mask different keys
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), spec
+    # the comparison is not trivial: the variants, and the chunkings, mask different keys
     assert any(not torch.equal(a[2], b[2]) for a, b in zip(shared[0][3], shared[2][3]))
+    assert any(not torch.equal(a[2], b[2]) for a, b in zip(shared[1][3], shared[5][3]))
     assert all(getattr(layer.self_attn, "masked_key_indices", None) is None for layer in model.model.layers)
 
 
