@@ -21,9 +21,10 @@ Why sharing is exact:
 kvpress's code does the work: the first press of each pass runs its own ``__call__`` with the shared cache as the
 cache its prefill recorded, so kvpress's tokenizer reload, chunking, reconstruction forwards and hooks run
 unchanged; a hook registered before its hooks calls ``score_kvzip`` of the presses with other scoring fields (KVzip+
-next to KVzip) on the same inputs; a hook on the language model copies the first press's scores after each forward
-(its ``compress_post`` then raises the sinks' scores in place). Each run then gets ``compress_post`` on a copy of its
-scores and decodes alone with its masks on the modules, through the pipeline's ``generate_answer`` as
+next to KVzip) on the same inputs, and presses with one ``n_sink`` compute the reconstruction attention once per
+layer (:func:`_shared_cross_attention`); a hook on the language model copies the first press's scores after each
+forward (its ``compress_post`` then raises the sinks' scores in place). Each run then gets ``compress_post`` on a
+copy of its scores and decodes alone with its masks on the modules, through the pipeline's ``generate_answer`` as
 ``evaluation.run`` does: the masks are kvpress's, and so are the keys it decodes with (``tests/test_kvzip_path.py``:
 equal masks and predictions).
 """
@@ -120,7 +121,7 @@ def score(presses: list, model, capture, context_ids: torch.Tensor) -> dict[tupl
     handles = [layer.self_attn.register_forward_hook(score_others, with_kwargs=True) for layer in layers]
     handles.append(language_model(model).register_forward_hook(keep_lead_scores))
     try:
-        with lead(model):  # on leaving: kvpress's reconstruction passes and its compress_post
+        with _shared_cross_attention(list(reps.values())), lead(model):  # on leaving: kvpress's reconstruction
             lead._context_ids, lead._cache = context_ids, capture.uncompressed_cache()  # what its prefill records
     finally:
         for handle in handles:
@@ -130,6 +131,43 @@ def score(presses: list, model, capture, context_ids: torch.Tensor) -> dict[tupl
             press._reset_internal_parameters()
         take_masked_keys(model)  # the lead's own compress_post: each run selects below
     return kept
+
+
+@contextlib.contextmanager
+def _shared_cross_attention(presses: list):
+    """Within one pass, hand each layer's reconstruction attention (kvpress's ``_compute_cross_attention``, the bulk
+    of the scoring) computed for one press to the others that would compute it from the same inputs.
+
+    It reads the layer, its hidden states and keys, and the press's ``n_sink`` and chunk (``start_idx``, ``end_idx``),
+    and ``score_kvzip`` never changes the tensor it returns (KVzip slices it, KVzip+ rescales it into a new one): so
+    KVzip and KVzip+ with one ``n_sink`` share it exactly. Only the current layer's tensors (one per ``n_sink``) are
+    held.
+    """
+    memo: dict = {}  # n_sink -> attention, for the layer and chunk of memo["at"]
+
+    def shared(press):
+        compute = press._compute_cross_attention
+
+        def call(module, hidden_states, keys, kwargs):
+            at = (module.layer_idx, press.start_idx, press.end_idx, hidden_states.data_ptr(), keys.data_ptr())
+            at += (tuple(hidden_states.shape), tuple(keys.shape))
+            if memo.get("at") != at:
+                memo.clear()
+                memo["at"] = at
+            if press.n_sink not in memo:
+                memo[press.n_sink] = compute(module, hidden_states, keys, kwargs)
+            return memo[press.n_sink]
+
+        return call
+
+    for press in presses:
+        press._compute_cross_attention = shared(press)
+    try:
+        yield
+    finally:
+        for press in presses:
+            del press._compute_cross_attention  # the class's method again
+        memo.clear()
 
 
 def scores_key(press) -> tuple:

@@ -139,12 +139,19 @@ def test_batch_of_two_is_refused_by_kvpress(tmp_path):
             model.model(input_ids=torch.randint(4, 128, (2, 100)), past_key_values=DynamicCache())
 
 
-def test_one_pass_scores_every_ratio_and_both_variants_exactly(tiny, passes):
+def test_one_pass_scores_every_ratio_and_both_variants_exactly(tiny, passes, monkeypatch):
     """The masks selected from the shared scores equal those of each press's own prefill, tensor for tensor: one pass
-    for two ratios and both variants, and one more for a press with another ``chunk_size`` (three chunks)."""
+    for two ratios, both variants and another ``n_sink``, and one more for a press with another ``chunk_size`` (three
+    chunks); the reconstruction attention is computed once per layer and chunk for KVzip and KVzip+ together."""
     model, _ = tiny
     specs = [("kvzip", 0.25), ("kvzip", 0.6), ("kvzip_plus", 0.25), ("kvzip_plus", 0.6), ("kvzip", 0.0)]
     specs += [("kvzip", 0.6, "+press.chunk_size=128"), ("kvzip_plus", 0.25, "+press.layerwise=true")]
+    specs += [("kvzip", 0.5, "+press.n_sink=8")]
+    attention = []
+    real = KVzipPress._compute_cross_attention
+    monkeypatch.setattr(
+        KVzipPress, "_compute_cross_attention", lambda self, *a: attention.append(self.start_idx) or real(self, *a)
+    )
 
     def build(name, ratio, *overrides):
         return instantiate(composed(f"press={name}", f"compression_ratio={ratio}", *overrides).press)
@@ -156,13 +163,16 @@ def test_one_pass_scores_every_ratio_and_both_variants_exactly(tiny, passes):
             with build(*spec)(model):
                 model.model(input_ids=ids, past_key_values=DynamicCache())
             direct.append(kvzip_path.take_masked_keys(model))
-        assert len(passes) == 6  # one per compressing press, each after its own prefill
+        assert len(passes) == 7  # one per compressing press, each after its own prefill
+        assert len(attention) == 3 * (6 + 3)  # per layer and chunk: six presses of one chunk, one of three
         passes.clear()
+        attention.clear()
         with replay.PrefillCapture(model) as capture:
             model.model(input_ids=ids, past_key_values=DynamicCache())
         runs = [SimpleNamespace(press=build(*spec)) for spec in specs]
         shared = list(kvzip_path.selected_runs(runs, model, capture, ids))
     assert len(passes) == 2  # chunk_size 2048 (two ratios, both variants, layerwise or not) and chunk_size 128
+    assert len(attention) == 3 * (2 + 3)  # per layer: n_sink 4 (KVzip and KVzip+ share it), n_sink 8, 3 chunks of 128
     assert [item[0] for item in shared] == runs
     for spec, own, (_, cache, seconds, masks) in zip(specs, direct, shared):
         assert seconds > 0 and cache.get_seq_length(0) == 300
