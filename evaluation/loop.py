@@ -19,7 +19,8 @@ checked and written before any row) and for every example some run still lacks:
    - ``shared_prefill=True`` (``evaluation.fused``): one uncompressed prefill, each press's hooks replayed on it
      (:func:`evaluation.replay.replay_prefill`), then the runs decoded in batches
      (:func:`evaluation.replay.generate_answers`), presses with decode-time state exporting it after their
-     replay (the press contract, :mod:`presses.base`);
+     replay (the press contract, :mod:`presses.base`); presses with ``scores_once`` scored by
+     :mod:`evaluation.kvzip_path` and decoded one by one;
 
 5. appends one row per run (:func:`evaluation.harness.prediction_row`), then writes ``metrics.json``.
 
