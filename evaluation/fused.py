@@ -8,12 +8,13 @@ Usage (``configs/fused.yaml``)::
 Writes the same run directories, rows and metrics as ``python -m evaluation.run`` (so ``make report`` reads
 both), and resumes the same way: an example is prefilled only if some run still lacks its row. The replay is
 exact for presses whose capability ``shares_prefill`` holds (:mod:`evaluation.registry`; why:
-:mod:`evaluation.replay`); others raise (run them with ``evaluation.run``). A row's ``seconds`` is the shared
-prefill plus that press's hook replay plus its share of the (batched) decode; ``prefill_seconds`` gives the
-shared part and ``decode_batch`` the batch size. Within one example the presses share what does not depend on
-their options (one :class:`evaluation.memo.ReplayMemo` per example: the probabilistic presses' proposals,
-Page-EntroKV's observer attention): it is computed by the first run that needs it, so that run's ``seconds``
-carries it and the later runs' do not.
+:mod:`evaluation.replay`); presses that score once per example (``scores_once``: KVzip) get one scoring pass for all
+their runs (:mod:`evaluation.kvzip_path`); others raise (run them with ``evaluation.run``). A row's ``seconds``
+is the shared prefill plus that press's hook replay (for KVzip: the whole scoring pass) plus its share of the
+(batched) decode; ``prefill_seconds`` gives the shared part and ``decode_batch`` the batch size. Within one
+example the presses share what does not depend on their options (one :class:`evaluation.memo.ReplayMemo` per
+example: the probabilistic presses' proposals, Page-EntroKV's observer attention): it is computed by the first run
+that needs it, so that run's ``seconds`` carries it and the later runs' do not.
 """
 
 from __future__ import annotations

@@ -150,11 +150,16 @@ def append_row(path: Path, row: dict) -> None:
         os.fsync(f.fileno())
 
 
-def get_model(model_cfg: DictConfig, device: str, attn_implementation: str):
-    """Load (and memoise across a multirun) the model and tokenizer of ``model_cfg``."""
+def get_model(model_cfg: DictConfig, device: str, attn_implementation: str, variant: str = ""):
+    """Load (and memoise across a multirun) the model and tokenizer of ``model_cfg``.
+
+    ``variant`` names a copy that a press changes in place (Finch's delimiter token resizes the embeddings and
+    grows the tokenizer): it is loaded and memoised apart from the plain model, and one model is memoised at a time,
+    so the change never reaches a run of another press.
+    """
     from evaluation.models import load_model
 
-    key = (model_cfg.name, model_cfg.get("path"), device, str(model_cfg.get("dtype")), attn_implementation)
+    key = (model_cfg.name, model_cfg.get("path"), device, str(model_cfg.get("dtype")), attn_implementation, variant)
     if key not in _MODEL_CACHE:
         _MODEL_CACHE.clear()
         _MODEL_CACHE[key] = load_model(

@@ -19,7 +19,8 @@ checked and written before any row) and for every example some run still lacks:
    - ``shared_prefill=True`` (``evaluation.fused``): one uncompressed prefill, each press's hooks replayed on it
      (:func:`evaluation.replay.replay_prefill`), then the runs decoded in batches
      (:func:`evaluation.replay.generate_answers`), presses with decode-time state exporting it after their
-     replay (the press contract, :mod:`presses.base`);
+     replay (the press contract, :mod:`presses.base`); presses with ``scores_once`` scored by
+     :mod:`evaluation.kvzip_path` and decoded one by one;
 
 5. appends one row per run (:func:`evaluation.harness.prediction_row`), then writes ``metrics.json``.
 
@@ -38,7 +39,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from evaluation import guards, harness, inputs
+from evaluation import guards, harness, inputs, kvzip_path, prompt_delimiter
 from evaluation.memo import ReplayMemo
 from evaluation.pipeline import TextGenerationPipeline
 from evaluation.registry import capabilities, export_decode_state, sharing
@@ -80,7 +81,7 @@ def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
         cfg, names = cfgs[k]
         press = instantiate(cfg.press) if cfg.press.get("_target_") else None
         caps = capabilities(press)
-        if shared_prefill:
+        if shared_prefill and not caps.scores_once:  # scored once per example instead (evaluation.kvzip_path)
             check_shareable(press, names["press"])
         if caps.needs_question and not cfg.query_aware:
             raise ValueError(
@@ -163,7 +164,7 @@ def _shared_rows(
     # presses differing only in ratio / correction / seed (SNIS) or ratio / protection (Page-EntroKV) compute their
     # proposals and observer attention once per layer
     memo = ReplayMemo()
-    for run in pending:
+    for run in (run for run in pending if not run.caps.scores_once):
         start = time.perf_counter()
         with torch.inference_mode(), sharing(run.press, memo):
             cache = replay_prefill(model, run.press, capture)
@@ -185,6 +186,11 @@ def _shared_rows(
         groups.setdefault(key, []).append(item)
     for group in groups.values():
         rows += _decode_group(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+    scored = [run for run in pending if run.caps.scores_once]  # one scoring pass, then each run decodes alone
+    for run, cache, seconds, masks in kvzip_path.selected_runs(scored, model, capture, context_ids):
+        with kvzip_path.masked_keys(model, masks):
+            item = (run, cache, seconds, (None,) * len(cache))
+            rows += _decode_group([item], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
     return rows
 
 
@@ -265,13 +271,14 @@ def evaluate(
     first = cfgs[pending[0]][0]
     dataset = prepared.dataset
     eager = any(run.caps.needs_eager for run in runs)
-    model, tokenizer = harness.get_model(
-        first.model, first.device, "eager" if eager else first.model.get("attn_implementation", "sdpa")
-    )
+    attn = "eager" if eager else first.model.get("attn_implementation", "sdpa")
+    model, tokenizer = harness.get_model(first.model, first.device, attn, prompt_delimiter.model_variant(runs))
     guards.check_model(model, tokenizer)
     pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
     examples = harness.run_examples(first, dataset, tokenizer)
+    examples, delimiter = prompt_delimiter.setup(runs, model, tokenizer, examples, first.seed)  # Finch
     tokens = _check_inputs(examples, runs, pipe, model, tokenizer, first.max_new_tokens, shared_prefill and eager)
+    tokens = prompt_delimiter.strip(tokens, delimiter)  # rows count the context the press compresses
     with harness.claim_runs([cfgs[run.index] for run in runs]) as claimed:  # held until metrics.json
         for run, (out, done) in zip(runs, claimed):
             run.out = out

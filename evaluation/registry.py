@@ -17,12 +17,15 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 
+import torch
 from kvpress import (
     AdaKVPress,
     ComposedPress,
     CriticalAdaKVPress,
     CriticalKVPress,
     ExpectedAttentionPress,
+    FinchPress,
+    KVzipPress,
     ObservedAttentionPress,
     PrefillDecodingPress,
     PyramidKVPress,
@@ -46,16 +49,26 @@ __all__ = [
     "inner_press",
     "press_input_problem",
     "export_decode_state",
+    "install_delimiter",
 ]
 
 #: kvpress presses by class, most specific first. Scorer presses compress in their forward hooks after the
 #: attention output is computed, so one recorded uncompressed prefill can be replayed for them
 #: (``evaluation.fused``). ObservedAttention (H2O) reads the eager attention weights its hook receives: a shared
 #: prefill run on eager attention records them and replays them exactly. PyramidKV keeps per-layer lengths that
-#: kvpress's question forward cannot follow, so it shares none.
+#: kvpress's question forward cannot follow, so it shares none. KVzip scores the prefill's cache with a
+#: context-reconstruction pass after the prefill (its ``__call__``) and selects per ratio: a sweep scores once per
+#: example (``evaluation.kvzip_path``). Finch finds the question by a delimiter token that the harness adds to the
+#: tokenizer and the model's embeddings and inserts between the document and the question
+#: (``evaluation.prompt_delimiter``); the delimiter's removal changes the prefill, so it shares none.
 KVPRESS: tuple[tuple[type, Capabilities], ...] = (
     (ObservedAttentionPress, Capabilities(needs_eager=True)),
     (PyramidKVPress, Capabilities(shares_prefill=False)),
+    (KVzipPress, Capabilities(shares_prefill=False, scores_once=True)),
+    (
+        FinchPress,
+        Capabilities(shares_prefill=False, needs_question=True, changes_prefill=True, needs_delimiter=True),
+    ),
     (ScorerPress, Capabilities()),
 )
 
@@ -108,6 +121,7 @@ def capabilities(press) -> Capabilities:
         decode_state=any(c.decode_state for c in caps),
         needs_eager=any(c.needs_eager for c in caps),
         composable=all(c.composable for c in caps),
+        needs_delimiter=any(c.needs_delimiter for c in caps),
     )
 
 
@@ -116,7 +130,8 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
 
     The limits (kvpress 0.5.5): SnapKV, PyramidKV and AdaKV over a windowed scorer need ``T > window_size``;
     StreamingLLM and ExpectedAttention need ``T > n_sink``; TOVA needs ``T >= 2``; AdaKV and PyramidKV do not
-    run on eager attention; PyramidKV cannot be followed by a multi-token forward (the pipeline's question).
+    run on eager attention; PyramidKV cannot be followed by a multi-token forward (the pipeline's question); KVzip
+    masks keys as AdaKV does, so it does not run on eager attention either.
     This project's presses compress any input they accept, and validate their own parameters, except that a
     :class:`presses.probabilistic.ProbabilisticEvictionPress` whose proposal is a kvpress scorer (``snapkv``,
     ``tova``, ``knorm`` or a ``ScorerPress`` instance) has that scorer's limits.
@@ -142,7 +157,7 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
         where = "press.window_size" if inner.proposal == "snapkv" else "press.proposal.window_size"
         return _score_problem(scorer, f"{label}(proposal={type(scorer).__name__})", T, where)
     eager = getattr(model.config, "_attn_implementation", None) == "eager"
-    if isinstance(press, AdaKVPress) and eager:
+    if isinstance(press, (AdaKVPress, KVzipPress)) and eager:
         return (
             f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
             "attention only): use sdpa"
@@ -223,3 +238,30 @@ def kept_entries(press, model, cache) -> list[float]:
         n_kv = text_config(model).num_key_value_heads
         return [n - (len(m[0]) / n_kv if m is not None else 0) for n, m in zip(lengths, masked)]
     return lengths
+
+
+def install_delimiter(press, model, tokenizer, seed: int = 0) -> str:
+    """Set up a press that needs a delimiter token (capability ``needs_delimiter``) on ``model`` and ``tokenizer``.
+
+    kvpress's ``FinchPress.update_model_and_tokenizer`` adds the token to ``tokenizer`` (once) and resizes
+    ``model``'s embeddings to the tokenizer's length, drawing the new rows at random (transformers' mean resizing):
+    the draw is seeded with ``seed`` here, on a forked random state, so a run is reproducible and the caller's
+    random state is untouched. Both objects are changed in place: give the press a model of its own
+    (``evaluation.harness.get_model``'s ``variant``).
+
+    Returns:
+        The delimiter token's text, to insert between the document and the question.
+
+    Raises:
+        ValueError: a wrapper holding such a press (kvpress's pipeline sets a Finch press up only when it is the press
+            itself).
+    """
+    if not isinstance(press, FinchPress):
+        raise ValueError(
+            f"{type(press).__name__} holds a press that needs a delimiter token (FinchPress), which works only as the "
+            "press itself: run FinchPress alone"
+        )
+    with torch.random.fork_rng():  # the CPU's random state and every CUDA device's
+        torch.manual_seed(seed)
+        press.update_model_and_tokenizer(model, tokenizer)
+    return press.delimiter_token

@@ -132,6 +132,13 @@ class PrefillCapture:
         self._handles = []
         return False
 
+    def uncompressed_cache(self) -> DynamicCache:
+        """A new cache holding copies of the recorded prefill's keys and values, as the prefill left it."""
+        cache = DynamicCache()
+        for i, (_, _, _, keys, values) in enumerate(self.layers):
+            cache.update(keys, values, i)  # copies
+        return cache
+
 
 @contextlib.contextmanager
 def _standing_in(module, forward) -> Iterator[None]:

@@ -70,6 +70,12 @@ class Capabilities:
             (:meth:`ResearchPress.export_decode_state`).
         needs_eager: the press reads the layers' attention weights (``attn_implementation="eager"``).
         composable: the press may share a ``ComposedPress`` with other presses (see each press's docstring).
+        scores_once: after an uncompressed prefill the press runs the model again on that cache to score it (KVzip's
+            context reconstruction), and the scores do not depend on the compression ratio: a sweep scores once per
+            example and selects per ratio (``evaluation.kvzip_path``) instead of replaying hooks.
+        needs_delimiter: the press finds the question inside the context by a delimiter token that must be added
+            to the tokenizer and the model's embeddings (Finch), between the document and the question
+            (``evaluation.prompt_delimiter``).
     """
 
     shares_prefill: bool = True
@@ -78,6 +84,8 @@ class Capabilities:
     decode_state: bool = False
     needs_eager: bool = False
     composable: bool = True
+    scores_once: bool = False
+    needs_delimiter: bool = False
 
 
 def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:

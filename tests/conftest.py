@@ -37,8 +37,10 @@ def make_tiny_llama(
     attn_implementation: str = "eager",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    attention_bias: bool = False,
 ):
-    """A random-weight LlamaForCausalLM with ``r = num_heads / num_kv_heads`` (GQA), in eval mode."""
+    """A random-weight LlamaForCausalLM with ``r = num_heads / num_kv_heads`` (GQA), in eval mode (``attention_bias``:
+    biases on the q/k/v/o projections)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -54,6 +56,7 @@ def make_tiny_llama(
         eos_token_id=2,
         pad_token_id=0,
         tie_word_embeddings=False,
+        attention_bias=attention_bias,
     )
     cfg._attn_implementation = attn_implementation
     model = LlamaForCausalLM(cfg).to(dtype).eval()

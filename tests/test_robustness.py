@@ -523,7 +523,7 @@ def _tiny_harness(monkeypatch, tmp_path, press: str, *overrides, n_samples=2, de
     tok_dir = tmp_path / "tokenizer"
     TOK.save_pretrained(tok_dir)
 
-    def tiny(model_cfg, device, attn):
+    def tiny(model_cfg, device, attn, variant=""):
         model = model_for(press, attn=attn)
         model.name_or_path = str(tok_dir)
         return model, TOK

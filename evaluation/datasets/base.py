@@ -20,6 +20,9 @@ class Example:
         max_new_tokens: generation length for this example, or None for the run's ``max_new_tokens``.
         task: sub-task name (RULER or LongBench task; the dataset name when there is one task).
         metadata: extra per-example fields written to ``predictions.jsonl`` (depth, context_length...).
+        question_start: where the question part starts inside ``context`` (characters) when ``query_aware=True`` put
+            it there: the document is ``context[:question_start]``. None otherwise, or when the dataset cannot say;
+            a press that needs a delimiter between the two (Finch) refuses such an example.
     """
 
     id: str
@@ -30,6 +33,7 @@ class Example:
     max_new_tokens: int | None = None
     task: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    question_start: int | None = None
 
 
 class DataUnavailableError(RuntimeError):

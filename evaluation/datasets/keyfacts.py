@@ -165,6 +165,7 @@ class KeyFactsDataset:
             answer_idx, key = with_fact[asked_fact], keys[asked_fact]
             context = HEADER + "\n\n".join(passages)
             asked = "\n\n" + INSTRUCTION + "\n\nQuestion: " + QUESTION_TEMPLATE.format(key=key) + "\nAnswer:"
+            question_start = len(context) if query_aware else None
             if query_aware:
                 context, asked = context + asked, ""
             out.append(
@@ -176,6 +177,7 @@ class KeyFactsDataset:
                     answer_prefix=ANSWER_PREFIX.format(key=key),
                     max_new_tokens=self.max_new_tokens,
                     task="keyfacts",
+                    question_start=question_start,
                     metadata={
                         "context_length": count_tokens(tokenizer, context + asked),
                         "target_length": length,

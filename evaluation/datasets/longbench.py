@@ -337,6 +337,7 @@ class LongBenchDataset:
                 )
             context, truncated = truncate_middle(tokenizer, context, budget), True
         length = count_tokens(tokenizer, context + question + prefix) if truncated else full
+        question_start = len(context) if query_aware else None
         if query_aware:
             context, question = context + question, ""
         row_id = row.get("_id", index)
@@ -360,6 +361,7 @@ class LongBenchDataset:
             max_new_tokens=DATASET2MAXLEN[task],
             task=task,
             metadata=meta,
+            question_start=question_start,
         )
 
     def score(self, prediction: str, example: Example) -> float:

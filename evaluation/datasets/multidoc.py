@@ -217,6 +217,7 @@ class MultiDocQADataset:
             question = question_t.format(name=names[answer_idx])
             asked = "\n\n" + INSTRUCTION + "\n\nQuestion: " + question + "\nAnswer:"
             answer = values[answer_idx]
+            question_start = len(context) if query_aware else None
             if query_aware:
                 context, asked = context + asked, ""
             out.append(
@@ -228,6 +229,7 @@ class MultiDocQADataset:
                     answer_prefix="",
                     max_new_tokens=self.max_new_tokens,
                     task=f"multidoc_{kind}",
+                    question_start=question_start,
                     metadata={
                         "context_length": count_tokens(tokenizer, context + asked),
                         "target_length": length,

@@ -127,6 +127,7 @@ class NeedleDataset:
             prefix = " ".join(parts[:at])  # the needle's leading space merges into its first token
             needle_start = len(tokenizer.encode(prefix, add_special_tokens=False)) if at else 0
             n_tokens = len(tokenizer.encode(context, add_special_tokens=False))
+            question_start = len(context) if query_aware else None
             if query_aware:
                 context, question = context + "\n\n" + question, ""
             out.append(
@@ -138,6 +139,7 @@ class NeedleDataset:
                     answer_prefix=ANSWER_PREFIX.format(key=key),
                     max_new_tokens=self.max_new_tokens,
                     task="needle",
+                    question_start=question_start,
                     metadata={
                         "depth": depth,
                         "context_length": n_tokens,

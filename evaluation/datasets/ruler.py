@@ -721,6 +721,7 @@ class RulerDataset:
     def _example(self, name: str, length: int, index: int, r: _Rendered, tokens: int, query_aware: bool) -> Example:
         task = RULER_TASKS[name]
         context, question = r.context, r.question
+        question_start = len(context) if query_aware else None
         if query_aware:
             context, question = context + question, ""
         meta = {"context_length": length, "prompt_tokens": tokens, "index": index, **r.metadata}
@@ -733,6 +734,7 @@ class RulerDataset:
             max_new_tokens=task.max_new_tokens,
             task=name,
             metadata=meta,
+            question_start=question_start,
         )
 
     # -- scoring ---------------------------------------------------------------------------------
