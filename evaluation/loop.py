@@ -51,6 +51,7 @@ from evaluation.replay import (
     replay_prefill,
     round_robin_by_task,
 )
+from presses import attention
 from presses.base import Capabilities
 
 logger = logging.getLogger("evaluation.loop")
@@ -269,6 +270,8 @@ def evaluate(
         first.model, first.device, "eager" if eager else first.model.get("attn_implementation", "sdpa")
     )
     guards.check_model(model, tokenizer)
+    if any(run.caps.uneven_layers for run in runs):
+        attention.install()  # one attention mask per layer, from its own cache length (presses.attention)
     pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
     examples = harness.run_examples(first, dataset, tokenizer)
     tokens = _check_inputs(examples, runs, pipe, model, tokenizer, first.max_new_tokens, shared_prefill and eager)

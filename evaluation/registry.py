@@ -51,16 +51,18 @@ __all__ = [
 #: kvpress presses by class, most specific first. Scorer presses compress in their forward hooks after the
 #: attention output is computed, so one recorded uncompressed prefill can be replayed for them
 #: (``evaluation.fused``). ObservedAttention (H2O) reads the eager attention weights its hook receives: a shared
-#: prefill run on eager attention records them and replays them exactly. PyramidKV keeps per-layer lengths that
-#: kvpress's question forward cannot follow, so it shares none.
+#: prefill run on eager attention records them and replays them exactly. PyramidKV keeps per-layer lengths, which
+#: the attention masks of the question forward fit only through the project's attention wrapper
+#: (``uneven_layers``); it runs through kvpress's pipeline (no shared prefill).
 KVPRESS: tuple[tuple[type, Capabilities], ...] = (
     (ObservedAttentionPress, Capabilities(needs_eager=True)),
-    (PyramidKVPress, Capabilities(shares_prefill=False)),
+    (PyramidKVPress, Capabilities(shares_prefill=False, uneven_layers=True)),
     (ScorerPress, Capabilities()),
 )
 
-#: Anything else (kvpress's other wrappers and presses, user presses): run it through kvpress's pipeline.
-UNKNOWN = Capabilities(shares_prefill=False)
+#: Anything else (kvpress's other wrappers and presses, user presses): run it through kvpress's pipeline, with the
+#: attention wrapper that fits each layer's mask to its own cache length (it may keep different counts per layer).
+UNKNOWN = Capabilities(shares_prefill=False, uneven_layers=True)
 
 #: kvpress wrappers that hold one press in a field (their capabilities follow the inner press for eager).
 _SINGLE_WRAPPERS = (AdaKVPress, CriticalKVPress, CriticalAdaKVPress)
@@ -108,6 +110,7 @@ def capabilities(press) -> Capabilities:
         decode_state=any(c.decode_state for c in caps),
         needs_eager=any(c.needs_eager for c in caps),
         composable=all(c.composable for c in caps),
+        uneven_layers=any(c.uneven_layers for c in caps),
     )
 
 
@@ -115,8 +118,9 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
     """Why kvpress's ``press`` cannot compress a ``T``-token context on ``model``, or None.
 
     The limits (kvpress 0.5.5): SnapKV, PyramidKV and AdaKV over a windowed scorer need ``T > window_size``;
-    StreamingLLM and ExpectedAttention need ``T > n_sink``; TOVA needs ``T >= 2``; AdaKV and PyramidKV do not
-    run on eager attention; PyramidKV cannot be followed by a multi-token forward (the pipeline's question).
+    StreamingLLM and ExpectedAttention need ``T > n_sink``; TOVA needs ``T >= 2``; AdaKV does not run on eager
+    attention. (PyramidKV's per-layer lengths need the attention wrapper the harness installs for it,
+    ``uneven_layers``, and nothing else.)
     This project's presses compress any input they accept, and validate their own parameters, except that a
     :class:`presses.probabilistic.ProbabilisticEvictionPress` whose proposal is a kvpress scorer (``snapkv``,
     ``tova``, ``knorm`` or a ``ScorerPress`` instance) has that scorer's limits.
@@ -125,7 +129,8 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
         press: the instantiated press (not None).
         model: the causal LM.
         context_length: ``T``.
-        multi_token_forward: a forward of more than one token follows the prefill on the compressed cache.
+        multi_token_forward: a forward of more than one token follows the prefill on the compressed cache (no
+            limit of kvpress 0.5.5 depends on it since the attention wrapper fits per-layer masks).
 
     Returns:
         A one-line message naming the press, the value and the limit, or None.
@@ -146,18 +151,6 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
         return (
             f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
             "attention only): use sdpa"
-        )
-    if isinstance(inner, PyramidKVPress) and eager:
-        return (
-            f"{label} keeps a different number of entries per layer, which the eager attention mask of the "
-            "decode step cannot follow (size mismatch): use sdpa"
-        )
-    if isinstance(inner, PyramidKVPress) and multi_token_forward:
-        return (
-            f"{label} keeps a different number of entries per layer, but transformers builds the attention "
-            "mask of a multi-token forward after the prefill (the question) from layer 0's cache length, so "
-            "the other layers fail with a size mismatch: it cannot answer questions through kvpress's pipeline "
-            "(kvpress 0.5.5, transformers 5.x)"
         )
     return _score_problem(inner, label, T)
 

@@ -70,6 +70,9 @@ class Capabilities:
             (:meth:`ResearchPress.export_decode_state`).
         needs_eager: the press reads the layers' attention weights (``attn_implementation="eager"``).
         composable: the press may share a ``ComposedPress`` with other presses (see each press's docstring).
+        uneven_layers: the press may leave different cache lengths per layer, which the attention masks
+            transformers builds from one layer's length do not fit: the harness installs the project's attention
+            wrapper (:func:`presses.attention.install`, :func:`presses.attention_bias.fit_mask`) before it runs.
     """
 
     shares_prefill: bool = True
@@ -78,6 +81,7 @@ class Capabilities:
     decode_state: bool = False
     needs_eager: bool = False
     composable: bool = True
+    uneven_layers: bool = False
 
 
 def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:

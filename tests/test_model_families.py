@@ -59,8 +59,8 @@ def _attentions(name: str) -> tuple[str, ...]:
     """The attention implementations the harness runs ``name`` with (the registry's limits, README Limits)."""
     if name == "observed_attention":
         return ("eager",)  # reads the attention weights
-    if name in ("adakv", "pyramidkv"):
-        return ("sdpa",)  # key masking patches sdpa / per-layer lengths break the eager decode mask
+    if name == "adakv":
+        return ("sdpa",)  # kvpress's key masking patches sdpa
     return ("sdpa", "eager")
 
 

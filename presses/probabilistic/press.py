@@ -153,8 +153,8 @@ class ProbabilisticEvictionPress(ResearchPress):
         attention, and then no shared prefill (the scorer alone replays from an eager capture, :mod:`evaluation.replay`;
         this press with it is not tested to, so it runs through kvpress's pipeline)."""
         if needs_attention_weights(self.scorer):
-            return Capabilities(shares_prefill=False, decode_state=True, needs_eager=True)
-        return Capabilities(decode_state=True)
+            return Capabilities(shares_prefill=False, decode_state=True, needs_eager=True, uneven_layers=True)
+        return Capabilities(decode_state=True, uneven_layers=True)
 
     @property
     def scorer(self) -> ScorerPress | None:
