@@ -119,8 +119,10 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
 
     The limits (kvpress 0.5.5): SnapKV, PyramidKV and AdaKV over a windowed scorer need ``T > window_size``;
     StreamingLLM and ExpectedAttention need ``T > n_sink``; TOVA needs ``T >= 2``; AdaKV does not run on eager
-    attention. (PyramidKV's per-layer lengths need the attention wrapper the harness installs for it,
-    ``uneven_layers``, and nothing else.)
+    attention; ExpectedAttention, and SnapKV, TOVA, PyramidKV and AdaKV without eager attention weights, recompute
+    attention in ways that fail or differ from the model's on Phi-4-mini, Gemma2 and Gemma3
+    (:func:`_recompute_problem`). (PyramidKV's per-layer lengths need the attention wrapper the harness installs for
+    it, ``uneven_layers``, and nothing else.)
     This project's presses compress any input they accept, and validate their own parameters, except that a
     :class:`presses.probabilistic.ProbabilisticEvictionPress` whose proposal is a kvpress scorer (``snapkv``,
     ``tova``, ``knorm`` or a ``ScorerPress`` instance) has that scorer's limits.
@@ -140,19 +142,56 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
         return None
     label = type(press).__name__ if inner is press else f"{type(press).__name__}({type(inner).__name__})"
     T = int(context_length)
+    eager = getattr(model.config, "_attn_implementation", None) == "eager"
     if isinstance(inner, ProbabilisticEvictionPress):
         scorer = inner.scorer  # only the proposal's score() is called, on every layer of the prefill
         if scorer is None:
             return None
         where = "press.window_size" if inner.proposal == "snapkv" else "press.proposal.window_size"
-        return _score_problem(scorer, f"{label}(proposal={type(scorer).__name__})", T, where)
-    eager = getattr(model.config, "_attn_implementation", None) == "eager"
+        label = f"{label}(proposal={type(scorer).__name__})"
+        return _recompute_problem(scorer, label, model, eager) or _score_problem(scorer, label, T, where)
+    problem = _recompute_problem(inner, label, model, eager)
+    if problem:
+        return problem
     if isinstance(press, AdaKVPress) and eager:
         return (
             f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
             "attention only): use sdpa"
         )
     return _score_problem(inner, label, T)
+
+
+def _recompute_problem(scorer, label: str, model, eager: bool) -> str | None:
+    """Why kvpress's ``scorer`` cannot recompute the attention of ``model``'s layers, or None.
+
+    kvpress 0.5.5 recomputes window attention (SnapKV and TOVA when the attention returns no weights, PyramidKV and
+    AdaKV through SnapKV) or an expected attention (ExpectedAttention, always) with RoPE over the whole head, logits
+    divided by ``sqrt(head_dim)``, no soft-cap, and ExpectedAttention calls ``module.rotary_emb`` without a layer
+    type. Phi-4-mini rotates ``partial_rotary_factor=0.75`` of each head (a size mismatch); Gemma scales by
+    ``query_pre_attn_scalar ** -0.5`` (other scores than the model's attention when it differs from ``head_dim``);
+    Gemma2 soft-caps; Gemma3 has one rotary embedding per layer type (kvpress issue #274). This project's presses
+    use the module's own rotation, scale and soft-cap (:mod:`presses.core.observer`).
+    """
+    always = isinstance(scorer, ExpectedAttentionPress)
+    if not (always or (isinstance(scorer, (SnapKVPress, TOVAPress)) and not eager)):
+        return None
+    config = text_config(model)
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor")
+    module = attention_modules(model)[0]
+    scaling = getattr(module, "scaling", None)
+    if factor is not None and factor < 1:
+        why = f"the model rotates partial_rotary_factor={factor} of it (kvpress 0.5.5 fails with a size mismatch)"
+    elif scaling is not None and abs(scaling * module.head_dim**0.5 - 1) > 1e-6:
+        why = f"the model scales its logits by {scaling:.6g}, not 1/sqrt(head_dim={module.head_dim})"
+    elif getattr(module, "attn_logit_softcapping", None):
+        why = f"the model soft-caps its logits (attn_logit_softcapping={module.attn_logit_softcapping})"
+    elif always and getattr(module, "layer_type", None) is not None and isinstance(rope.get(module.layer_type), dict):
+        why = "the model has one rotary embedding per layer type (kvpress issue #274: AttributeError 'None_inv_freq')"
+    else:
+        return None
+    fix = "" if always else ": load the model with attn_implementation='eager' (then it reads the model's weights)"
+    return f"{label} recomputes attention with RoPE over the whole head and logits / sqrt(head_dim), but {why}{fix}"
 
 
 def _score_problem(scorer, label: str, T: int, where: str = "press.window_size") -> str | None:

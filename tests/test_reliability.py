@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 from test_robustness import PROMPT_IDS, T_LONG, VOCAB, build, prefill
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache, QuantizedCache
+from transformers.cache_utils import QuantizedLayer
 
 from presses import attention
 from presses.attention_bias import AttentionBias
@@ -118,3 +119,188 @@ def test_pyramidkv_answers_through_the_harness(attn, monkeypatch, tmp_path):
     for row in rows:
         assert isinstance(row["prediction"], str) and row["prediction"]
         assert 0.45 < row["effective_compression"] < 0.55, row["effective_compression"]  # 0.5, averaged over layers
+
+
+# ---------------------------------------------------------------------------------------------- item 4
+OURS = ("page_entrokv", "snis_h2o", "snis_h2o_page", "entroprefill")
+
+
+@pytest.mark.parametrize("name", [*OURS, "snapkv"])
+def test_a_prompt_in_chunks_is_refused(name):
+    """Issue 32 item 4 (kvpress #186): a 320-token prompt prefilled as two 160-token forwards inside one
+    ``with press(model)`` block kept 224 (Page-EntroKV), 245 (probabilistic) and 240 (kvpress SnapKV) entries against
+    a budget of 160, silently; the second chunk is refused in one line, for this project's presses and kvpress's."""
+    model = _llama()
+    press = build(name, 0.5)
+    cache = DynamicCache()
+    half = T_LONG // 2
+    # EntroPrefill needs the question in its prefill: the whole prompt first, then a chunk more
+    first, second = (PROMPT_IDS, PROMPT_IDS[:, :half]) if name == "entroprefill" else PROMPT_IDS.split(half, dim=1)
+    with torch.no_grad(), press(model):
+        model.model(input_ids=first, past_key_values=cache)
+        kept = cache.get_seq_length()
+        with pytest.raises(ValueError, match=r"a forward of 160 tokens on a cache of .* prompt in chunks"):
+            model.model(input_ids=second, past_key_values=cache)
+        assert cache.get_seq_length() == kept  # nothing of the second chunk was stored
+        model(input_ids=QUESTION[:, :1], past_key_values=cache)  # decoding one token inside the block is fine
+
+
+def test_generate_with_prefill_chunks_is_refused_and_plain_generate_is_not():
+    """``model.generate(..., prefill_chunk_size=...)`` inside the block is refused; without chunks (one prefill, then
+    one token per step) it runs, as kvpress's README uses it."""
+    model = _llama()
+    press = build("page_entrokv", 0.5)
+    with torch.no_grad(), press(model):
+        with pytest.raises(ValueError, match="prompt in chunks"):
+            model.generate(PROMPT_IDS, max_new_tokens=2, do_sample=False, prefill_chunk_size=100, pad_token_id=0)
+        out = model.generate(PROMPT_IDS, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, T_LONG + 2)
+
+
+# ---------------------------------------------------------------------------------------------- item 5
+class _RoundingLayer(QuantizedLayer):
+    """A quantized cache layer whose "quantization" rounds to float16 (transformers' quanto and hqq backends are not
+    installed here); the storage works as QuantizedLayer's: a quantized part plus a residual of recent entries."""
+
+    def _quantize(self, tensor, axis):
+        return tensor.to(torch.float16)
+
+    def _dequantize(self, qtensor):
+        return qtensor.to(torch.float32)
+
+
+class RoundingCache(QuantizedCache):
+    def __init__(self, num_layers: int):
+        Cache.__init__(self, layers=[_RoundingLayer(residual_length=16) for _ in range(num_layers)])
+
+
+def _layer0_calls(model) -> list:
+    calls = []
+    model.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("name", OURS)
+def test_cache_kinds(name):
+    """Issue 32 item 5 (kvpress #27, PR #30): a QuantizedCache works with Page-EntroKV (kvpress's forward hook prunes
+    its quantized storage) and is refused by the others; a StaticCache and an offloading cache are refused by every
+    press of this project; every refusal comes before the first layer runs, in one line."""
+    from transformers import StaticCache
+
+    model = make_tiny_llama(num_layers=2, vocab=VOCAB, attn_implementation="sdpa", seed=3)
+    calls = _layer0_calls(model)
+    caches = {  # the cache, and the reason a refusal names
+        "QuantizedCache": (RoundingCache(2), "RoundingCache keeps the entries in quantized storage"),
+        "StaticCache": (StaticCache(config=model.config, max_cache_len=T_LONG + 8), "StaticCache stores entries at"),
+        "offloading": (DynamicCache(offloading=True), r"DynamicCache\(offloading=True\) moves each layer off"),
+    }
+    for kind, (cache, reason) in caches.items():
+        press = build(name, 0.5)
+        if kind == "QuantizedCache" and name == "page_entrokv":
+            with torch.no_grad(), press(model):
+                model.model(input_ids=PROMPT_IDS, past_key_values=cache)
+            dense = prefill(build(name, 0.5), model, PROMPT_IDS)
+            assert [cache.get_seq_length(i) for i in range(2)] == [dense.get_seq_length(i) for i in range(2)]
+            with torch.no_grad():
+                got = model(input_ids=QUESTION[:, :1], past_key_values=cache, position_ids=torch.tensor([[T_LONG]]))
+            want = _question_logits(model, dense, T_LONG)[:, :1]
+            torch.testing.assert_close(got.logits, want, atol=2e-2, rtol=0)  # float16 storage
+            continue
+        calls.clear()
+        with pytest.raises(ValueError, match=rf"cannot compress this cache: {reason}.*; use a DynamicCache"):
+            with torch.no_grad(), press(model):
+                model.model(input_ids=PROMPT_IDS, past_key_values=cache)
+        assert not calls  # refused before the prefill
+
+
+# ---------------------------------------------------------------------------------------------- item 7
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+def test_a_compiled_model_is_refused(how):
+    """Issue 32 item 7 (pytorch #117758): hooks registered after torch.compile never run in the compiled graph, so a
+    compiled model was silently not compressed; entering ``with press(model)`` refuses it in one line, for this
+    project's presses and kvpress's. (Compilation is lazy: nothing is compiled here.)"""
+    for name in (*OURS, "snapkv"):
+        model = make_tiny_llama(num_layers=1, vocab=VOCAB, attn_implementation="sdpa")
+        if how == "model.compile()":
+            model.compile()
+        else:
+            model = torch.compile(model)
+        with pytest.raises(ValueError, match=r"the model is compiled .*pytorch #117758"):
+            with build(name, 0.5)(model):
+                pass
+
+
+# ---------------------------------------------------------------------------------------------- item 6
+def _chat_tokenizer():
+    """The tests' byte tokenizer with a chat template that ends each turn with its own special token ``<eot>``."""
+    import copy
+
+    from test_robustness import TOK
+
+    tok = copy.deepcopy(TOK)
+    tok.add_special_tokens({"additional_special_tokens": ["<eot>"]})
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<eot>{% endfor %}"
+    return tok
+
+
+def _always(model, token: int):
+    """Make ``model`` answer ``token`` at every step (a hook on its output head)."""
+
+    def hook(module, args, output):
+        output = output.clone()
+        output[..., token] += 1e4
+        return output
+
+    return model.lm_head.register_forward_hook(hook)
+
+
+def test_stop_tokens_are_the_union_and_an_empty_union_names_the_model():
+    """Issue 32 item 6: the stop tokens are the union of the model config's, the generation config's and the
+    tokenizer's eos_token_id and the chat template's end-of-turn token; none at all is an error naming the model."""
+    import copy
+
+    from evaluation.guards import check_model
+    from evaluation.pipeline import end_of_turn_token, stop_token_ids
+
+    tok = _chat_tokenizer()
+    eot = tok.convert_tokens_to_ids("<eot>")
+    model = make_tiny_llama(num_layers=1, vocab=VOCAB, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = [5, 2]
+    assert end_of_turn_token(tok) == eot
+    assert stop_token_ids(model, tok) == sorted({2, 5, tok.eos_token_id, eot})
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    bare.eos_token = None
+    model.name_or_path = "tiny/no-eos"
+    with pytest.raises(ValueError, match="model 'tiny/no-eos' has no stop token"):
+        stop_token_ids(model, bare)
+    with pytest.raises(ValueError, match="has no stop token"):
+        check_model(model, bare)  # the harness refuses it before any run directory
+
+
+@pytest.mark.parametrize("path", ["pipeline", "batched"])
+def test_answers_stop_at_the_chat_templates_end_of_turn(path):
+    """Issue 32 item 6 (KVCache-Factory #12, lighteval #1278): a chat model whose end-of-turn token is not its
+    generation config's eos_token_id stops there (before, it ran to max_new_tokens with the next turn's text), through
+    kvpress's pipeline (evaluation.run) and the batched decode of evaluation.fused, also with eos_token_id None (which
+    raised a TypeError in evaluation/replay.py)."""
+    from evaluation.pipeline import TextGenerationPipeline
+    from evaluation.replay import generate_answers
+
+    tok = _chat_tokenizer()
+    eot = tok.convert_tokens_to_ids("<eot>")
+    model = make_tiny_llama(num_layers=1, vocab=VOCAB, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None if path == "batched" else tok.eos_token_id
+    pipe = TextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
+    caches = [prefill(None, model, PROMPT_IDS[:, :40]) for _ in range(1 if path == "pipeline" else 2)]
+    steps = []
+    handles = [_always(model, eot), model.model.register_forward_pre_hook(lambda *a: steps.append(1))]
+    try:
+        with torch.no_grad():
+            answers = generate_answers(pipe, QUESTION, caches, 40, max_new_tokens=8)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert answers == [""] * len(caches)  # <eot> <eot>, special tokens skipped
+    assert len(steps) == 2  # the question forward and one decode step: the second <eot> stops it

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import torch
 from kvpress import ComposedPress, PrefillDecodingPress, ScorerPress
 from torch import nn
-from transformers import QuantizedCache
 
 from presses import attention
 from presses.attention_bias import AttentionBias
@@ -275,8 +274,6 @@ class ProbabilisticEvictionPress(ResearchPress):
         attention.set_decode_bias(cache, module.layer_idx, None)
         if self.compression_ratio == 0:
             return keys, values
-        if isinstance(cache, QuantizedCache):
-            raise NotImplementedError("ProbabilisticEvictionPress does not support QuantizedCache")
         if keys.shape[2] != hidden_states.shape[1]:
             raise ValueError(
                 f"ProbabilisticEvictionPress got {keys.shape[2]} cache entries for a prefill of "
