@@ -53,6 +53,7 @@ from evaluation.replay import (
 )
 from presses import attention
 from presses.base import Capabilities
+from presses.kernels.process_cache import use_process_cache
 
 logger = logging.getLogger("evaluation.loop")
 
@@ -258,6 +259,7 @@ def evaluate(
         FileNotFoundError, OSError, ImportError, DataUnavailableError: a model or data that cannot be found.
     """
     prepared = prepared or inputs.prepare(cfgs)
+    use_process_cache()  # parallel jobs (joblib, shards, SLURM) never share Triton's kernel cache
     metrics = dict(prepared.finished)
     pending = prepared.pending(len(cfgs))
     if not pending:

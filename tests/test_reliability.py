@@ -304,3 +304,170 @@ def test_answers_stop_at_the_chat_templates_end_of_turn(path):
             handle.remove()
     assert answers == [""] * len(caches)  # <eot> <eot>, special tokens skipped
     assert len(steps) == 2  # the question forward and one decode step: the second <eot> stops it
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+#: sha256 prefixes of the synthetic draws below, recorded with the code before issue 32 (commit 53b2c5e): the CPU
+#: draws of every committed run must not change
+DRAWS_BEFORE = {
+    ("global", "token"): "9edf05ef1b91f4cc",
+    ("global", "page"): "379ea6ecd88aff1c",
+    ("head", "token"): "249fc8c3b67cda25",
+    ("head", "page"): "daec68deb6f646c5",
+}
+
+
+def _synthetic_draws(budget: str, unit: str, other_device: dict | None = None) -> tuple[str, list]:
+    """Evict three layers of fixed proposals with the press's own eviction (``finalize`` for the global budget,
+    ``_evict`` layer by layer for the head budget); keys hold their positions, so the kept rows show the draws.
+    ``other_device`` maps a layer to the device its proposal reports. Returns the digest and the kept positions."""
+    import hashlib
+    import types
+
+    from presses import ProbabilisticEvictionPress
+    from presses.probabilistic.budget import search_num_samples
+
+    press = ProbabilisticEvictionPress(0.5, budget=budget, unit=unit, page_size=4)
+    press.reset()
+    gen = torch.Generator().manual_seed(7)
+    B, G, t, d, L = 2, 2, 48, 4, 3
+    cache = DynamicCache()
+    layers = []
+    for i in range(L):
+        keys = torch.arange(B * G * t, dtype=torch.float32).view(B, G, t, 1).expand(B, G, t, d).contiguous()
+        cache.update(keys, keys.clone(), i)
+        n = t if unit == "token" else t // 4
+        pi = torch.rand(B, G, n, generator=gen, dtype=torch.float64).pow(3).float()
+        layers.append((types.SimpleNamespace(layer_idx=i), pi / pi.sum(-1, keepdim=True)))
+    press._seq_len = t
+    with _reported_devices({id(layers[j][1]): device for j, device in (other_device or {}).items()}):
+        if budget == "global":
+            for i, (module, pi) in enumerate(layers):
+                press._pending[i] = (module, cache, pi, cache.layers[i].keys, None)
+            press.finalize()
+        else:
+            for module, pi in layers:
+                layer = cache.layers[module.layer_idx]
+                m = search_num_samples(pi, 0.5, **press._search_options())
+                layer.keys, layer.values = press._evict(module, cache, layer.keys, layer.values, pi, m)
+    digest = hashlib.sha256()
+    kept = []
+    for i, state in enumerate(attention.take_decode_state(cache, L)):
+        kept.append(cache.layers[i].keys[..., 0].to(torch.int64))
+        digest.update(kept[-1].numpy().tobytes())
+        digest.update(state.bias.numpy().tobytes())
+    return digest.hexdigest()[:16], kept
+
+
+class _reported_devices:
+    """Inside the block, the tensors whose ``id`` is a key report the mapped device as ``.device`` (a device torch
+    places on the CPU, e.g. ``cpu:1``): a stand-in for a layer on a second device of a ``device_map``, on a machine
+    with one device. Every operation still runs on the CPU."""
+
+    def __init__(self, devices: dict):
+        self.devices = devices
+
+    def __enter__(self):
+        real = torch._C.TensorBase.device.__get__
+        devices = self.devices
+        torch.Tensor.device = property(lambda t: devices.get(id(t)) or real(t))
+        return self
+
+    def __exit__(self, *exc):
+        del torch.Tensor.device
+        return False
+
+
+@pytest.mark.parametrize("budget", ["global", "head"])
+@pytest.mark.parametrize("unit", ["token", "page"])
+def test_draws_do_not_depend_on_devices(budget, unit):
+    """Issue 32 item 8 (kvpress #240; pytorch #196613, #194676): the draws come from one CPU generator seeded once
+    per request and consumed in layer order, so (1) today's CPU draws are unchanged (digests recorded with the code
+    before the change), (2) a layer whose proposal lives on another device draws exactly what it draws on one device
+    (the generator was re-created, re-seeded, at each device change, so that layer replayed layer 0's draws), and the
+    global budget's search stacks every layer's proposal on one device."""
+    digest, kept = _synthetic_draws(budget, unit)
+    assert digest == DRAWS_BEFORE[(budget, unit)]
+    moved_digest, moved = _synthetic_draws(budget, unit, other_device={1: torch.device("cpu", 1)})
+    for a, b in zip(kept, moved):
+        assert torch.equal(a, b)
+    assert moved_digest == digest
+
+
+# ---------------------------------------------------------------------------------------------- item 9
+@pytest.mark.parametrize("name", [*OURS, "snis_min_h"])
+@pytest.mark.parametrize("budget", ["global", "head"])
+def test_presses_compress_with_autograd_on(name, budget):
+    """Issue 32 item 9: kvpress's own tests call the model without torch.no_grad(); the probabilistic press raised
+    ``RuntimeError: mul(): functions with out=... don't support automatic differentiation`` from its budget search
+    (both budgets). Every press of this project compresses with gradients enabled; the selection needs none."""
+    if budget == "head" and not name.startswith("snis"):
+        pytest.skip("the budget is an option of the probabilistic press")
+    model = _llama()
+    press = build(name, 0.5, **({"budget": budget} if name.startswith("snis") else {}))
+    assert torch.is_grad_enabled()
+    cache = DynamicCache()
+    with press(model):
+        model.model(input_ids=PROMPT_IDS, past_key_values=cache)
+    kept = [cache.get_seq_length(i) for i in range(len(cache))]
+    assert all(1 <= k <= T_LONG for k in kept)
+    if name != "entroprefill":  # EntroPrefill may keep everything on a random model (a bypass)
+        assert min(kept) < T_LONG
+
+
+# ---------------------------------------------------------------------------------------------- item 10
+def test_parallel_workers_get_triton_caches_of_their_own(tmp_path):
+    """Issue 32 item 10 (triton #2688, PR #11319): workers started by a process that set its Triton cache (Hydra's
+    joblib workers, pytest-xdist workers, shards) each compile into a directory of their own, removed at exit; a
+    directory the user chose is kept."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from presses.kernels import process_cache
+
+    source = Path(process_cache.__file__)
+    child = (
+        "import importlib.util, os; "
+        f"spec = importlib.util.spec_from_file_location('pc', {str(source)!r}); "
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+        "path = m.use_process_cache(); print(path, os.path.isdir(path))"
+    )
+    parent = process_cache.use_process_cache()  # this process's (tests/conftest.py set it)
+    env = dict(os.environ)
+    workers = [
+        subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE, text=True) for _ in "ab"
+    ]
+    dirs = [w.communicate(timeout=60)[0].split() for w in workers]
+    assert all(ok == "True" for _, ok in dirs)
+    paths = {path for path, _ in dirs}
+    assert len(paths) == 2 and parent not in paths and all("kvpress-research-triton" in p for p in paths)
+    assert not any(Path(p).exists() for p in paths)  # removed when each worker exited
+    user = dict(env, TRITON_CACHE_DIR=str(tmp_path))
+    user.pop(process_cache.OWNER, None)
+    out = subprocess.run([sys.executable, "-c", child], env=user, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split()[0] == str(tmp_path)
+
+
+def test_the_harness_takes_a_triton_cache_of_its_own(monkeypatch, tmp_path):
+    """Every parallel path of the harness (a joblib or SLURM job, a shard) runs evaluation.loop.evaluate, which takes
+    a Triton cache of the process's own before any kernel compiles, also when it inherited its parent's."""
+    import os
+
+    from test_robustness import _tiny_harness
+
+    from evaluation import run as entry
+    from presses.kernels import process_cache
+
+    inherited = tmp_path / "parent-cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(inherited))
+    monkeypatch.setenv(process_cache.OWNER, "1")  # set by another process (a launcher's)
+    seen = []
+    cfg, names = _tiny_harness(monkeypatch, tmp_path, "knorm", n_samples=1, depths="[0]")
+    real = __import__("evaluation.harness", fromlist=["get_model"]).get_model
+    monkeypatch.setattr(
+        "evaluation.harness.get_model", lambda *a: seen.append(os.environ["TRITON_CACHE_DIR"]) or real(*a)
+    )
+    entry.run(cfg, names)
+    assert seen and seen[0] != str(inherited) and os.environ[process_cache.OWNER] == str(os.getpid())
