@@ -20,9 +20,8 @@ registers :func:`chunk_guard`:
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
-
-import torch
 
 from presses.core.model import language_model, sliding_layers
 
@@ -34,8 +33,10 @@ _WARNED: weakref.WeakSet = weakref.WeakSet()  # models whose whole sliding layer
 
 
 def _compiled(model) -> str | None:
-    """How ``model`` (or a module or forward of it) was compiled, or None."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    """How ``model`` (or a module or forward of it) was compiled, or None. (Without ``torch._dynamo`` imported
+    nothing was compiled: it is not imported here.)"""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
         return "torch.compile(model)"
     for name, module in model.named_modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
