@@ -9,7 +9,8 @@ each with its test).
   context too short for the needle, ...) are checked by the dataset itself when it is built;
 - the run's examples (:func:`check_examples`): at least one (a shard past the last example, or filters that
   drop every example, give none);
-- the model (:func:`check_model`): the decoder layout every press hooks into (:func:`check_model_layout`);
+- the model (:func:`check_model`): the decoder layout every press hooks into (:func:`check_model_layout`) and a
+  stop token (:func:`evaluation.pipeline.stop_token_ids`);
 - each example on the model (:func:`check_model_input`): prompt plus answer within the model's positions, and
   token ids within its vocabulary;
 - each example under a press (:func:`check_press_input`): the press's limits, from the registry
@@ -110,17 +111,18 @@ def check_model_layout(model) -> None:
 
     Presses hook ``model.model.layers[i].self_attn`` (kvpress's ``BasePress.__call__``) and project window
     queries with its ``q_proj`` (or Phi-3's ``qkv_proj``) using ``config.num_attention_heads`` and
-    ``num_key_value_heads``.
+    ``num_key_value_heads``. A model that soft-caps its attention logits (Gemma2) runs on eager attention only:
+    transformers' sdpa ignores the soft-cap, so sdpa would compute another model.
 
     Raises:
-        ValueError: naming the model class and what is missing.
+        ValueError: naming the model class and what is missing, or the soft-cap and the implementation.
     """
     name = type(model).__name__
     layers = _decoder_layers(model)
     if layers is None or len(layers) == 0:
         raise ValueError(
             f"model class {name} is not supported by the presses: they need a decoder-only causal "
-            "LM with its layers at model.model.layers (Llama, Mistral, Qwen2/3, Phi-3, Gemma3)"
+            "LM with its layers at model.model.layers (Llama, Mistral, Qwen2/3, Phi-3, Gemma2/3)"
         )
     attn = getattr(layers[0], "self_attn", None)
     if attn is None or not (hasattr(attn, "q_proj") or hasattr(attn, "qkv_proj")) or not hasattr(attn, "layer_idx"):
@@ -131,17 +133,29 @@ def check_model_layout(model) -> None:
         )
     if not hasattr(_text_config(model), "num_attention_heads"):
         raise ValueError(f"model class {name} is not supported by the presses: config.num_attention_heads is missing")
+    softcap = getattr(_text_config(model), "attn_logit_softcapping", None)
+    impl = getattr(model.config, "_attn_implementation", None)
+    if softcap and impl != "eager":
+        raise ValueError(
+            f"model class {name} soft-caps its attention logits (attn_logit_softcapping={softcap}), which "
+            f"transformers' {impl} attention ignores: load it with attn_implementation='eager' "
+            "(model.attn_implementation=eager)"
+        )
 
 
 def check_model(model, tokenizer) -> None:
-    """Raise for a model the harness cannot run (:func:`check_model_layout`). Whether the tokenizer fits the
-    model is checked on the ids it produces (:func:`check_model_input`): a tokenizer may hold a few added tokens
-    beyond the embedding that no text produces (the embedded SmolLM2's has 5).
+    """Raise for a model the harness cannot run (:func:`check_model_layout`) or whose answers would never stop (no
+    stop token: :func:`evaluation.pipeline.stop_token_ids`). Whether the tokenizer fits the model is checked on the
+    ids it produces (:func:`check_model_input`): a tokenizer may hold a few added tokens beyond the embedding that no
+    text produces (the embedded SmolLM2's has 5).
 
     Raises:
-        ValueError: an unsupported layout.
+        ValueError: an unsupported layout, or no stop token (naming the model).
     """
+    from evaluation.pipeline import stop_token_ids  # kvpress only once a model is loaded
+
     check_model_layout(model)
+    stop_token_ids(model, tokenizer)
 
 
 def max_positions(model) -> int | None:

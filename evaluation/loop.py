@@ -52,7 +52,9 @@ from evaluation.replay import (
     replay_prefill,
     round_robin_by_task,
 )
+from presses import attention
 from presses.base import Capabilities
+from presses.kernels.process_cache import use_process_cache
 
 logger = logging.getLogger("evaluation.loop")
 
@@ -263,6 +265,7 @@ def evaluate(
         FileNotFoundError, OSError, ImportError, DataUnavailableError: a model or data that cannot be found.
     """
     prepared = prepared or inputs.prepare(cfgs)
+    use_process_cache()  # parallel jobs (joblib, shards, SLURM) never share Triton's kernel cache
     metrics = dict(prepared.finished)
     pending = prepared.pending(len(cfgs))
     if not pending:
@@ -274,6 +277,8 @@ def evaluate(
     attn = "eager" if eager else first.model.get("attn_implementation", "sdpa")
     model, tokenizer = harness.get_model(first.model, first.device, attn, prompt_delimiter.model_variant(runs))
     guards.check_model(model, tokenizer)
+    if any(run.caps.uneven_layers for run in runs):
+        attention.install()  # one attention mask per layer, from its own cache length (presses.attention)
     pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
     examples = harness.run_examples(first, dataset, tokenizer)
     examples, delimiter = prompt_delimiter.setup(runs, model, tokenizer, examples, first.seed)  # Finch

@@ -55,15 +55,16 @@ __all__ = [
 #: kvpress presses by class, most specific first. Scorer presses compress in their forward hooks after the
 #: attention output is computed, so one recorded uncompressed prefill can be replayed for them
 #: (``evaluation.fused``). ObservedAttention (H2O) reads the eager attention weights its hook receives: a shared
-#: prefill run on eager attention records them and replays them exactly. PyramidKV keeps per-layer lengths that
-#: kvpress's question forward cannot follow, so it shares none. KVzip scores the prefill's cache with a
-#: context-reconstruction pass after the prefill (its ``__call__``) and selects per ratio: a sweep scores once per
-#: example (``evaluation.kvzip_path``). Finch finds the question by a delimiter token that the harness adds to the
-#: tokenizer and the model's embeddings and inserts between the document and the question
+#: prefill run on eager attention records them and replays them exactly. PyramidKV keeps per-layer lengths, which
+#: the attention masks of the question forward fit only through the project's attention wrapper
+#: (``uneven_layers``); it runs through kvpress's pipeline (no shared prefill). KVzip scores the prefill's cache
+#: with a context-reconstruction pass after the prefill (its ``__call__``) and selects per ratio: a sweep scores
+#: once per example (``evaluation.kvzip_path``). Finch finds the question by a delimiter token that the harness adds
+#: to the tokenizer and the model's embeddings and inserts between the document and the question
 #: (``evaluation.prompt_delimiter``); the delimiter's removal changes the prefill, so it shares none.
 KVPRESS: tuple[tuple[type, Capabilities], ...] = (
     (ObservedAttentionPress, Capabilities(needs_eager=True)),
-    (PyramidKVPress, Capabilities(shares_prefill=False)),
+    (PyramidKVPress, Capabilities(shares_prefill=False, uneven_layers=True)),
     (KVzipPress, Capabilities(shares_prefill=False, scores_once=True)),
     (
         FinchPress,
@@ -72,8 +73,9 @@ KVPRESS: tuple[tuple[type, Capabilities], ...] = (
     (ScorerPress, Capabilities()),
 )
 
-#: Anything else (kvpress's other wrappers and presses, user presses): run it through kvpress's pipeline.
-UNKNOWN = Capabilities(shares_prefill=False)
+#: Anything else (kvpress's other wrappers and presses, user presses): run it through kvpress's pipeline, with the
+#: attention wrapper that fits each layer's mask to its own cache length (it may keep different counts per layer).
+UNKNOWN = Capabilities(shares_prefill=False, uneven_layers=True)
 
 #: kvpress wrappers that hold one press in a field (their capabilities follow the inner press for eager).
 _SINGLE_WRAPPERS = (AdaKVPress, CriticalKVPress, CriticalAdaKVPress)
@@ -122,6 +124,7 @@ def capabilities(press) -> Capabilities:
         needs_eager=any(c.needs_eager for c in caps),
         composable=all(c.composable for c in caps),
         needs_delimiter=any(c.needs_delimiter for c in caps),
+        uneven_layers=any(c.uneven_layers for c in caps),
     )
 
 
@@ -129,9 +132,11 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
     """Why kvpress's ``press`` cannot compress a ``T``-token context on ``model``, or None.
 
     The limits (kvpress 0.5.5): SnapKV, PyramidKV and AdaKV over a windowed scorer need ``T > window_size``;
-    StreamingLLM and ExpectedAttention need ``T > n_sink``; TOVA needs ``T >= 2``; AdaKV and PyramidKV do not
-    run on eager attention; PyramidKV cannot be followed by a multi-token forward (the pipeline's question); KVzip
-    masks keys as AdaKV does, so it does not run on eager attention either.
+    StreamingLLM and ExpectedAttention need ``T > n_sink``; TOVA needs ``T >= 2``; AdaKV does not run on eager
+    attention, nor KVzip, which masks keys as AdaKV does; ExpectedAttention, and SnapKV, TOVA, PyramidKV and AdaKV
+    without eager attention weights, recompute attention in ways that fail or differ from the model's on
+    Phi-4-mini, Gemma2 and Gemma3 (:func:`_recompute_problem`). (PyramidKV's per-layer lengths need the attention
+    wrapper the harness installs for it, ``uneven_layers``, and nothing else.)
     This project's presses compress any input they accept, and validate their own parameters, except that a
     :class:`presses.probabilistic.ProbabilisticEvictionPress` whose proposal is a kvpress scorer (``snapkv``,
     ``tova``, ``knorm`` or a ``ScorerPress`` instance) has that scorer's limits.
@@ -140,7 +145,8 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
         press: the instantiated press (not None).
         model: the causal LM.
         context_length: ``T``.
-        multi_token_forward: a forward of more than one token follows the prefill on the compressed cache.
+        multi_token_forward: a forward of more than one token follows the prefill on the compressed cache (no
+            limit of kvpress 0.5.5 depends on it since the attention wrapper fits per-layer masks).
 
     Returns:
         A one-line message naming the press, the value and the limit, or None.
@@ -150,31 +156,56 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
         return None
     label = type(press).__name__ if inner is press else f"{type(press).__name__}({type(inner).__name__})"
     T = int(context_length)
+    eager = getattr(model.config, "_attn_implementation", None) == "eager"
     if isinstance(inner, ProbabilisticEvictionPress):
         scorer = inner.scorer  # only the proposal's score() is called, on every layer of the prefill
         if scorer is None:
             return None
         where = "press.window_size" if inner.proposal == "snapkv" else "press.proposal.window_size"
-        return _score_problem(scorer, f"{label}(proposal={type(scorer).__name__})", T, where)
-    eager = getattr(model.config, "_attn_implementation", None) == "eager"
+        label = f"{label}(proposal={type(scorer).__name__})"
+        return _recompute_problem(scorer, label, model, eager) or _score_problem(scorer, label, T, where)
+    problem = _recompute_problem(inner, label, model, eager)
+    if problem:
+        return problem
     if isinstance(press, (AdaKVPress, KVzipPress)) and eager:
         return (
             f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
             "attention only): use sdpa"
         )
-    if isinstance(inner, PyramidKVPress) and eager:
-        return (
-            f"{label} keeps a different number of entries per layer, which the eager attention mask of the "
-            "decode step cannot follow (size mismatch): use sdpa"
-        )
-    if isinstance(inner, PyramidKVPress) and multi_token_forward:
-        return (
-            f"{label} keeps a different number of entries per layer, but transformers builds the attention "
-            "mask of a multi-token forward after the prefill (the question) from layer 0's cache length, so "
-            "the other layers fail with a size mismatch: it cannot answer questions through kvpress's pipeline "
-            "(kvpress 0.5.5, transformers 5.x)"
-        )
     return _score_problem(inner, label, T)
+
+
+def _recompute_problem(scorer, label: str, model, eager: bool) -> str | None:
+    """Why kvpress's ``scorer`` cannot recompute the attention of ``model``'s layers, or None.
+
+    kvpress 0.5.5 recomputes window attention (SnapKV and TOVA when the attention returns no weights, PyramidKV and
+    AdaKV through SnapKV) or an expected attention (ExpectedAttention, always) with RoPE over the whole head, logits
+    divided by ``sqrt(head_dim)``, no soft-cap, and ExpectedAttention calls ``module.rotary_emb`` without a layer
+    type. Phi-4-mini rotates ``partial_rotary_factor=0.75`` of each head (a size mismatch); Gemma scales by
+    ``query_pre_attn_scalar ** -0.5`` (other scores than the model's attention when it differs from ``head_dim``);
+    Gemma2 soft-caps; Gemma3 has one rotary embedding per layer type (kvpress issue #274). This project's presses
+    use the module's own rotation, scale and soft-cap (:mod:`presses.core.observer`).
+    """
+    always = isinstance(scorer, ExpectedAttentionPress)
+    if not (always or (isinstance(scorer, (SnapKVPress, TOVAPress)) and not eager)):
+        return None
+    config = text_config(model)
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor")
+    module = attention_modules(model)[0]
+    scaling = getattr(module, "scaling", None)
+    if factor is not None and factor < 1:
+        why = f"the model rotates partial_rotary_factor={factor} of it (kvpress 0.5.5 fails with a size mismatch)"
+    elif scaling is not None and abs(scaling * module.head_dim**0.5 - 1) > 1e-6:
+        why = f"the model scales its logits by {scaling:.6g}, not 1/sqrt(head_dim={module.head_dim})"
+    elif getattr(module, "attn_logit_softcapping", None):
+        why = f"the model soft-caps its logits (attn_logit_softcapping={module.attn_logit_softcapping})"
+    elif always and getattr(module, "layer_type", None) is not None and isinstance(rope.get(module.layer_type), dict):
+        why = "the model has one rotary embedding per layer type (kvpress issue #274: AttributeError 'None_inv_freq')"
+    else:
+        return None
+    fix = "" if always else ": load the model with attn_implementation='eager' (then it reads the model's weights)"
+    return f"{label} recomputes attention with RoPE over the whole head and logits / sqrt(head_dim), but {why}{fix}"
 
 
 def _score_problem(scorer, label: str, T: int, where: str = "press.window_size") -> str | None:

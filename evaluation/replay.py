@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from evaluation.pipeline import stop_token_ids
 from evaluation.registry import capabilities
 from presses import attention
 from presses.attention_bias import AttentionBias
@@ -274,8 +275,8 @@ def generate_answers(
         input_ids=question_ids.expand(n, -1), past_key_values=cache, position_ids=position_ids, logits_to_keep=1
     )
     position = context_length + question_ids.shape[1]
-    stop = model.generation_config.eos_token_id
-    stop = torch.tensor(stop if isinstance(stop, list) else [stop], device=model.device)
+    stop = getattr(pipe, "stop_token_ids", None) or stop_token_ids(model, pipe.tokenizer)  # every token ending a turn
+    stop = torch.tensor(stop, device=model.device)
     last = outputs.logits[:, -1].argmax(-1)
     tokens = [[token] for token in last.tolist()]  # the first token is never a stop
     active = torch.arange(n, device=model.device)  # rows still decoding; finished rows leave the batch

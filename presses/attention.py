@@ -17,7 +17,11 @@ which is the ``key`` the attention function receives.
 :func:`install` wraps transformers' ``sdpa`` and ``eager`` attention functions (``ALL_ATTENTION_FUNCTIONS``, on
 top of kvpress's own patch) once per process. Without a request for the call's cache the wrapper calls the
 wrapped function unchanged (``eager``: the ``eager_attention_forward`` of the module's own modeling file), so
-a model without a press computes exactly what it computes without the wrapper. A prefill from position 0
+a model without a press computes exactly what it computes without the wrapper. Every call, with or without a
+request, first fits the model's attention mask to the layer's own key count
+(:func:`presses.attention_bias.fit_mask`): transformers builds one mask per forward from one layer's cache length,
+which the other layers of a cache with per-layer lengths (PyramidKV, a sliding-window layer left whole) do not
+share; a mask that fits is passed on untouched. A prefill from position 0
 (queries and keys cover the same positions) drops the cache's old biases (they describe an earlier content).
 
 The functions below are the only way in and out: presses call :func:`set_decode_bias`,
@@ -35,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from presses.attention_bias import AttentionBias, biased_attention
+from presses.attention_bias import AttentionBias, biased_attention, fit_mask
 
 __all__ = [
     "CacheRequests",
@@ -118,6 +122,7 @@ def _wrap(func, name: str):
         return (func or _eager(module))(module, *args, **kwargs)
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        attention_mask = fit_mask(attention_mask, key.shape[2])  # per-layer cache lengths (fit_mask)
         requests = _find(module, key)
         if requests is None:
             return call(module, query, key, value, attention_mask, *args, **kwargs)
@@ -136,6 +141,7 @@ def _wrap(func, name: str):
         return biased_attention(module, query, key, value, attention_mask, bias, call, name, args, kwargs)
 
     attention._kvpress_research_attention = True
+    attention.__wrapped__ = func  # the wrapped function (None: the module's own eager_attention_forward)
     attention.__name__ = f"kvpress_research_{name}_attention"
     return attention
 

@@ -29,6 +29,7 @@ from presses.kernels import biased_decode_attention, use_triton
 
 __all__ = [
     "AttentionBias",
+    "fit_mask",
     "bias_mask",
     "decode_bias",
     "grouped_sdpa",
@@ -59,6 +60,39 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
     return mask.to(dtype)
+
+
+def fit_mask(attention_mask, key_length: int):
+    """The model's attention mask fitted to a layer whose cache holds ``key_length`` entries.
+
+    transformers builds a forward's mask once, from one layer's cache length (layer 0's, or the first layer of the
+    mask's kind, ``masking_utils.create_causal_mask``), and every layer of that kind reads it. After a press that
+    keeps different counts per layer (PyramidKV, probabilistic eviction with ``budget="head"``, a sliding-window
+    layer left whole next to compressed full layers) the other layers hold more or fewer keys; the entries written
+    by the forward itself (the question, a decoded token) are the last columns of every layer. A wider mask keeps
+    its last ``key_length`` columns (as :func:`bias_mask` does for biased layers; eager attention would otherwise
+    take the first ones and lose the question's causal pattern, sdpa raises a size mismatch); a narrower one gets
+    ``key_length - K'`` leading columns that every query may attend (the older prompt entries, which precede every
+    query of the forward). A mask that already fits, or anything but a 4-d tensor (``None``, a flex ``BlockMask``),
+    is returned as is, so a model whose layers hold equal lengths computes exactly what it computes without this.
+
+    Args:
+        attention_mask: ``None`` or a boolean keep-mask / additive float mask ``(B|1, 1|H_Q, q, K')``.
+        key_length: ``K``, the layer's key count (its cache after this forward's update).
+
+    Returns:
+        The mask ``(..., q, K)`` (a view of the model's mask when it is cut), or ``attention_mask`` itself.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return attention_mask
+    width = attention_mask.shape[-1]
+    if width == key_length:
+        return attention_mask
+    if width > key_length:
+        return attention_mask[..., width - key_length :]
+    shape = (*attention_mask.shape[:-1], key_length - width)
+    allowed = attention_mask.new_ones(shape) if attention_mask.dtype == torch.bool else attention_mask.new_zeros(shape)
+    return torch.cat([allowed, attention_mask], dim=-1)
 
 
 def bias_mask(

@@ -8,6 +8,7 @@ and a :class:`ResearchPress`:
 - :meth:`ResearchPress.reset`: the one per-request reset, called at the start of every prefill (by a forward
   pre-hook on the language model that every press of this project registers);
 - :meth:`ResearchPress.check_wrappers`: refuse, before any compute, a wrapper the press cannot work in;
+- :meth:`ResearchPress.check_cache`: refuse, before any compute, a cache kind the press cannot compress;
 - :meth:`ResearchPress.summary`: statistics of the last prefill, written to each prediction row, with the
   standard key ``kept_entries`` (:data:`KEPT_ENTRIES`);
 - :meth:`ResearchPress.export_decode_state` / :meth:`ResearchPress.import_decode_state`: the per-layer
@@ -22,8 +23,9 @@ and hooks a press needs beyond the attention hooks (on the language model or the
 declared by :meth:`ResearchPress.model_hooks` and registered there. Those hooks act only while the press is
 in use (:func:`press_in_use`): this module tracks which kvpress presses are inside their ``with press(model)``
 block, per model, by wrapping kvpress's ``BasePress.__call__`` once (every kvpress press and wrapper enters
-through it), and removes a press's model hooks when the outermost press holding it leaves the model.
-ARCHITECTURE.md shows the flow.
+through it), and removes a press's model hooks when the outermost press holding it leaves the model. The same
+wrap gives every block the checks of :mod:`presses.blocks` (a compiled model refused, sliding-window layers left
+whole, a prompt in chunks refused). ARCHITECTURE.md shows the flow.
 """
 
 from __future__ import annotations
@@ -36,13 +38,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvpress.presses.base_press import BasePress
+from transformers import DynamicCache, QuantizedCache
+from transformers.cache_utils import DynamicLayer
 
-from presses import attention
+from presses import attention, blocks
 from presses.core.model import language_model
 
 __all__ = [
     "Capabilities",
     "KEPT_ENTRIES",
+    "cache_problem",
     "ResearchPress",
     "held_presses",
     "kept_entries_text",
@@ -76,6 +81,9 @@ class Capabilities:
         needs_delimiter: the press finds the question inside the context by a delimiter token that must be added
             to the tokenizer and the model's embeddings (Finch), between the document and the question
             (``evaluation.prompt_delimiter``).
+        uneven_layers: the press may leave different cache lengths per layer, which the attention masks
+            transformers builds from one layer's length do not fit: the harness installs the project's attention
+            wrapper (:func:`presses.attention.install`, :func:`presses.attention_bias.fit_mask`) before it runs.
     """
 
     shares_prefill: bool = True
@@ -86,6 +94,7 @@ class Capabilities:
     composable: bool = True
     scores_once: bool = False
     needs_delimiter: bool = False
+    uneven_layers: bool = False
 
 
 def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:
@@ -123,6 +132,31 @@ def held_presses(owner: Any, depth: int = 4):
                 yield from held_presses(child, depth - 1)
 
 
+def cache_problem(cache, quantized: bool = False) -> str | None:
+    """Why a press of this project cannot compress ``cache``, or None (issue 32 item 5).
+
+    The presses replace a layer's ``keys`` and ``values`` by shorter tensors after its attention: a ``DynamicCache``
+    (its layers ``DynamicLayer``, sliding-window ones included) takes that; a ``StaticCache`` writes later tokens at
+    fixed slots of preallocated tensors, an offloading cache (``DynamicCache(offloading=True)``, transformers' former
+    ``OffloadedCache``) has moved the layer off the device by then, and a ``QuantizedCache`` keeps most entries in its
+    quantized storage (only a press that compresses through kvpress's ``forward_hook``, which prunes that storage,
+    takes it: ``quantized=True``).
+
+    Returns:
+        A one-line reason naming the cache class, or None (also for ``cache=None``).
+    """
+    if cache is None:
+        return None
+    name = type(cache).__name__
+    if getattr(cache, "offloading", False):
+        return f"{name}(offloading=True) moves each layer off the device before the press compresses it"
+    if isinstance(cache, QuantizedCache):
+        return None if quantized else f"{name} keeps the entries in quantized storage, which this press cannot prune"
+    if not isinstance(cache, DynamicCache) or any(not isinstance(layer, DynamicLayer) for layer in cache.layers):
+        return f"{name} stores entries at fixed slots, which a shorter layer cannot follow"
+    return None
+
+
 def kept_entries_text(kept) -> str:
     """The :data:`KEPT_ENTRIES` value: kept entries per KV head, one number per layer, comma-separated."""
     return ",".join(f"{float(k):.6g}" for k in kept)
@@ -154,12 +188,23 @@ def _track_kvpress_blocks() -> None:
 
     @contextmanager
     def tracked_call(self, model):
+        blocks.check_model(model)  # a compiled model, a sliding mask built from a compressed layer (presses.blocks)
         active = _ACTIVE.setdefault(model, [])
         active.append(self)
+        guard, skipping = None, False
         try:
+            if len(active) == 1:  # the outermost block refuses a prompt in chunks
+                guard = blocks.chunk_guard(model)
+            skipping = blocks.skip_sliding_layers(self, model)  # sliding-window layers stay whole
+            if skipping:  # whole sliding layers next to compressed ones: one mask per layer (fit_mask)
+                attention.install()
             with kvpress_call(self, model):
                 yield
         finally:
+            if skipping:
+                blocks.restore_hook(self)
+            if guard is not None:
+                guard.remove()
             del active[next(k for k in range(len(active) - 1, -1, -1) if active[k] is self)]
             for press in held_presses(self):
                 if isinstance(press, ResearchPress) and not any(wrapper_path(o, press) for o in active):
@@ -238,6 +283,17 @@ class ResearchPress(BasePress):
             self.__dict__["_memo"] = previous
 
     # ------------------------------------------------------------------ hooks beyond the attention hooks
+    def check_cache(self, cache) -> None:
+        """Raise a ``ValueError`` when the press cannot compress ``cache`` (:func:`cache_problem`), called when a
+        prefill starts, before any layer runs. Accepts a ``DynamicCache`` (and ``None``) by default.
+
+        Raises:
+            ValueError: naming the press, the cache class and what to use instead.
+        """
+        problem = cache_problem(cache)
+        if problem:
+            raise ValueError(f"{type(self).__name__} cannot compress this cache: {problem}; use a DynamicCache")
+
     def check_wrappers(self, path: list) -> None:
         """Raise a ``ValueError`` when the press cannot work inside the wrappers that hold it.
 
@@ -260,6 +316,7 @@ class ResearchPress(BasePress):
     def _prefill_start_hook(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
         if cache is None or cache.get_seq_length() == 0:
+            self.check_cache(cache)
             self.check_wrappers(self.__dict__.get("_wrapper_path") or [self])
             self.reset()
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from presses.core.observer import check_window, window_queries
+from presses.core.observer import attention_logit_options, check_window, window_queries
 from presses.kernels import window_attention
 
 __all__ = ["observer_attention", "memoized_observers"]
@@ -62,7 +62,8 @@ def observer_attention(
 
     Uses the layer's eager attention weights when kvpress passes them, and otherwise recomputes the
     window queries and calls the dispatch point :func:`presses.kernels.window_attention` (Triton on
-    CUDA, :func:`observer_attention_reference` elsewhere).
+    CUDA, :func:`observer_attention_reference` elsewhere) with the module's logit scale and soft-cap
+    (:func:`presses.core.observer.attention_logit_options`), so the rows are the model's own.
 
     Args:
         module: the attention module the kvpress hook fired on.
@@ -82,4 +83,5 @@ def observer_attention(
     check_window(window_size, T)
     if attentions is not None:
         return attentions[..., -window_size:, :].float().mean(dim=-2)
-    return window_attention(window_queries(module, hidden_states, window_size, position_embeddings), keys)
+    queries = window_queries(module, hidden_states, window_size, position_embeddings)
+    return window_attention(queries, keys, *attention_logit_options(module))  # the model's scale and soft-cap

@@ -9,11 +9,16 @@ import os
 # can export TRITON_INTERPRET=0 to compile the kernels instead.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from presses.kernels.process_cache import use_process_cache
+
+use_process_cache()  # every pytest-xdist worker compiles into a Triton cache of its own (issue 32 item 10)
+
 # one thread per pytest-xdist worker (make test runs one worker per core); two threads otherwise
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 

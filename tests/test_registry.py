@@ -41,7 +41,9 @@ def test_capabilities():
     assert capabilities(KnormPress(0.5)).shares_prefill and not capabilities(KnormPress(0.5)).decode_state
     assert capabilities(ObservedAttentionPress(0.5)).needs_eager
     assert capabilities(ObservedAttentionPress(0.5)).shares_prefill  # on an eager capture (evaluation.replay)
-    assert not capabilities(PyramidKVPress(0.5)).shares_prefill
+    assert not capabilities(PyramidKVPress(0.5)).shares_prefill and capabilities(PyramidKVPress(0.5)).uneven_layers
+    assert capabilities(AdaKVPress(PyramidKVPress(0.5))).uneven_layers
+    assert not capabilities(SnapKVPress(0.5)).uneven_layers
     assert capabilities(PageEntroKVPress(0.5)).shares_prefill
     snis = capabilities(ProbabilisticEvictionPress(0.5))
     assert snis.shares_prefill and snis.decode_state

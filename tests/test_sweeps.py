@@ -35,13 +35,13 @@ def _jobs(cfg, extra=()) -> list[dict[str, str]]:
 
 
 def _grid_presses(hydra_compose) -> set[str]:
-    """Every press config but the baseline, PyramidKV (README, Limits) and the presses that need the question inside
-    the context (the registry's ``needs_question``: the grid runs kvpress's protocol, the question after)."""
+    """Every press config but the baseline and the presses that need the question inside the context (the registry's
+    ``needs_question``: the grid runs kvpress's protocol, the question after)."""
     from hydra.utils import instantiate
 
     from evaluation.registry import capabilities
 
-    names = {p.stem for p in (CONFIG_DIR / "press").glob("*.yaml")} - {"no_press", "pyramidkv"}
+    names = {p.stem for p in (CONFIG_DIR / "press").glob("*.yaml")} - {"no_press"}
     return {n for n in names if not capabilities(instantiate(hydra_compose([f"press={n}"]).press)).needs_question}
 
 

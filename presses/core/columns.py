@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from presses.core.observer import softcap_logits
+
 __all__ = ["column_sums", "harmonic_prior"]
 
 
@@ -18,6 +20,7 @@ def column_sums(
     row_weights: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     scaling: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Weighted column sums of causal softmax attention for one block of query rows.
 
@@ -31,6 +34,7 @@ def column_sums(
         rows: ``(n,)`` absolute positions of the rows (query at position ``p`` sees keys ``<= p``);
             default the last ``n`` positions ``t - n .. t - 1``.
         scaling: logit scale, default ``d ** -0.5``.
+        softcap: the attention soft-cap applied to the scaled logits (Gemma2), or None.
 
     Returns:
         ``(B, H_Q, t)`` float32.
@@ -51,7 +55,7 @@ def column_sums(
     end = int(rows.max()) + 1 if rows.numel() else 0  # keys beyond the last row are never visible
     q = queries.float().reshape(B, G, r * n, d)
     logits = torch.matmul(q, keys[:, :, :end].float().transpose(-1, -2)) * scaling  # (B, G, r*n, end)
-    logits = logits.view(B, G, r, n, end)
+    logits = softcap_logits(logits, softcap).view(B, G, r, n, end)
     future = torch.arange(end, device=keys.device).view(1, end) > rows.view(n, 1)
     probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
     if row_weights is not None:

@@ -7,7 +7,7 @@ and the studies import these instead of re-deriving it.
 
 from __future__ import annotations
 
-__all__ = ["attention_modules", "decoder_layers", "language_model", "text_config"]
+__all__ = ["attention_modules", "decoder_layers", "language_model", "sliding_layers", "text_config"]
 
 
 def language_model(model):
@@ -31,3 +31,28 @@ def text_config(model):
     """The text model's config (``config.text_config`` for multimodal wrappers, else ``config``)."""
     config = model.config
     return getattr(config, "text_config", None) or config
+
+
+def sliding_layers(model) -> dict[int, int]:
+    """The layers whose attention sees only a sliding window of recent positions, with their window.
+
+    From the text config: ``sliding_window`` applies to the layers ``layer_types`` marks ``"sliding_attention"``
+    (Gemma2, Gemma3, Qwen2 with ``use_sliding_window``), or to every layer when the config has no ``layer_types``
+    (Mistral, Phi-3). A window no shorter than ``max_position_embeddings`` never excludes a position the model can
+    take (Phi-3.5-mini's 262144 against 131072 positions), so its layers count as full.
+
+    transformers masks such a layer by cache slot (``kv_idx > q_idx - window``), not by original position: after a
+    press removed entries, the last ``window`` slots reach positions outside the window (transformers PR #40039).
+    The presses therefore leave these layers whole (:mod:`presses.base`).
+
+    Returns:
+        ``{layer index: window}``, empty for a model without sliding-window layers.
+    """
+    cfg = text_config(model)
+    window = getattr(cfg, "sliding_window", None)
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if not window or (limit and window >= limit):
+        return {}
+    types = getattr(cfg, "layer_types", None)
+    n = cfg.num_hidden_layers
+    return {i: int(window) for i in range(n) if types is None or types[i] == "sliding_attention"}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from presses.core.observer import softcap_logits
+
 __all__ = ["chunk_ids", "chunk_masses_from_rows", "row_chunk_masses_reference", "check_chunk_ids"]
 
 
@@ -75,6 +77,7 @@ def row_chunk_masses_reference(
     num_chunks: int,
     row_weights: torch.Tensor | None = None,
     scaling: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunk masses of causal attention rows, and optionally their weighted average (paper 001 eqs. 1-2, 14, 17).
 
@@ -90,6 +93,7 @@ def row_chunk_masses_reference(
         num_chunks: ``k``.
         row_weights: ``(n,)`` weights ``w_u`` of the average, or ``None``: no average.
         scaling: logit scale, default ``d ** -0.5``.
+        softcap: the attention soft-cap applied to the scaled logits (Gemma2), or None.
 
     Returns:
         ``(masses (B, H_Q, n, k), average (B, H_Q, t) or None)``, float32.
@@ -112,7 +116,7 @@ def row_chunk_masses_reference(
     scaling = d**-0.5 if scaling is None else scaling
     r = HQ // G
     q = queries.float().reshape(B, G, r * n, d)
-    logits = (torch.matmul(q, keys.float().transpose(-1, -2)) * scaling).reshape(B, HQ, n, t)
+    logits = softcap_logits(torch.matmul(q, keys.float().transpose(-1, -2)) * scaling, softcap).reshape(B, HQ, n, t)
     future = torch.arange(t, device=keys.device).view(1, t) > rows.to(keys.device).view(n, 1)
     probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)  # (B, H_Q, n, t)
     masses = chunk_masses_from_rows(probs, ids.to(keys.device), num_chunks)

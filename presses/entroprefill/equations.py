@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 from kvpress.utils import get_prerope_query_states
-from transformers.models.llama.modeling_llama import rotate_half
 
+from presses.core.observer import apply_rope, attention_logit_options, softcap_logits
 from presses.core.renyi import group_weights, pool_groups, renyi_entropy, sink_isolate
 from presses.core.row_masses import chunk_masses_from_rows
 from presses.kernels import row_chunk_masses
@@ -66,9 +66,9 @@ def row_attention(
     G, T = keys.shape[1], keys.shape[2]
     if H % G:
         raise ValueError(f"num_kv_heads={G} must divide num_heads={H}")
-    scaling = getattr(module, "scaling", d**-0.5)
-    logits = torch.matmul(q.reshape(B, G, (H // G) * P, d), keys.float().transpose(-1, -2)) * scaling
-    logits = logits.reshape(B, H, P, T)
+    scaling, softcap = attention_logit_options(module)
+    logits = torch.matmul(q.reshape(B, G, (H // G) * P, d), keys.float().transpose(-1, -2))
+    logits = softcap_logits(logits * (d**-0.5 if scaling is None else scaling), softcap).reshape(B, H, P, T)
     future = torch.arange(T, device=keys.device).view(1, T) > positions.to(keys.device).view(P, 1)
     return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
 
@@ -87,8 +87,7 @@ def row_queries(module, hidden_states: torch.Tensor, positions: torch.Tensor, po
     """
     q = get_prerope_query_states(module, hidden_states[:, positions])
     cos, sin = position_embeddings
-    cos, sin = cos[:, positions].unsqueeze(1), sin[:, positions].unsqueeze(1)
-    return (q * cos + rotate_half(q) * sin).to(hidden_states.dtype)
+    return apply_rope(module, q, cos[:, positions], sin[:, positions]).to(hidden_states.dtype)
 
 
 def row_chunk_statistics(
@@ -124,8 +123,9 @@ def row_chunk_statistics(
         average = None if row_weights is None else (rows * row_weights.to(rows).view(-1, 1)).sum(-2)
         return chunk_masses_from_rows(rows, ids.to(rows.device), num_chunks), average
     q = row_queries(module, hidden_states, positions, position_embeddings)
-    scaling = getattr(module, "scaling", q.shape[-1] ** -0.5)
-    return row_chunk_masses(q, keys, positions, ids, num_chunks, row_weights, scaling)
+    scaling, softcap = attention_logit_options(module)
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return row_chunk_masses(q, keys, positions, ids, num_chunks, row_weights, scaling, softcap)
 
 
 def floor_weights(

@@ -40,7 +40,7 @@ import torch
 from kvpress import ComposedPress
 
 from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, kept_entries_text
-from presses.core.model import language_model, text_config
+from presses.core.model import language_model, sliding_layers, text_config
 from presses.core.paging import check_compression_ratio
 from presses.core.row_masses import chunk_ids
 from presses.entroprefill.chunking import CHUNK_MODES, ChunkPlan, find_question, plan_chunks, token_offsets
@@ -195,7 +195,19 @@ class EntroPrefillPress(ResearchPress):
 
     def post_init_from_model(self, model):
         """Read layer/head counts and FLOP coefficients, load the tokenizer if none was given, and register the
-        model hooks (:meth:`model_hooks`)."""
+        model hooks (:meth:`model_hooks`).
+
+        Raises:
+            ValueError: for a model with sliding-window layers (:func:`presses.core.model.sliding_layers`): the
+                layers after ``l*`` run on the retained support at compact cache slots, which such a layer's mask
+                reads as positions, so its window would be wrong; or for monitored layers outside ``[0, L-2]``.
+        """
+        sliding = sliding_layers(model)
+        if sliding:
+            raise ValueError(
+                f"EntroPrefillPress does not support sliding-window layers (layers {sorted(sliding)}, window "
+                f"{max(sliding.values())}): the layers after the pruned one would attend by compact cache slot"
+            )
         cfg = text_config(model)
         L = cfg.num_hidden_layers
         if self.monitored_layers is None:

@@ -108,13 +108,17 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return True
 
 
-def window_attention(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def window_attention(
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float | None = None, softcap: float | None = None
+) -> torch.Tensor:
     """Dispatch for the observer-averaged window attention ``(B, H_Q, W, d), (B, G, T, d) -> (B, H_Q, T)``
-    float32; see :func:`presses.core.observer.observer_attention_reference` for shapes, errors and source
-    (docs/methods.md §1 step 1). The Triton path never stores ``W x T`` per head."""
-    if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
-        return attention_columns.window_attention_triton(queries, keys)
-    return observer_attention_reference(queries, keys)
+    float32 at logit scale ``scaling`` (None: ``1 / sqrt(d)``); see
+    :func:`presses.core.observer.observer_attention_reference` for shapes, errors and source (docs/methods.md §1
+    step 1). The Triton path never stores ``W x T`` per head; a soft-capped model (``softcap``, Gemma2) takes the
+    reference."""
+    if softcap is None and use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
+        return attention_columns.window_attention_triton(queries, keys, scaling=scaling)
+    return observer_attention_reference(queries, keys, scaling, softcap)
 
 
 def column_sums(
@@ -123,14 +127,15 @@ def column_sums(
     row_weights: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     scaling: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Dispatch for the weighted causal-attention column sums of a block of query rows (SNIS proposals
     ``h2o``, ``h2o_h``, ``min``, ``min_h``; paper 003 eqs. 16, 36); see
     :func:`presses.core.columns.column_sums` for shapes ``(B, H_Q, n, d), (B, G, t, d) -> (B, H_Q, t)``,
-    errors and source."""
-    if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
+    errors and source. A soft-capped model (``softcap``, Gemma2) takes the reference."""
+    if softcap is None and use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
         return attention_columns.column_sums_triton(queries, keys, row_weights, rows, scaling)
-    return column_sums_reference(queries, keys, row_weights, rows, scaling)
+    return column_sums_reference(queries, keys, row_weights, rows, scaling, softcap)
 
 
 def pooled_page_scores(
@@ -224,12 +229,14 @@ def row_chunk_masses(
     num_chunks: int,
     row_weights: torch.Tensor | None = None,
     scaling: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dispatch for EntroPrefill's per-row chunk masses and weighted row average (paper 001 eqs. 1-2, 14, 17;
     docs/methods.md §4 steps 2, 4, 5): ``(B, H_Q, n, d)``, ``(B, G, t, d)``, rows ``(n,)``, chunk ids ``(t,)`` ->
     ``(masses (B, H_Q, n, k), average (B, H_Q, t) or None)`` float32; see
     :func:`presses.core.row_masses.row_chunk_masses_reference` for the contract and errors. The Triton path is
-    one flash-style pass over the keys with one-hot chunk "values" and never stores a row."""
-    if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
+    one flash-style pass over the keys with one-hot chunk "values" and never stores a row; a soft-capped model
+    (``softcap``, Gemma2) takes the reference."""
+    if softcap is None and use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
         return row_masses.row_chunk_masses_triton(queries, keys, rows, ids, num_chunks, row_weights, scaling)
-    return row_chunk_masses_reference(queries, keys, rows, ids, num_chunks, row_weights, scaling)
+    return row_chunk_masses_reference(queries, keys, rows, ids, num_chunks, row_weights, scaling, softcap)

@@ -386,16 +386,19 @@ def column_sums_triton(
     return out
 
 
-def window_attention_triton(queries: torch.Tensor, keys: torch.Tensor, **blocks) -> torch.Tensor:
+def window_attention_triton(
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float | None = None, **blocks
+) -> torch.Tensor:
     """Triton observer-averaged causal window attention (docs/methods.md §1 step 1; paper 000 sec. 3).
 
-    ``a^h[j] = mean_u softmax_j(q_u . k_j / sqrt(d))`` over the last ``W`` queries (query ``u`` at
+    ``a^h[j] = mean_u softmax_j(q_u . k_j * scaling)`` over the last ``W`` queries (query ``u`` at
     position ``T - W + u`` sees keys ``j <= T - W + u``). Same contract as
     :func:`presses.core.observer.observer_attention_reference`.
 
     Args:
         queries: ``(B, H_Q, W, d)`` RoPE'd window queries.
         keys: ``(B, G, T, d)`` RoPE'd keys.
+        scaling: logit scale (the module's ``scaling``), default ``1 / sqrt(d)``.
         blocks: optional ``block_m``, ``block_n``, ``num_splits`` (see :func:`column_sums_triton`).
 
     Returns:
@@ -407,4 +410,5 @@ def window_attention_triton(queries: torch.Tensor, keys: torch.Tensor, **blocks)
 
     W, T = queries.shape[2], keys.shape[2]
     check_window(W, T)
-    return column_sums_triton(queries, keys, None, None, 1.0 / math.sqrt(queries.shape[-1]), 1.0 / W, **blocks)
+    scaling = 1.0 / math.sqrt(queries.shape[-1]) if scaling is None else scaling
+    return column_sums_triton(queries, keys, None, None, scaling, 1.0 / W, **blocks)

@@ -12,8 +12,8 @@ from kvpress import ComposedPress, ScorerPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
-from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, kept_entries_text
-from presses.core.observer import window_queries
+from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, cache_problem, kept_entries_text
+from presses.core.observer import attention_logit_options, rotary_embeddings, window_queries
 from presses.core.paging import (
     BUDGET_CONFLICT_MODES,
     PAGE_SCORES,
@@ -158,6 +158,17 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         self._stats = []
         self._plan_cache = {}
 
+    def check_cache(self, cache) -> None:
+        """Accept a ``QuantizedCache`` too: this press compresses through kvpress's ``forward_hook``, which dequantizes
+        the layer and prunes its quantized storage (:func:`presses.base.cache_problem`).
+
+        Raises:
+            ValueError: for a static or offloading cache.
+        """
+        problem = cache_problem(cache, quantized=True)
+        if problem:
+            raise ValueError(f"PageEntroKVPress cannot compress this cache: {problem}; use a DynamicCache")
+
     def check_wrappers(self, path: list) -> None:
         """Refuse a place in a ``ComposedPress`` after another press (see the class docstring).
 
@@ -231,12 +242,12 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             return observer_attention(module, hidden_states, keys, W, pe, attentions)
         if n == T and pe is not None and W > self.observer_block:
             cos, sin = pe
-            scaling = getattr(module, "scaling", None)
+            scaling, softcap = attention_logit_options(module)
             total = None
             for start in range(T - W, T, self.observer_block):  # column sums of one block of observer rows
                 end = min(start + self.observer_block, T)
                 q = window_queries(module, hidden_states[:, :end], end - start, (cos[:, :end], sin[:, :end]))
-                part = column_sums(q, keys, None, torch.arange(start, end, device=keys.device), scaling)
+                part = column_sums(q, keys, None, torch.arange(start, end, device=keys.device), scaling, softcap)
                 total = part if total is None else total + part
             return total / W
         if n == T or pe is None:
@@ -245,7 +256,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         if cos.shape[1] < W:  # decode steps: the buffered rows end at the current position
             last = int(kwargs["cache_position"][-1])
             positions = torch.arange(last - W + 1, last + 1, device=keys.device).unsqueeze(0)
-            cos, sin = module.rotary_emb(hidden_states[:, -W:], positions)
+            cos, sin = rotary_embeddings(module, hidden_states[:, -W:], positions)
         return observer_attention(module, hidden_states, keys, W, (cos[:, -W:], sin[:, -W:]), None)
 
     def _page_scores(self, attn: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, dict | None, torch.Tensor]:

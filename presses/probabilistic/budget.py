@@ -102,18 +102,26 @@ def sample_counts(pi: torch.Tensor, num_samples, generator: torch.Generator | No
     ``c_left ~ Binomial(c_node, pi_left / pi_node)``. Cost ``O(t log t)`` per row whatever ``m``
     (``m`` up to ``1e12`` is fine); randomness comes only from ``generator``.
 
+    The draws are made on the generator's device: with a CPU generator and ``pi`` on a GPU, ``pi`` and ``m`` are
+    copied to the CPU and the counts back, so a seed gives the same draws whatever device the proposal lives on
+    (seeded CUDA and CPU streams differ, pytorch #196613).
+
     Args:
         pi: ``(..., t)`` probabilities (rows summing to 1; zeros are never drawn).
         num_samples: ``m >= 0``, an int or an integer tensor broadcastable to ``pi.shape[:-1]``.
-        generator: a ``torch.Generator`` on ``pi``'s device, for reproducible draws.
+        generator: a ``torch.Generator`` for reproducible draws (any device), or None (torch's default one on
+            ``pi``'s device).
 
     Returns:
-        ``(..., t)`` int64 counts, each row summing to its ``m``.
+        ``(..., t)`` int64 counts on ``pi``'s device, each row summing to its ``m``.
 
     Raises:
         ValueError: if any ``m`` is negative or ``pi`` has negative / non-finite entries.
     """
-    m = torch.as_tensor(num_samples, device=pi.device)
+    device = pi.device
+    if generator is not None:  # draw where the generator lives (module docstring); a no-op on the same device
+        pi = pi.to(generator.device)
+    m = torch.as_tensor(num_samples).to(pi.device)
     if bool((m < 0).any()):
         raise ValueError(f"num_samples must be >= 0, got min {int(m.min())}")
     if not bool(torch.isfinite(pi).all()) or bool((pi < 0).any()):
@@ -134,4 +142,4 @@ def sample_counts(pi: torch.Tensor, num_samples, generator: torch.Generator | No
         left = torch.binomial(counts, q, generator=generator)
         counts = torch.stack([left, counts - left], dim=-1).reshape(n_rows, -1)
         width = half
-    return counts[:, :t].round().long().reshape(shape)
+    return counts[:, :t].round().long().reshape(shape).to(device)

@@ -68,7 +68,7 @@ class StatsRequest:
         scaling = kwargs.get("scaling", getattr(module, "scaling", None))
         if self.kind == "last_row":
             out = call(module, query, key, value, attention_mask, *args, **kwargs)
-            scores = kernels.column_sums(query[:, :, -1:], key, scaling=scaling)  # p_t, paper 003 app. H "min"
+            scores = kernels.column_sums(query[:, :, -1:], key, scaling=scaling, softcap=kwargs.get("softcap"))  # p_t
             return out, PrefillStats(self.kind, scores, key)
         if not _fusable(module, query, key, attention_mask, args, kwargs):
             return call(module, query, key, value, attention_mask, *args, **kwargs), None

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import torch
 from kvpress import ComposedPress, PrefillDecodingPress, ScorerPress
 from torch import nn
-from transformers import QuantizedCache
 
 from presses import attention
 from presses.attention_bias import AttentionBias
@@ -54,8 +53,10 @@ class ProbabilisticEvictionPress(ResearchPress):
     full cache and cache entries are only read again at decode. ``budget="head"`` evicts in each
     layer's own hook with one ``m`` per group.
 
-    The generator is re-seeded with ``seed`` at every prefill, so a request's draws do not depend on
-    the requests before it. At least one draw is made per group (``m >= 1``).
+    The draws come from one CPU generator, re-seeded with ``seed`` at every prefill, so a request's draws do not
+    depend on the requests before it, nor on the devices its layers live on (``device_map``): a layer's draws depend
+    on the seed and on the draws of the layers before it in the request. At least one draw is made per group
+    (``m >= 1``).
 
     Inside kvpress's wrappers (the press contract, :mod:`presses.base`): alone in a ``ComposedPress`` or as the
     ``prefilling_press`` of a ``PrefillDecodingPress`` it gives the same cache and correction as direct use.
@@ -153,8 +154,8 @@ class ProbabilisticEvictionPress(ResearchPress):
         attention, and then no shared prefill (the scorer alone replays from an eager capture, :mod:`evaluation.replay`;
         this press with it is not tested to, so it runs through kvpress's pipeline)."""
         if needs_attention_weights(self.scorer):
-            return Capabilities(shares_prefill=False, decode_state=True, needs_eager=True)
-        return Capabilities(decode_state=True)
+            return Capabilities(shares_prefill=False, decode_state=True, needs_eager=True, uneven_layers=True)
+        return Capabilities(decode_state=True, uneven_layers=True)
 
     @property
     def scorer(self) -> ScorerPress | None:
@@ -203,9 +204,13 @@ class ProbabilisticEvictionPress(ResearchPress):
                     "decode-time correction refers to"
                 )
 
-    def _get_generator(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+    def _get_generator(self) -> torch.Generator:
+        """The request's sampling generator: one CPU generator, seeded with ``seed`` at the request's first draw and
+        consumed by the layers in the order they draw (layer order), whatever device each layer's proposal lives on
+        (with ``device_map`` over several devices, a generator per device re-seeded at each device change made a
+        layer replay another layer's draws; seeded CUDA and CPU draws differ)."""
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.seed)
         return self._generator
 
     # ------------------------------------------------------------------ eviction
@@ -232,7 +237,7 @@ class ProbabilisticEvictionPress(ResearchPress):
         """
         B, G, t, d = keys.shape
         m = num_samples.clamp_min(1).expand(B, G)
-        counts = sample_counts(pi, m, self._get_generator(pi.device))
+        counts = sample_counts(pi, m, self._get_generator())  # drawn on the CPU (sample_counts)
         kept_units = (counts > 0).sum(-1)
         if self.unit == "page":  # every token of a drawn page is kept, with its page's count and mass
             counts, pi = expand_pages(counts, self.page_size, t), expand_pages(pi, self.page_size, t)
@@ -275,8 +280,6 @@ class ProbabilisticEvictionPress(ResearchPress):
         attention.set_decode_bias(cache, module.layer_idx, None)
         if self.compression_ratio == 0:
             return keys, values
-        if isinstance(cache, QuantizedCache):
-            raise NotImplementedError("ProbabilisticEvictionPress does not support QuantizedCache")
         if keys.shape[2] != hidden_states.shape[1]:
             raise ValueError(
                 f"ProbabilisticEvictionPress got {keys.shape[2]} cache entries for a prefill of "
@@ -284,24 +287,25 @@ class ProbabilisticEvictionPress(ResearchPress):
                 "must be the first press of a ComposedPress"
             )
         self._seq_len = keys.shape[2]
-        pi = compute_proposal(
-            self.proposal,
-            module,
-            hidden_states,
-            keys,
-            values,
-            attentions,
-            kwargs,
-            self.proposal_temperature,
-            self.uniform_mix,
-            self.block_size,
-            self.window_size,
-            self.kernel_size,
-            self.score_normalization,
-            self.memo,
-        )
-        if self.unit == "page":
-            pi = page_proposal(pi, self.page_size)  # (B, G, P): pages are the sampling unit
+        with torch.no_grad():  # the selection needs no gradient (kvpress's own tests call the model with autograd on)
+            pi = compute_proposal(
+                self.proposal,
+                module,
+                hidden_states,
+                keys,
+                values,
+                attentions,
+                kwargs,
+                self.proposal_temperature,
+                self.uniform_mix,
+                self.block_size,
+                self.window_size,
+                self.kernel_size,
+                self.score_normalization,
+                self.memo,
+            )
+            if self.unit == "page":
+                pi = page_proposal(pi, self.page_size)  # (B, G, P): pages are the sampling unit
         if self.budget == "head":
             m = search_num_samples(pi, self.compression_ratio, **self._search_options())  # (B, G)
             return self._evict(module, cache, keys, values, pi, m)
@@ -339,8 +343,9 @@ class ProbabilisticEvictionPress(ResearchPress):
                 f"the global budget needs the same number of surviving entries in every layer, got "
                 f"{sorted(lengths)}: use budget='head' alone, or presses that keep equal counts"
             )
+        device = pis[layers[0]].device  # one search for all layers, on one device (device_map may spread them)
         m = search_num_samples(
-            torch.stack([pis[i] for i in layers], dim=1),
+            torch.stack([pis[i].to(device) for i in layers], dim=1),
             self.compression_ratio,
             pool_dims=(1, 2),
             **self._search_options(),

@@ -24,7 +24,7 @@ from kvpress.presses.base_press import BasePress
 
 from presses import kernels
 from presses.core.columns import harmonic_prior
-from presses.core.observer import window_queries
+from presses.core.observer import attention_logit_options, window_queries
 from presses.core.renyi import pool_groups
 from presses.probabilistic.prefill_attention import take_prefill_stats
 
@@ -91,7 +91,7 @@ def attention_column_sums(
         position_embeddings: ``(cos, sin)`` each ``(B, t, d)``.
         row_weights: ``(t,)`` row weights ``w_j`` or ``None`` for 1.
         block_size: query rows per block, ``>= 1``.
-        scaling: logit scale, default ``module.scaling`` or ``d ** -0.5``.
+        scaling: logit scale, default ``module.scaling`` or ``d ** -0.5``; the module's soft-cap (Gemma2) applies.
 
     Returns:
         ``(B, H_Q, t)`` float32.
@@ -106,14 +106,15 @@ def attention_column_sums(
             f"hidden_states has {hidden_states.shape[1]} rows but keys have t={t}: "
             "proposals need the whole prefill in one forward"
         )
-    scaling = getattr(module, "scaling", None) if scaling is None else scaling
+    module_scaling, softcap = attention_logit_options(module)
+    scaling = module_scaling if scaling is None else scaling
     cos, sin = position_embeddings
     out = None
     for start in range(0, t, block_size):
         end = min(start + block_size, t)
         q = window_queries(module, hidden_states[:, :end], end - start, (cos[:, :end], sin[:, :end]))
         w = None if row_weights is None else row_weights[start:end]
-        part = kernels.column_sums(q, keys, w, torch.arange(start, end, device=keys.device), scaling)  # dispatch
+        part = kernels.column_sums(q, keys, w, torch.arange(start, end, device=keys.device), scaling, softcap)
         out = part if out is None else out + part
     return out
 
@@ -172,7 +173,8 @@ def head_proposals(
     if scores is None and name == "min":
         cos, sin = position_embeddings
         q = window_queries(module, hidden_states, 1, (cos, sin))
-        scores = kernels.column_sums(q, keys, scaling=getattr(module, "scaling", None))  # dispatch
+        scaling, softcap = attention_logit_options(module)
+        scores = kernels.column_sums(q, keys, scaling=scaling, softcap=softcap)  # dispatch
     elif scores is None:
         prior = harmonic_prior(t, keys.device) if name.endswith("_h") else None
         scores = attention_column_sums(module, hidden_states, keys, position_embeddings, prior, block_size)
