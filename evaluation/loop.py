@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -80,7 +82,12 @@ def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
     runs = []
     for k in pending:
         cfg, names = cfgs[k]
-        press = instantiate(cfg.press) if cfg.press.get("_target_") else None
+        try:
+            press = instantiate(cfg.press) if cfg.press.get("_target_") else None
+        except InstantiationException as err:  # kvpress checks its parameters with assert
+            if not isinstance(err.__cause__, AssertionError):
+                raise
+            raise ValueError(f"press {names['press']} ({cfg.press._target_}): {err.__cause__}") from err
         caps = capabilities(press)
         if shared_prefill:
             check_shareable(press, names["press"])
@@ -125,9 +132,19 @@ def _check_inputs(
     return tokens
 
 
+def seed_example(seed: int, example_id: str) -> None:
+    """Seed torch's generator for one run's prefill of one example, in both loops alike.
+
+    A press that draws from torch's generator (kvpress's Compactor and leverage-score sketches, its random scores
+    without a seed) then gives the same cache alone, resumed, or replayed from a shared prefill after other presses.
+    """
+    torch.manual_seed(zlib.crc32(f"{seed}:{example_id}".encode()))
+
+
 def _pipeline_row(run: Run, ex, pipe, dataset, model, tokenizer, T: int, max_new: int) -> dict:
     """Prefill, compress and decode one example through kvpress's pipeline (what a user runs)."""
     cache = DynamicCache()
+    seed_example(run.cfg.seed, ex.id)
     start = time.perf_counter()
     with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)), torch.inference_mode():
         prediction = pipe(
@@ -167,6 +184,7 @@ def _shared_rows(
     with shared_proposals(), shared_observers():
         for run in pending:
             start = time.perf_counter()
+            seed_example(run.cfg.seed, ex.id)
             with torch.inference_mode():
                 cache = replay_prefill(model, run.press, capture)
             # decode-time state lives on the attention modules: keep it with the run until its decode
@@ -278,6 +296,8 @@ def evaluate(
         first.model, first.device, "eager" if eager else first.model.get("attn_implementation", "sdpa")
     )
     guards.check_model(model, tokenizer)
+    for run in runs:
+        guards.check_press_downloads(run.press, model)
     pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
     examples = harness.run_examples(first, dataset, tokenizer)
     tokens = _check_inputs(examples, runs, pipe, model, tokenizer, first.max_new_tokens, shared_prefill and eager)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from evaluation.registry import capabilities
+from evaluation.registry import capabilities, sharing_problem
 from presses.attention_bias import AttentionBias, clear_attention_bias, select_bias_rows
 
 logger = logging.getLogger("evaluation.replay")
@@ -78,12 +78,11 @@ def check_shareable(press, name: str = "") -> None:
     Raises:
         ValueError: naming the press and what to use instead.
     """
-    caps = capabilities(press)
-    if not caps.shares_prefill:
+    problem = sharing_problem(press)
+    if problem:
         raise ValueError(
-            f"press {name or type(press).__name__} ({type(press).__name__}) cannot share a prefill "
-            "(it changes the prefill, or is not known to compress in its forward hooks only): run it "
-            "with python -m evaluation.run"
+            f"press {name or type(press).__name__} ({type(press).__name__}) cannot share a prefill ({problem}): "
+            "run it with python -m evaluation.run"
         )
 
 

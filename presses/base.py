@@ -62,6 +62,8 @@ class Capabilities:
             (:meth:`ResearchPress.export_decode_state`).
         needs_eager: the press reads the layers' attention weights (``attn_implementation="eager"``).
         composable: the press may share a ``ComposedPress`` with other presses (see each press's docstring).
+        extra_forwards: the press runs the model again on the context (more forward passes than the prefill's own,
+            e.g. to rebuild or re-score it), so no recorded prefill stands for its work.
     """
 
     shares_prefill: bool = True
@@ -70,6 +72,7 @@ class Capabilities:
     decode_state: bool = False
     needs_eager: bool = False
     composable: bool = True
+    extra_forwards: bool = False
 
 
 def language_model(model):
