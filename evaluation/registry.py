@@ -251,6 +251,13 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
     inner = inner_press(press)
     label = type(press).__name__ if inner is press else f"{type(press).__name__}({type(inner).__name__})"
     eager = getattr(model.config, "_attn_implementation", None) == "eager"
+    if isinstance(press, _MASKING) and eager and _ratio(press) != 0:  # threshold-based presses have none (None)
+        return (
+            f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
+            "attention only): use sdpa"
+        )
+    if not _ratio(inner):
+        return None
     if isinstance(press, _NO_ATTENTION) and capabilities(inner).needs_eager:
         return (
             f"{label}: {type(inner).__name__} reads attention weights, which {type(press).__name__} does not take "
@@ -261,8 +268,6 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
             f"{label} takes no attention weights (kvpress asserts it), but the model runs eager attention here (a "
             "press of this sweep needs it): run it in a sweep on sdpa"
         )
-    if not _ratio(inner):
-        return None
     T = int(context_length)
     if isinstance(inner, ProbabilisticEvictionPress):
         scorer = inner.scorer  # only the proposal's score() is called, on every layer of the prefill
@@ -270,11 +275,6 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
             return None
         where = "press.window_size" if inner.proposal == "snapkv" else "press.proposal.window_size"
         return _score_problem(scorer, f"{label}(proposal={type(scorer).__name__})", T, where)
-    if isinstance(press, _MASKING) and eager:
-        return (
-            f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
-            "attention only): use sdpa"
-        )
     if isinstance(inner, _PER_LAYER_LENGTHS) and eager:
         return (
             f"{label} keeps a different number of entries per layer, which the eager attention mask of the "

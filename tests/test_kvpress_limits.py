@@ -113,10 +113,18 @@ def test_chunk_wrappers_take_no_attention_weights(sdpa, eager):
         assert f"{field}=0 must be >= 1" in press_input_problem(_press(name, f"{plus}press.{field}=0"), sdpa, 500)
 
 
-def test_head_masking_presses_refuse_eager(eager):
-    assert "does not support attn_implementation='eager'" in press_input_problem(_press("critical_adakv"), eager, 500)
+def test_head_masking_presses_refuse_eager(eager, sdpa):
+    from kvpress import DMSPress, KnormPress
+
+    dms = DMSPress(KnormPress(), threshold=-1.0, sliding_window_size=8)  # threshold-based: no ratio to read
+    for press in (_press("critical_adakv"), _press("duo_attention"), dms):
+        assert "does not support attn_implementation='eager'" in press_input_problem(press, eager, 500)
+        assert press_input_problem(press, sdpa, 500) is None
     with pytest.raises(AssertionError, match="eager mode not supported"):
         _prefill(_press("critical_adakv"), eager, 100)
+    with pytest.raises(AttributeError, match="masked_key_indices"):
+        _prefill(dms, eager, 100)
+    assert press_input_problem(_press("critical_adakv", ratio=0.0), eager, 500) is None  # ratio 0: nothing masked
 
 
 def test_a_bad_press_parameter_is_one_error_naming_the_press(tmp_path):
