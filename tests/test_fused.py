@@ -258,11 +258,20 @@ def test_fused_query_aware_equals_separate_runs_and_lives_apart(tiny, tmp_path):
     assert "query_aware: true" in config
 
 
-@pytest.mark.parametrize("press_name", ["entroprefill", "pyramidkv"])
-def test_presses_that_change_the_prefill_are_rejected(tiny, tmp_path, press_name):
+@pytest.mark.parametrize(
+    "press_name, why",
+    [
+        ("entroprefill", "changes the prefill"),
+        ("pyramidkv", "different number of entries per layer"),
+        ("critical_adakv", "masks evicted keys per head"),
+        ("key_rerotation", "re-rotates the kept keys"),
+    ],
+)
+def test_presses_that_cannot_share_a_prefill_are_rejected_with_the_reason(tiny, tmp_path, press_name, why):
     runs = _runs(["snapkv", press_name], [0.5], tmp_path)
-    with pytest.raises(ValueError, match=f"{press_name}.*cannot share a prefill"):
+    with pytest.raises(ValueError, match=f"{press_name}.*cannot share a prefill.*{why}.*python -m evaluation.run"):
         fused.run_fused(runs, "test")
+    assert not (tmp_path / "needle").exists()
 
 
 def test_runs_must_share_model_and_dataset_settings(tiny, tmp_path):
