@@ -33,6 +33,7 @@ from kvpress import (
     FastKVzipPress,
     KeyRerotationPress,
     KVComposePress,
+    KVgradPress,
     KVzapPress,
     LagKVPress,
     LUKVPress,
@@ -77,6 +78,7 @@ KVPRESS: tuple[tuple[type, Capabilities], ...] = (
     (ObservedAttentionPress, Capabilities(needs_eager=True)),
     (PyramidKVPress, Capabilities(shares_prefill=False)),
     (KVComposePress, Capabilities(shares_prefill=False, extra_forwards=True)),
+    (KVgradPress, Capabilities(shares_prefill=False, extra_forwards=True)),
     (SimLayerKVPress, Capabilities(shares_prefill=False)),
     (DecodingPress, Capabilities(shares_prefill=False)),  # CompressionRatioDecodingPress, CAMPress
     (DuoAttentionPress, Capabilities(shares_prefill=False)),
@@ -94,6 +96,11 @@ _MASKED = (
 _NOT_SHARED: tuple[tuple[tuple[type, ...], str], ...] = (
     ((PyramidKVPress, PerLayerCompressionPress, SimLayerKVPress), _PER_LAYER),
     ((KVComposePress,), "it runs the model on the context a second time (on eager attention) and evicts afterwards"),
+    (
+        (KVgradPress,),
+        "it replays the context through the model (a forward and a backward pass per chunk) and masks keys per head "
+        "when the prefill ends",
+    ),
     ((DecodingPress,), "it compresses while decoding, not in the prefill"),
     ((AdaKVPress, CriticalAdaKVPress, DMSPress, LUKVPress, DuoAttentionPress), _MASKED),
     ((FastKVzipPress,), "it evicts (masks keys per head) after the prefill, outside the attention hooks"),
@@ -105,7 +112,7 @@ _NOT_SHARED: tuple[tuple[tuple[type, ...], str], ...] = (
 )
 
 #: Presses whose keys are masked per head by kvpress's attention patch, which covers sdpa and flash attention only.
-_MASKING = (AdaKVPress, CriticalAdaKVPress, DMSPress, LUKVPress, DuoAttentionPress, FastKVzipPress)
+_MASKING = (AdaKVPress, CriticalAdaKVPress, DMSPress, LUKVPress, DuoAttentionPress, FastKVzipPress, KVgradPress)
 
 #: Presses whose layers keep different cache lengths after the prefill (see the README's Limits on PyramidKV).
 _PER_LAYER_LENGTHS = (PyramidKVPress, PerLayerCompressionPress)
@@ -232,7 +239,7 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
     only when ``T >= n_sink + 2 lag_size`` (below it keeps the most recent tokens, as StreamingLLM, which the
     harness refuses); ChunkKV, ChunkPress and BlockPress need ``chunk_length`` / ``block_size >= 1`` and take no
     attention weights (so neither an eager scorer nor eager attention); the presses that mask keys per head (AdaKV,
-    CriticalAdaKV, DMS, LU-KV, DuoAttention, FastKVzip) do not run on eager attention; PyramidKV and
+    CriticalAdaKV, DMS, LU-KV, DuoAttention, FastKVzip, KVgrad) do not run on eager attention; PyramidKV and
     PerLayerCompression keep per-layer lengths, which neither eager attention nor a multi-token forward after the
     prefill (the pipeline's question) can follow. This project's presses compress any input they accept, and
     validate their own parameters, except that a :class:`presses.probabilistic.ProbabilisticEvictionPress` whose

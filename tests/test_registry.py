@@ -89,6 +89,7 @@ FRONTIER = {
     "think": (True, False, False),
     "critical_adakv": (False, False, False),
     "key_rerotation": (False, False, False),
+    "kvgrad": (False, False, True),
     "qfilter": (True, False, False),
     "kvzap": (True, False, False),
     "expected_attention_stats": (True, False, False),
@@ -140,4 +141,5 @@ def test_wrappers_follow_their_scorer_and_say_why_they_cannot_share():
     assert "while decoding" in sharing_problem(CAMPress(KnormPress()))
     compose = KVComposePress(compression_ratio=0.5)
     assert capabilities(compose).extra_forwards and "second time" in sharing_problem(compose)
+    assert "a backward pass" in sharing_problem(_press("kvgrad"))
     assert "changes the prefill" in sharing_problem(EntroPrefillPress())
