@@ -4,10 +4,12 @@ recognised by its class or its name (``no_press``, the uncompressed baseline, as
 - This project's presses state their capabilities themselves (the press contract, :mod:`presses.base`); a
   probabilistic-eviction press with a kvpress scorer as its proposal states the scorer's need of eager attention
   (``tests/test_scorer_proposals.py`` checks it against :data:`KVPRESS`), and gets the scorer's input limits here.
-- kvpress's presses get theirs from :data:`KVPRESS`, by class, and their input limits from
-  :func:`press_input_problem`: kvpress checks its inputs with ``assert`` (skipped under ``python -O``) or not
-  at all, so the harness turns each limit into a ``ValueError`` naming the value and the limit before the
-  prefill (``evaluation.guards.check_press_input``).
+- kvpress's presses get theirs from :data:`KVPRESS`, by class (a wrapper that compresses from one scorer's scores
+  in its own hook, e.g. ChunkKV, gets its scorer's), why one cannot share a prefill from :func:`sharing_problem`,
+  their input limits from :func:`press_input_problem` (kvpress checks its inputs with ``assert``, skipped under
+  ``python -O``, or not at all, so the harness turns each limit into a ``ValueError`` naming the value and the
+  limit before the prefill, ``evaluation.guards.check_press_input``), and what they download for the model
+  (weights, statistics) from :func:`press_download_problem` (``evaluation.guards.check_press_downloads``).
 
 A press the registry does not know runs through kvpress's pipeline (it may not share a prefill), and only the
 model layout is checked for it.
