@@ -13,6 +13,8 @@ each with its test).
   stop token (:func:`evaluation.pipeline.stop_token_ids`);
 - each example on the model (:func:`check_model_input`): prompt plus answer within the model's positions, and
   token ids within its vocabulary;
+- each press on the model (:func:`check_press_downloads`): the weights, statistics or data a kvpress press
+  downloads when its prefill starts are cached or reachable (:func:`evaluation.registry.press_download_problem`);
 - each example under a press (:func:`check_press_input`): the press's limits, from the registry
   (:func:`evaluation.registry.press_input_problem`; kvpress's baselines check their inputs with ``assert``,
   skipped under ``python -O``, or not at all). This project's presses validate their own input.
@@ -30,6 +32,7 @@ __all__ = [
     "check_model_layout",
     "check_model_input",
     "check_press_input",
+    "check_press_downloads",
     "max_positions",
 ]
 
@@ -231,3 +234,20 @@ def check_press_input(press, model, context_length: int, multi_token_forward: bo
     problem = press_input_problem(press, model, context_length, multi_token_forward)
     if problem:
         raise ValueError(problem)
+
+
+def check_press_downloads(press, model) -> None:
+    """Raise when ``press`` (None: nothing to check) needs weights, statistics or data for ``model`` that it cannot
+    download here (kvpress fetches them when the prefill starts; :func:`evaluation.registry.press_download_problem`).
+    Call once per run, after the model is loaded and before any run directory is created.
+
+    Raises:
+        OSError: naming the press, what it needs (the hub repository or URL) and how to get it.
+    """
+    if press is None:
+        return
+    from evaluation.registry import press_download_problem  # kvpress only when a press is checked
+
+    problem = press_download_problem(press, model)
+    if problem:
+        raise OSError(problem)

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -81,7 +83,12 @@ def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
     runs = []
     for k in pending:
         cfg, names = cfgs[k]
-        press = instantiate(cfg.press) if cfg.press.get("_target_") else None
+        try:
+            press = instantiate(cfg.press) if cfg.press.get("_target_") else None
+        except InstantiationException as err:  # kvpress checks its parameters with assert
+            if not isinstance(err.__cause__, AssertionError):
+                raise
+            raise ValueError(f"press {names['press']} ({cfg.press._target_}): {err.__cause__}") from err
         caps = capabilities(press)
         if shared_prefill and not caps.scores_once:  # scored once per example instead (evaluation.kvzip_path)
             check_shareable(press, names["press"])
@@ -126,9 +133,19 @@ def _check_inputs(
     return tokens
 
 
+def seed_example(seed: int, example_id: str) -> None:
+    """Seed torch's generator for one run's prefill of one example, in both loops alike.
+
+    A press that draws from torch's generator (kvpress's Compactor and leverage-score sketches, its random scores
+    without a seed) then gives the same cache alone, resumed, or replayed from a shared prefill after other presses.
+    """
+    torch.manual_seed(zlib.crc32(f"{seed}:{example_id}".encode()))
+
+
 def _pipeline_row(run: Run, ex, pipe, dataset, model, tokenizer, T: int, max_new: int) -> dict:
     """Prefill, compress and decode one example through kvpress's pipeline (what a user runs)."""
     cache = DynamicCache()
+    seed_example(run.cfg.seed, ex.id)
     start = time.perf_counter()
     with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)), torch.inference_mode():
         prediction = pipe(
@@ -168,6 +185,7 @@ def _shared_rows(
     memo = ReplayMemo()
     for run in (run for run in pending if not run.caps.scores_once):
         start = time.perf_counter()
+        seed_example(run.cfg.seed, ex.id)
         with torch.inference_mode(), sharing(run.press, memo):
             cache = replay_prefill(model, run.press, capture)
         # decode-time state belongs to the run's cache: keep it with the run until its decode
@@ -279,6 +297,8 @@ def evaluate(
     guards.check_model(model, tokenizer)
     if any(run.caps.uneven_layers for run in runs):
         attention.install()  # one attention mask per layer, from its own cache length (presses.attention)
+    for run in runs:
+        guards.check_press_downloads(run.press, model)
     pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
     examples = harness.run_examples(first, dataset, tokenizer)
     examples, delimiter = prompt_delimiter.setup(runs, model, tokenizer, examples, first.seed)  # Finch

@@ -4,10 +4,12 @@ recognised by its class or its name (``no_press``, the uncompressed baseline, as
 - This project's presses state their capabilities themselves (the press contract, :mod:`presses.base`); a
   probabilistic-eviction press with a kvpress scorer as its proposal states the scorer's need of eager attention
   (``tests/test_scorer_proposals.py`` checks it against :data:`KVPRESS`), and gets the scorer's input limits here.
-- kvpress's presses get theirs from :data:`KVPRESS`, by class, and their input limits from
-  :func:`press_input_problem`: kvpress checks its inputs with ``assert`` (skipped under ``python -O``) or not
-  at all, so the harness turns each limit into a ``ValueError`` naming the value and the limit before the
-  prefill (``evaluation.guards.check_press_input``).
+- kvpress's presses get theirs from :data:`KVPRESS`, by class (a wrapper that compresses from one scorer's scores
+  in its own hook, e.g. ChunkKV, gets its scorer's), why one cannot share a prefill from :func:`sharing_problem`,
+  their input limits from :func:`press_input_problem` (kvpress checks its inputs with ``assert``, skipped under
+  ``python -O``, or not at all, so the harness turns each limit into a ``ValueError`` naming the value and the
+  limit before the prefill, ``evaluation.guards.check_press_input``), and what they download for the model
+  (weights, statistics) from :func:`press_download_problem` (``evaluation.guards.check_press_downloads``).
 
 A press the registry does not know runs through kvpress's pipeline (it may not share a prefill), and only the
 model layout is checked for it.
@@ -20,20 +22,42 @@ from contextlib import ExitStack, contextmanager
 import torch
 from kvpress import (
     AdaKVPress,
+    BlockPress,
+    CapPress,
+    ChunkKVPress,
+    ChunkPress,
+    CompactorPress,
     ComposedPress,
     CriticalAdaKVPress,
     CriticalKVPress,
+    DecodingPress,
+    DMSPress,
+    DuoAttentionPress,
     ExpectedAttentionPress,
+    ExpectedAttentionStatsPress,
+    FastKVzipPress,
     FinchPress,
+    KeyRerotationPress,
+    KVComposePress,
+    KVgradPress,
+    KVzapPress,
     KVzipPress,
+    LagKVPress,
+    LUKVPress,
+    MergingPress,
     ObservedAttentionPress,
+    PerLayerCompressionPress,
     PrefillDecodingPress,
     PyramidKVPress,
+    QFilterPress,
     ScorerPress,
+    SimLayerKVPress,
     SnapKVPress,
     StreamingLLMPress,
+    ThinKPress,
     TOVAPress,
 )
+from kvpress.utils import compute_n_kept
 
 from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, held_presses
 from presses.core.model import attention_modules, text_config
@@ -47,57 +71,114 @@ __all__ = [
     "research_presses",
     "sharing",
     "inner_press",
+    "press_download_problem",
     "press_input_problem",
+    "sharing_problem",
     "export_decode_state",
     "install_delimiter",
 ]
 
-#: kvpress presses by class, most specific first. Scorer presses compress in their forward hooks after the
-#: attention output is computed, so one recorded uncompressed prefill can be replayed for them
-#: (``evaluation.fused``). ObservedAttention (H2O) reads the eager attention weights its hook receives: a shared
-#: prefill run on eager attention records them and replays them exactly. PyramidKV keeps per-layer lengths, which
-#: the attention masks of the question forward fit only through the project's attention wrapper
-#: (``uneven_layers``); it runs through kvpress's pipeline (no shared prefill). KVzip scores the prefill's cache
-#: with a context-reconstruction pass after the prefill (its ``__call__``) and selects per ratio: a sweep scores
-#: once per example (``evaluation.kvzip_path``). Finch finds the question by a delimiter token that the harness adds
-#: to the tokenizer and the model's embeddings and inserts between the document and the question
-#: (``evaluation.prompt_delimiter``); the delimiter's removal changes the prefill, so it shares none.
+#: kvpress presses by class, most specific first. Scorer presses (and ThinK, which zeroes key channels) compress in
+#: their forward hooks after the attention output is computed, so one recorded uncompressed prefill can be replayed
+#: for them (``evaluation.fused``); a scorer drawing from torch's generator (Compactor, LeverageScore, Random without
+#: a seed) replays exactly because the harness seeds that generator per example and run. ObservedAttention (H2O)
+#: reads the eager attention weights its hook receives: a shared prefill run on eager attention records them and
+#: replays them exactly. KVzip scores the prefill's cache with a context-reconstruction pass after the prefill (its
+#: ``__call__``) and selects per ratio: a sweep scores once per example (``evaluation.kvzip_path``). Finch finds the
+#: question by a delimiter token that the harness adds to the tokenizer and the model's embeddings and inserts
+#: between the document and the question (``evaluation.prompt_delimiter``). Presses that keep different counts per
+#: layer (``uneven_layers``) answer through the project's attention wrapper, which fits each layer's mask. The others
+#: share none (:data:`_NOT_SHARED` says why).
 KVPRESS: tuple[tuple[type, Capabilities], ...] = (
     (ObservedAttentionPress, Capabilities(needs_eager=True)),
     (PyramidKVPress, Capabilities(shares_prefill=False, uneven_layers=True)),
-    (KVzipPress, Capabilities(shares_prefill=False, scores_once=True)),
+    (KVComposePress, Capabilities(shares_prefill=False, extra_forwards=True)),
+    (KVgradPress, Capabilities(shares_prefill=False, extra_forwards=True)),  # a KVzipPress subclass: before it
+    (KVzipPress, Capabilities(shares_prefill=False, scores_once=True, extra_forwards=True)),
     (
         FinchPress,
         Capabilities(shares_prefill=False, needs_question=True, changes_prefill=True, needs_delimiter=True),
     ),
+    (SimLayerKVPress, Capabilities(shares_prefill=False, uneven_layers=True)),
+    (DecodingPress, Capabilities(shares_prefill=False)),  # CompressionRatioDecodingPress, CAMPress
+    (DuoAttentionPress, Capabilities(shares_prefill=False)),
+    (FastKVzipPress, Capabilities(shares_prefill=False)),
+    (ThinKPress, Capabilities()),
     (ScorerPress, Capabilities()),
 )
+
+#: Why a kvpress press (or a wrapper holding one) cannot share a prefill; the sweep's refusal names it.
+_PER_LAYER = "it keeps a different number of entries per layer, which the sweep's batched decode does not take"
+_MASKED = (
+    "it masks evicted keys per head on the attention modules for decoding (kvpress's attention patch), and a shared "
+    "prefill's batched decode carries no such masks"
+)
+_NOT_SHARED: tuple[tuple[tuple[type, ...], str], ...] = (
+    ((PyramidKVPress, PerLayerCompressionPress, SimLayerKVPress), _PER_LAYER),
+    ((KVComposePress,), "it runs the model on the context a second time (on eager attention) and evicts afterwards"),
+    (
+        (KVgradPress,),
+        "it replays the context through the model (a forward and a backward pass per chunk) and masks keys per head "
+        "when the prefill ends",
+    ),
+    ((DecodingPress,), "it compresses while decoding, not in the prefill"),
+    ((AdaKVPress, CriticalAdaKVPress, DMSPress, LUKVPress, DuoAttentionPress), _MASKED),
+    ((FastKVzipPress,), "it evicts (masks keys per head) after the prefill, outside the attention hooks"),
+    ((FinchPress,), "it removes its delimiter token from the prompt, which changes the prefill"),
+    (
+        (KeyRerotationPress,),
+        "it re-rotates the kept keys to positions 0..n-1 and decodes from n, while the sweep decodes every run "
+        "from the context length",
+    ),
+)
+
+#: Presses whose keys are masked per head by kvpress's attention patch, which covers sdpa and flash attention only.
+_MASKING = (AdaKVPress, CriticalAdaKVPress, DMSPress, LUKVPress, DuoAttentionPress, FastKVzipPress, KVzipPress)
+
+#: kvpress wrappers that hold one scorer in ``press`` and compress in their own forward hook from its scores: their
+#: capabilities are the scorer's (CriticalKV is itself a ScorerPress, so it comes before :data:`KVPRESS`).
+_FOLLOW_INNER = (ChunkKVPress, ChunkPress, BlockPress, MergingPress, CriticalKVPress)  # + EntropyGatedChunkKV
+
+#: Of those, the ones that assert they receive no attention weights (so neither an eager scorer nor eager attention).
+_NO_ATTENTION = (ChunkKVPress, ChunkPress, BlockPress)
 
 #: Anything else (kvpress's other wrappers and presses, user presses): run it through kvpress's pipeline, with the
 #: attention wrapper that fits each layer's mask to its own cache length (it may keep different counts per layer).
 UNKNOWN = Capabilities(shares_prefill=False, uneven_layers=True)
 
-#: kvpress wrappers that hold one press in a field (their capabilities follow the inner press for eager).
-_SINGLE_WRAPPERS = (AdaKVPress, CriticalKVPress, CriticalAdaKVPress)
+#: kvpress wrappers that hold one press in ``press`` and do not compress from its scores in a hook of their own
+#: (head-wise masks, re-rotated keys, per-layer ratios): they share no prefill; eager follows the inner press.
+_SINGLE_WRAPPERS = (
+    AdaKVPress,
+    CriticalAdaKVPress,
+    KeyRerotationPress,
+    PerLayerCompressionPress,
+    DMSPress,
+    LUKVPress,
+)
 
 
 def inner_press(press):
-    """The press a single-press kvpress wrapper (AdaKV, CriticalKV) holds, else ``press`` itself."""
-    return press.press if isinstance(press, _SINGLE_WRAPPERS) else press
+    """The press a single-press kvpress wrapper (AdaKV, ChunkKV, CriticalKV, ...) holds, else ``press`` itself."""
+    return press.press if isinstance(press, _SINGLE_WRAPPERS + _FOLLOW_INNER) else press
 
 
 def capabilities(press) -> Capabilities:
     """What ``press`` (None = no compression) can do, as the harness reads it.
 
     Returns:
-        The press's own :attr:`presses.base.ResearchPress.capabilities`; kvpress's from :data:`KVPRESS`;
-        wrappers combine their inner presses' (eager if any inner press needs it; a prefill is shared only by a
-        ``ComposedPress`` / ``PrefillDecodingPress`` of presses that all share one); :data:`UNKNOWN` otherwise.
+        The press's own :attr:`presses.base.ResearchPress.capabilities`; a hook wrapper's scorer's
+        (:data:`_FOLLOW_INNER`: ChunkKV, EntropyGatedChunkKV, Chunk, Block, Merging, CriticalKV); kvpress's from
+        :data:`KVPRESS`; other wrappers combine their inner presses' (eager if any inner press needs it; a prefill
+        is shared only by a ``ComposedPress`` / ``PrefillDecodingPress`` of presses that all share one);
+        :data:`UNKNOWN` otherwise.
     """
     if press is None:
         return Capabilities()
     if isinstance(press, ResearchPress):
         return press.capabilities
+    if isinstance(press, _FOLLOW_INNER):
+        return capabilities(press.press)
     for cls, caps in KVPRESS:
         if isinstance(press, cls):
             return caps
@@ -125,21 +206,63 @@ def capabilities(press) -> Capabilities:
         composable=all(c.composable for c in caps),
         needs_delimiter=any(c.needs_delimiter for c in caps),
         uneven_layers=any(c.uneven_layers for c in caps),
+        extra_forwards=any(c.extra_forwards for c in caps),
     )
+
+
+def sharing_problem(press) -> str | None:
+    """Why ``press`` cannot be evaluated from a shared prefill (``evaluation.fused``), or None when it can.
+
+    Returns:
+        A clause naming the reason (a kvpress press's from :data:`_NOT_SHARED`, found in wrappers too; a press of
+        this project that changes the prefill; otherwise that the press is not known to compress in its forward
+        hooks only).
+    """
+    caps = capabilities(press)
+    if caps.shares_prefill:
+        return None
+    pending, seen = [press], []
+    while pending:  # the press and the presses it holds
+        p = pending.pop(0)
+        seen.append(p)
+        for classes, why in _NOT_SHARED:
+            if isinstance(p, classes):
+                return why
+        pending += [getattr(p, k) for k in ("press", "prefilling_press", "decoding_press") if hasattr(p, k)]
+        pending += list(getattr(p, "presses", None) or [])
+        pending = [q for q in pending if q is not None and not any(q is s for s in seen)]
+    if caps.extra_forwards:
+        return "it runs the model on the context again"
+    if caps.changes_prefill or caps.needs_question:
+        return "it changes the prefill itself"
+    return "it is not known to compress in its forward hooks only"
+
+
+def _ratio(press) -> float | None:
+    """``press.compression_ratio``, or None where kvpress defines none before a forward (threshold-based presses
+    assert or raise there)."""
+    try:
+        return getattr(press, "compression_ratio", None)
+    except (AssertionError, ValueError):
+        return None
 
 
 def press_input_problem(press, model, context_length: int, multi_token_forward: bool = False) -> str | None:
     """Why kvpress's ``press`` cannot compress a ``T``-token context on ``model``, or None.
 
-    The limits (kvpress 0.5.5): SnapKV, PyramidKV and AdaKV over a windowed scorer need ``T > window_size``;
-    StreamingLLM and ExpectedAttention need ``T > n_sink``; TOVA needs ``T >= 2``; AdaKV does not run on eager
-    attention, nor KVzip, which masks keys as AdaKV does; ExpectedAttention, and SnapKV, TOVA, PyramidKV and AdaKV
-    without eager attention weights, recompute attention in ways that fail or differ from the model's on
-    Phi-4-mini, Gemma2 and Gemma3 (:func:`_recompute_problem`). (PyramidKV's per-layer lengths need the attention
-    wrapper the harness installs for it, ``uneven_layers``, and nothing else.)
-    This project's presses compress any input they accept, and validate their own parameters, except that a
-    :class:`presses.probabilistic.ProbabilisticEvictionPress` whose proposal is a kvpress scorer (``snapkv``,
-    ``tova``, ``knorm`` or a ``ScorerPress`` instance) has that scorer's limits.
+    The limits (kvpress 0.5.5): SnapKV, PyramidKV and wrappers over a windowed scorer need ``T > window_size``
+    (ChunkPress: every chunk, the last one included); StreamingLLM, ExpectedAttention and CapPress need
+    ``T > n_sink``; TOVA needs ``T >= 2``; Compactor needs ``T > sink_size_start + sink_size_end``; LagKV scores
+    only when ``T >= n_sink + 2 lag_size`` (below it keeps the most recent tokens, as StreamingLLM, which the
+    harness refuses); ChunkKV, ChunkPress and BlockPress need ``chunk_length`` / ``block_size >= 1`` and take no
+    attention weights (so neither an eager scorer nor eager attention); the presses that mask keys per head (AdaKV,
+    CriticalAdaKV, DMS, LU-KV, DuoAttention, FastKVzip, KVzip, KVgrad) do not run on eager attention;
+    ExpectedAttention, and SnapKV, TOVA, PyramidKV and AdaKV without eager attention weights, recompute attention in
+    ways that fail or differ from the model's on Phi-4-mini, Gemma2 and Gemma3 (:func:`_recompute_problem`).
+    (Per-layer lengths, PyramidKV's and PerLayerCompression's, need the attention wrapper the harness installs for
+    them, ``uneven_layers``, and nothing else.) This project's presses compress any input they accept, and validate
+    their own parameters, except that a :class:`presses.probabilistic.ProbabilisticEvictionPress` whose proposal is
+    a kvpress scorer (``snapkv``, ``tova``, ``knorm`` or a ``ScorerPress`` instance) has that scorer's limits.
 
     Args:
         press: the instantiated press (not None).
@@ -152,11 +275,26 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
         A one-line message naming the press, the value and the limit, or None.
     """
     inner = inner_press(press)
-    if not getattr(inner, "compression_ratio", None):
-        return None
     label = type(press).__name__ if inner is press else f"{type(press).__name__}({type(inner).__name__})"
-    T = int(context_length)
     eager = getattr(model.config, "_attn_implementation", None) == "eager"
+    if isinstance(press, _MASKING) and eager and _ratio(press) != 0:  # threshold-based presses have none (None)
+        return (
+            f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
+            "attention only): use sdpa"
+        )
+    if not _ratio(inner):
+        return None
+    if isinstance(press, _NO_ATTENTION) and capabilities(inner).needs_eager:
+        return (
+            f"{label}: {type(inner).__name__} reads attention weights, which {type(press).__name__} does not take "
+            "(kvpress asserts it): use a scorer that does not need eager attention"
+        )
+    if isinstance(press, _NO_ATTENTION) and eager:
+        return (
+            f"{label} takes no attention weights (kvpress asserts it), but the model runs eager attention here (a "
+            "press of this sweep needs it): run it in a sweep on sdpa"
+        )
+    T = int(context_length)
     if isinstance(inner, ProbabilisticEvictionPress):
         scorer = inner.scorer  # only the proposal's score() is called, on every layer of the prefill
         if scorer is None:
@@ -167,12 +305,23 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
     problem = _recompute_problem(inner, label, model, eager)
     if problem:
         return problem
-    if isinstance(press, (AdaKVPress, KVzipPress)) and eager:
-        return (
-            f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "
-            "attention only): use sdpa"
-        )
-    return _score_problem(inner, label, T)
+    where = "press.window_size" if inner is press else "press.press.window_size"
+    for name in ("chunk_length", "block_size"):
+        size = getattr(press, name, None) if isinstance(press, _NO_ATTENTION) else None
+        if size is not None and size < 1:
+            return f"{label}: {name}={size} must be >= 1"
+    if isinstance(press, ChunkPress):  # the scorer sees each chunk on its own, the last one shortest
+        n = T % press.chunk_length or min(T, press.chunk_length)
+        what = f"its last chunk has {n} tokens (T={T} in chunks of chunk_length={press.chunk_length})"
+        return _score_problem(inner, label, n, where, what)
+    if isinstance(press, BlockPress):  # the scorer sees the kept entries plus each block in turn
+        kept, block = compute_n_kept(T, inner.compression_ratio), min(press.block_size, T)
+        seen = [kept + min(block, T - i) for i in range(kept, T, block)]
+        if seen:
+            n = min(seen)
+            return _score_problem(inner, label, n, where, f"its scorer sees {n} entries at a time (T={T})")
+        return None
+    return _score_problem(inner, label, T, where)
 
 
 def _recompute_problem(scorer, label: str, model, eager: bool) -> str | None:
@@ -208,17 +357,138 @@ def _recompute_problem(scorer, label: str, model, eager: bool) -> str | None:
     return f"{label} recomputes attention with RoPE over the whole head and logits / sqrt(head_dim), but {why}{fix}"
 
 
-def _score_problem(scorer, label: str, T: int, where: str = "press.window_size") -> str | None:
-    """The limits of a kvpress scorer's ``score`` at ``T`` tokens (see :func:`press_input_problem`), or None."""
+def _score_problem(scorer, label: str, T: int, where: str = "press.window_size", what: str = "") -> str | None:
+    """The limits of a kvpress scorer's ``score`` at ``T`` tokens (see :func:`press_input_problem`), or None.
+
+    ``what`` replaces ``the context has T=... tokens`` in the message (a wrapper that scores parts of the context).
+    """
+    what = what or f"the context has T={T} tokens"
     if isinstance(scorer, SnapKVPress) and T <= scorer.window_size:  # PyramidKVPress subclasses SnapKVPress
         return (
-            f"{label}: the context has T={T} tokens but needs more than window_size={scorer.window_size}: use "
-            f"a longer context or a smaller {where}"
+            f"{label}: {what} but needs more than window_size={scorer.window_size}: use a longer context or a "
+            f"smaller {where}"
         )
-    if isinstance(scorer, (StreamingLLMPress, ExpectedAttentionPress)) and T <= scorer.n_sink:
-        return f"{label}: the context has T={T} tokens but needs more than n_sink={scorer.n_sink}"
+    if isinstance(scorer, (StreamingLLMPress, ExpectedAttentionPress, CapPress)) and T <= scorer.n_sink:
+        return f"{label}: {what} but needs more than n_sink={scorer.n_sink}"
     if isinstance(scorer, TOVAPress) and T < 2:
-        return f"{label}: the context has T={T} tokens but needs at least 2 (it scores the keys before the last token)"
+        return f"{label}: {what} but needs at least 2 (it scores the keys before the last token)"
+    if isinstance(scorer, CompactorPress) and T <= scorer.sink_size_start + scorer.sink_size_end:
+        return (
+            f"{label}: {what} but needs more than sink_size_start + sink_size_end = "
+            f"{scorer.sink_size_start + scorer.sink_size_end} (its protected sinks)"
+        )
+    if isinstance(scorer, LagKVPress) and T < scorer.n_sink + 2 * scorer.lag_size:
+        return (
+            f"{label}: {what} but LagKV scores only T >= n_sink + 2 lag_size = "
+            f"{scorer.n_sink + 2 * scorer.lag_size} (below it keeps the most recent tokens, as StreamingLLM): use "
+            "a longer context or a smaller press.lag_size"
+        )
+    return None
+
+
+def _hub_file_problem(label: str, what: str, repo: str, filename: str) -> str | None:
+    """Why ``repo``/``filename`` cannot be had here (not cached and the hub unreachable, or not on the hub), or None.
+
+    Asks the hub only when the file is not in the local Hugging Face cache (:func:`evaluation.hub.hub_reachable`:
+    seconds, once per process).
+    """
+    import huggingface_hub
+
+    from evaluation.hub import hub_reachable
+
+    if isinstance(huggingface_hub.try_to_load_from_cache(repo, filename), str):
+        return None
+    if not hub_reachable():
+        return (
+            f"{label} needs {what} ({repo}, file {filename}), which is not in the local Hugging Face cache and the "
+            f"hub is unreachable: download it where the hub is reachable (hf download {repo})"
+        )
+    try:
+        exists = huggingface_hub.file_exists(repo, filename)
+    except Exception:  # a gated or rate-limited repo, a hub error: let kvpress try, and report
+        return None
+    return None if exists else f"{label} needs {what}, but the hub has no {repo} (file {filename}) for this model"
+
+
+def _url_problem(label: str, what: str, url: str) -> str | None:
+    """Why ``url`` (downloaded by kvpress at the prefill) cannot be had here, or None. The hub's reachability
+    (:func:`evaluation.hub.hub_reachable`) stands for the network's."""
+    from evaluation.hub import hub_reachable
+
+    if hub_reachable():
+        return None
+    return f"{label} downloads {what} from {url} at the prefill, and this machine is offline"
+
+
+def press_download_problem(press, model) -> str | None:
+    """Why ``press`` cannot get the weights, statistics or data it downloads for ``model``, or None.
+
+    kvpress 0.5.5 fetches them in ``post_init_from_model``, i.e. when the prefill starts, from the model's name
+    (``model.config.name_or_path``): QFilterPress (``nthngdy/<model>_qfilt``), KVzapPress
+    (``nvidia/KVzap-<model_type>-<model>``, also inside DMSPress), FastKVzipPress (``Jang-Hyun/Fast-KVzip``),
+    ExpectedAttentionStatsPress (``alessiodevoto/exp_att_stats_...``, unless ``stats_folder`` is set),
+    DuoAttentionPress (attention patterns from GitHub for six models, or the BookSum dataset with
+    ``on_the_fly_scoring``) and LUKVPress (a budget curve from GitHub, for Llama-3.1-8B-Instruct with
+    ExpectedAttention only). The harness calls this once per run, before any run directory is created
+    (:func:`evaluation.guards.check_press_downloads`), so offline a run stops at once with one line.
+
+    Returns:
+        A one-line message naming the press, what it needs and where to get it, or None (wrappers are searched).
+    """
+    config = model.config.get_text_config()
+    name = model.config.name_or_path
+    short = name.split("/")[-1]
+    label = type(press).__name__
+    if isinstance(press, QFilterPress):
+        short = short if "Meta-Llama-3.1-405B" in short else short.replace("Meta-Llama", "Llama")
+        return _hub_file_problem(
+            label, "Q-filters trained for the model", f"nthngdy/{short}_qfilt", "model.safetensors"
+        )
+    if isinstance(press, KVzapPress):
+        repo = f"nvidia/KVzap-{press.model_type}-{short}"
+        return _hub_file_problem(label, "the KVzap scorer trained for the model", repo, "model.safetensors")
+    if isinstance(press, FastKVzipPress):
+        groups = config.num_attention_heads // config.num_key_value_heads
+        gate = f"{short.lower()}/q{groups}_dim16_sink16.pt"
+        return _hub_file_problem(label, "the Fast KVzip gates trained for the model", "Jang-Hyun/Fast-KVzip", gate)
+    if isinstance(press, ExpectedAttentionStatsPress) and press.stats_folder is None:
+        from kvpress.presses.expected_attention_with_stats import ExpectedAttentionStats
+
+        repo = ExpectedAttentionStats(
+            num_layers=1,  # the statistics' id names the model and the sampling settings only
+            num_heads=1,
+            head_dim=1,
+            dataset_name=press.dataset_name,
+            model_name=name,
+            num_samples=press.num_samples,
+            sample_seq_len=press.sample_seq_len,
+            n_sink=press.n_sink,
+        ).stats_id()
+        return _hub_file_problem(label, "query statistics computed for the model", repo, "model.safetensors")
+    if isinstance(press, DuoAttentionPress):
+        from kvpress.presses.duo_attention_press import PATTERNS_DICT
+
+        if press.on_the_fly_scoring:
+            return _url_problem(label, "the BookSum dataset (kmfoda/booksum) to score its heads", "the hub")
+        if name not in PATTERNS_DICT:
+            return (
+                f"{label} has published attention patterns only for {', '.join(PATTERNS_DICT)}, not {name}: set "
+                "press.on_the_fly_scoring=true to score the heads on BookSum (online)"
+            )
+        return _url_problem(label, "its attention pattern", "raw.githubusercontent.com/mit-han-lab/duo-attention")
+    if isinstance(press, LUKVPress):
+        from kvpress.presses.lukv_press import BUDGET_CURVE_URLS
+
+        if (name, type(press.press).__name__) not in BUDGET_CURVE_URLS:
+            known = ", ".join(f"{m} with {p}" for m, p in BUDGET_CURVE_URLS)
+            return f"{label} has budget curves only for {known}, not {name} with {type(press.press).__name__}"
+        return _url_problem(label, "its budget curve", BUDGET_CURVE_URLS[name, type(press.press).__name__])
+    held = [getattr(press, k, None) for k in ("press", "base_press", "prefilling_press", "decoding_press")]
+    for inner in [*held, *(getattr(press, "presses", None) or [])]:
+        if inner is not None and inner is not press:
+            problem = press_download_problem(inner, model)
+            if problem:
+                return problem
     return None
 
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from evaluation.pipeline import stop_token_ids
-from evaluation.registry import capabilities
+from evaluation.registry import capabilities, sharing_problem
 from presses import attention
 from presses.attention_bias import AttentionBias
 from presses.core.model import language_model, text_config
@@ -84,12 +84,11 @@ def check_shareable(press, name: str = "") -> None:
     Raises:
         ValueError: naming the press and what to use instead.
     """
-    caps = capabilities(press)
-    if not caps.shares_prefill:
+    problem = sharing_problem(press)
+    if problem:
         raise ValueError(
-            f"press {name or type(press).__name__} ({type(press).__name__}) cannot share a prefill "
-            "(it changes the prefill, or is not known to compress in its forward hooks only): run it "
-            "with python -m evaluation.run"
+            f"press {name or type(press).__name__} ({type(press).__name__}) cannot share a prefill ({problem}): "
+            "run it with python -m evaluation.run"
         )
 
 

@@ -84,6 +84,8 @@ class Capabilities:
         uneven_layers: the press may leave different cache lengths per layer, which the attention masks
             transformers builds from one layer's length do not fit: the harness installs the project's attention
             wrapper (:func:`presses.attention.install`, :func:`presses.attention_bias.fit_mask`) before it runs.
+        extra_forwards: the press runs the model again on the context (more forward passes than the prefill's own,
+            e.g. to rebuild or re-score it), so no recorded prefill stands for its work.
     """
 
     shares_prefill: bool = True
@@ -95,6 +97,7 @@ class Capabilities:
     scores_once: bool = False
     needs_delimiter: bool = False
     uneven_layers: bool = False
+    extra_forwards: bool = False
 
 
 def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:

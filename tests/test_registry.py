@@ -71,3 +71,79 @@ def test_the_harness_recognises_presses_only_through_the_registry(path):
     assert not classes and not names and not press_isinstance, (classes, names, press_isinstance)
     if "no_press" in text:
         assert path.name in ("harness.py", "fused.py", "report.py"), "no_press outside the run-directory naming"
+
+
+# ------------------------------------------------------------------ kvpress 0.5.5's other presses (issue 29)
+# config name -> (shares a prefill, needs eager attention, runs extra forward passes)
+FRONTIER = {
+    "chunkkv": (True, False, False),
+    "entropy_gated_chunkkv": (True, False, False),
+    "chunk": (True, False, False),
+    "block_keydiff": (True, False, False),
+    "keydiff": (True, False, False),
+    "compactor": (True, False, False),
+    "leverage": (True, False, False),
+    "non_causal_attn": (True, False, False),
+    "lagkv": (True, False, False),
+    "cur": (True, False, False),
+    "random": (True, False, False),
+    "capkv": (True, False, False),
+    "criticalkv": (True, False, False),
+    "merging": (True, False, False),
+    "think": (True, False, False),
+    "critical_adakv": (False, False, False),
+    "key_rerotation": (False, False, False),
+    "kvgrad": (False, False, True),
+    "qfilter": (True, False, False),
+    "kvzap": (True, False, False),
+    "expected_attention_stats": (True, False, False),
+    "dms": (False, False, False),
+    "fastkvzip": (False, False, False),
+    "duo_attention": (False, False, False),
+    "lukv": (False, False, False),
+}
+
+
+def _press(name: str, ratio: float = 0.5, *overrides: str):
+    from hydra.utils import instantiate
+
+    from evaluation import harness
+
+    return instantiate(harness.compose_config([f"press={name}", f"compression_ratio={ratio}", *overrides]).press)
+
+
+@pytest.mark.parametrize("name", sorted(FRONTIER))
+def test_capabilities_of_kvpress_presses(name):
+    from evaluation.registry import sharing_problem
+
+    caps = capabilities(_press(name))
+    assert (caps.shares_prefill, caps.needs_eager, caps.extra_forwards) == FRONTIER[name]
+    assert not caps.decode_state and not caps.needs_question and not caps.changes_prefill
+    assert (sharing_problem(_press(name)) is None) == caps.shares_prefill
+
+
+def test_wrappers_follow_their_scorer_and_say_why_they_cannot_share():
+    from kvpress import (
+        CAMPress,
+        ChunkKVPress,
+        CriticalKVPress,
+        EntropyGatedChunkKVPress,
+        KVComposePress,
+        MergingPress,
+        TOVAPress,
+    )
+
+    from evaluation.registry import sharing_problem
+
+    assert capabilities(CriticalKVPress(ObservedAttentionPress(0.5))).needs_eager  # CriticalKV is itself a scorer
+    assert capabilities(MergingPress(ObservedAttentionPress(0.5))).needs_eager
+    assert not capabilities(ChunkKVPress(PyramidKVPress(0.5))).shares_prefill
+    assert capabilities(EntropyGatedChunkKVPress(TOVAPress(0.5))).shares_prefill
+    assert "per layer" in sharing_problem(ChunkKVPress(PyramidKVPress(0.5)))
+    assert "per layer" in sharing_problem(ComposedPress([KnormPress(0.5), PyramidKVPress(0.5)]))
+    assert "masks evicted keys per head" in sharing_problem(AdaKVPress(SnapKVPress(0.5)))
+    assert "while decoding" in sharing_problem(CAMPress(KnormPress()))
+    compose = KVComposePress(compression_ratio=0.5)
+    assert capabilities(compose).extra_forwards and "second time" in sharing_problem(compose)
+    assert "a backward pass" in sharing_problem(_press("kvgrad"))
+    assert "changes the prefill" in sharing_problem(EntroPrefillPress())

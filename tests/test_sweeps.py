@@ -12,6 +12,11 @@ import pytest
 from omegaconf import OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# left out of the grids: the baseline, presses that cannot answer through the pipeline or need the question in the
+# context, and presses that need weights trained for the model (README, kvpress's presses)
+#: Presses the grids leave out besides those that need the question inside: the baseline, and those that need
+#: weights trained for the model (README).
+NOT_IN_GRID = {"no_press", "qfilter", "kvzap", "dms", "fastkvzip", "duo_attention", "lukv", "expected_attention_stats"}
 
 
 @pytest.fixture
@@ -35,13 +40,13 @@ def _jobs(cfg, extra=()) -> list[dict[str, str]]:
 
 
 def _grid_presses(hydra_compose) -> set[str]:
-    """Every press config but the baseline and the presses that need the question inside the context (the registry's
-    ``needs_question``: the grid runs kvpress's protocol, the question after)."""
+    """Every press config but :data:`NOT_IN_GRID` and the presses that need the question inside the context (the
+    registry's ``needs_question``: the grid runs kvpress's protocol, the question after)."""
     from hydra.utils import instantiate
 
     from evaluation.registry import capabilities
 
-    names = {p.stem for p in (CONFIG_DIR / "press").glob("*.yaml")} - {"no_press"}
+    names = {p.stem for p in (CONFIG_DIR / "press").glob("*.yaml")} - NOT_IN_GRID
     return {n for n in names if not capabilities(instantiate(hydra_compose([f"press={n}"]).press)).needs_question}
 
 
