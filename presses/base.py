@@ -162,7 +162,7 @@ def cache_problem(cache, quantized: bool = False) -> str | None:
 
 def kept_entries_text(kept) -> str:
     """The :data:`KEPT_ENTRIES` value: kept entries per KV head, one number per layer, comma-separated."""
-    return ",".join(f"{float(k):.6g}" for k in kept)
+    return ",".join(repr(float(k)) for k in kept)  # exact: effective compression is computed from it
 
 
 #: Per model, the kvpress presses whose ``with press(model)`` block is open, outermost first.
