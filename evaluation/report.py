@@ -20,6 +20,9 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
   presses run at that ratio (the uncompressed ``no_press`` baseline is left out), on the examples every one of
   them scored;
 * ``plots/<dataset>__<model>__{score,win,tasks}.png``: score vs ratio, win score vs ratio, per-task panels;
+* with ``--costs <speed sweep csv>``: ``tables/<dataset>__<model>__cost.csv`` and ``plots/...__cost.png``, each
+  press's score against its prefill cost per ratio, and which presses lie on the quality-cost frontier
+  (:mod:`evaluation.frontier`);
 * ``README.md`` linking all of it, with the commands that produced the runs (``metrics.json``'s ``command``).
 
 A run that another process is writing (it holds the run directory's lock, :func:`evaluation.harness.claim_runs`)
@@ -43,6 +46,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from evaluation.frontier import cost_table, read_costs
 from evaluation.harness import (
     COMMANDS_NAME,
     QA_SUFFIX,
@@ -540,17 +544,80 @@ def _figures(
     return links
 
 
+def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses: list[str]) -> str:
+    """Score against prefill cost, one panel per ratio, the frontier joined (:func:`evaluation.frontier.cost_table`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = _press_colors(presses)
+    ratios = sorted({r["ratio"] for r in costed})
+    fig, axes = plt.subplots(1, len(ratios), figsize=(4.2 * len(ratios), 4), squeeze=False, layout="constrained")
+    for ax, ratio in zip(axes.flat, ratios):
+        rows = [r for r in costed if r["ratio"] == ratio]
+        for r in rows:
+            if r["press"] == BASELINE:
+                ax.axhline(r["score"], color="black", linestyle="--", linewidth=1, label=BASELINE)
+            elif r["prefill_cost"] is not None:
+                ax.scatter(
+                    r["prefill_cost"], r["score"], color=colors.get(r["press"]), s=40 if r["on_frontier"] else 18
+                )
+                ax.annotate(
+                    r["press"], (r["prefill_cost"], r["score"]), fontsize=6, xytext=(3, 2), textcoords="offset points"
+                )
+        front = sorted((r["prefill_cost"], r["score"]) for r in rows if r["on_frontier"])
+        if front:
+            ax.plot(*zip(*front), color="black", linewidth=1, alpha=0.6, label="frontier")
+        ax.set_xscale("log")
+        ax.set_xlabel("prefill time / uncompressed prefill (log)")
+        ax.set_title(f"cr {ratio:g}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes.flat[0].set_ylabel("score")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{title}: quality against prefill cost")
+    return w.figure(f"plots/{stem}__cost.png", fig)
+
+
+def _cost_section(costed: list[dict], table: str, plot: str | None, costs: Path | None) -> list[str]:
+    """The README lines of the quality-cost frontier (:mod:`evaluation.frontier`)."""
+    md = [
+        "### Quality against prefill cost",
+        "",
+        "Each press's score beside its prefill time over the uncompressed prefill (compression included), measured "
+        f"in one speed sweep (`{costs}`); on the frontier: no other press at that ratio scores as much at no more "
+        f"cost (`{BASELINE}` holds the whole cache and is a reference, never on it).",
+        "",
+    ]
+    for ratio in sorted({r["ratio"] for r in costed}):
+        rows = [r for r in costed if r["ratio"] == ratio]
+        front = [f"`{r['press']}` ({r['score']:.3f}, {r['prefill_cost']:.2f} x)" for r in rows if r["on_frontier"]]
+        unmeasured = sorted(r["press"] for r in rows if r["prefill_cost"] is None and r["press"] != BASELINE)
+        md.append(
+            f"- cr {ratio:g}: on the frontier, by cost: {', '.join(front)}"
+            + (f"; no cost measured: {', '.join(f'`{p}`' for p in unmeasured)}" if unmeasured else "")
+        )
+    md += ["", f"Table: [{table}]({table})" + (f" · plot:\n\n![quality against cost]({plot})" if plot else ""), ""]
+    return md
+
+
 # --------------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------------
 
 
 def build_report(
-    results_dir: Path, out: Path, confidence: float = 0.95, command: str | None = None, plots: bool = True
+    results_dir: Path,
+    out: Path,
+    confidence: float = 0.95,
+    command: str | None = None,
+    plots: bool = True,
+    costs: Path | None = None,
 ) -> Path:
     """Write the report of every run below ``results_dir`` into ``out``; returns ``out / "README.md"``.
 
-    ``plots=False`` skips the PNGs (tables and README only; stale PNGs are then removed too).
+    ``plots=False`` skips the PNGs (tables and README only; stale PNGs are then removed too). ``costs``: a speed
+    sweep's csv, for the quality-cost sections (:mod:`evaluation.frontier`); none when None or missing.
 
     Raises:
         FileNotFoundError: ``results_dir`` does not exist. ValueError: ``confidence`` outside (0, 1).
@@ -558,6 +625,7 @@ def build_report(
     if not 0 < confidence < 1:
         raise ValueError(f"confidence={confidence} must be in (0, 1)")
     plots_on = plots
+    cost_rows = read_costs(costs) if costs is not None else []
     runs = scan(Path(results_dir))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -655,6 +723,12 @@ def build_report(
         if ranges:
             links["by_length_range"] = w.text(f"tables/{stem}__by_length_range.csv", _csv(ranges))
         plots = _figures(w, stem, f"{dataset} / {model}", summary, wins, tasks, presses) if plots_on else {}
+        lengths = [row["context_length"] for r in group for row in r.rows if row.get("context_length")]
+        costed = cost_table(summary, cost_rows, model, sum(lengths) / len(lengths) if lengths else None, BASELINE)
+        if costed:
+            links["cost"] = w.text(f"tables/{stem}__cost.csv", _csv(costed))
+            if plots_on:
+                plots["cost"] = _cost_figure(w, stem, f"{dataset} / {model}", costed, presses)
 
         ratios = sorted({r["ratio"] for r in summary})
         md += [f'<a id="{_anchor(dataset, model)}"></a>', f"## {dataset} / {model}", ""]
@@ -735,6 +809,8 @@ def build_report(
                 + (f" · plot:\n\n![win score vs ratio]({plots['win']})" if "win" in plots else ""),
                 "",
             ]
+        if costed:
+            md += _cost_section(costed, links["cost"], plots.get("cost"), costs)
         if provisional:
             hdr, rows = _pivot(
                 provisional,
@@ -843,6 +919,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results"), help="report directory (default: results/)")
     parser.add_argument("--confidence", type=float, default=0.95, help="interval confidence (default 0.95)")
     parser.add_argument("--no-plots", action="store_true", help="write tables and README only")
+    parser.add_argument("--costs", type=Path, default=None, help="a speed sweep's csv: quality-cost frontier sections")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     readme = build_report(
@@ -851,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
         args.confidence,
         command="python -m evaluation.report " + " ".join(argv),
         plots=not args.no_plots,
+        costs=args.costs,
     )
     print(f"wrote {readme}")
     return 0

@@ -1,0 +1,116 @@
+"""Quality against cost: each press's score beside its prefill cost, and the presses on the frontier.
+
+At one compression ratio every press holds the same share of the cache, so what separates them is the answer
+quality and what the compression costs. The cost is the prefill time with the press (compression included: KVzip's
+reconstruction pass, EntroPrefill's pruned layers) over the uncompressed prefill of the same context, measured in
+one speed sweep (``python -m evaluation.studies.bench_speed_memory``, column ``prefill_ratio_vs_full``; one thread
+setting for every press). A press is on the frontier when no other press at that ratio scores at least as much at
+no more cost, one of the two strictly (a Pareto frontier; the uncompressed model, which holds the whole cache, is
+drawn for reference and never on it).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from evaluation.studies.tables import read_rows
+
+__all__ = ["COST_COLUMN", "cost_table", "frontier_rows", "read_costs"]
+
+#: The speed sweep's column this module reads: prefill time with the press over the uncompressed prefill.
+COST_COLUMN = "prefill_ratio_vs_full"
+
+
+def read_costs(path: Path) -> list[dict]:
+    """The measured rows of a speed sweep's csv (rows with an error left out); ``[]`` when the file is missing."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for row in read_rows(path):
+        if row.get("error"):
+            continue
+        try:
+            cost = float(row[COST_COLUMN])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if math.isfinite(cost):
+            rows.append({**row, COST_COLUMN: cost, "T": int(float(row["T"]))})
+    return rows
+
+
+def _cost_of(costs: list[dict], model: str, press: str, ratio: float, length: float | None) -> float | None:
+    """The cost of ``press`` at ``ratio`` on ``model``, measured at the length closest to ``length`` (tokens)."""
+    found = [
+        r
+        for r in costs
+        if r.get("model") == model and r.get("press") == press and abs(float(r["compression_ratio"]) - ratio) < 1e-9
+    ]
+    if not found:
+        return None
+    if length is not None:
+        found.sort(key=lambda r: abs(r["T"] - length))
+    return found[0][COST_COLUMN]
+
+
+def frontier_rows(points: list[dict]) -> list[dict]:
+    """Mark each point ``{"press", "score", "cost"}`` with ``on_frontier`` (see the module docstring).
+
+    Points without a cost are kept with ``on_frontier=False``.
+    """
+    out = []
+    for p in points:
+        on = p["cost"] is not None and not any(
+            q is not p
+            and q["cost"] is not None
+            and q["score"] >= p["score"]
+            and q["cost"] <= p["cost"]
+            and (q["score"] > p["score"] or q["cost"] < p["cost"])
+            for q in points
+        )
+        out.append({**p, "on_frontier": on})
+    return out
+
+
+def cost_table(summary: list[dict], costs: list[dict], model: str, length: float | None, baseline: str) -> list[dict]:
+    """Per ratio and press: score, interval, prefill cost and whether the press is on that ratio's frontier.
+
+    Args:
+        summary: the report's summary rows of one dataset and model (``press``, ``ratio``, ``score``, ``low``,
+            ``high``, ``n``).
+        costs: :func:`read_costs` rows.
+        model: the model name the runs used.
+        length: the runs' mean context length in tokens (the cost measured nearest to it is used), or None.
+        baseline: the uncompressed press's name (its rows are kept, cost 1 by definition, never on the frontier).
+
+    Returns:
+        Rows ``ratio, press, n, score, low, high, prefill_cost, on_frontier``, sorted by ratio then cost; ``[]`` when
+        no press of the summary has a measured cost.
+    """
+    rows = []
+    base = [r for r in summary if r["press"] == baseline]
+    for ratio in sorted({r["ratio"] for r in summary if r["press"] != baseline}):
+        points = [
+            {**r, "cost": _cost_of(costs, model, r["press"], ratio, length)}
+            for r in summary
+            if r["ratio"] == ratio and r["press"] != baseline
+        ]
+        if not any(p["cost"] is not None for p in points):
+            continue
+        marked = frontier_rows(points)
+        marked += [{**b, "ratio": ratio, "cost": 1.0, "on_frontier": False} for b in base]
+        for p in sorted(marked, key=lambda p: (math.inf if p["cost"] is None else p["cost"], p["press"])):
+            rows.append(
+                {
+                    "ratio": ratio,
+                    "press": p["press"],
+                    "n": p.get("n"),
+                    "score": p["score"],
+                    "low": p.get("low"),
+                    "high": p.get("high"),
+                    "prefill_cost": p["cost"],
+                    "on_frontier": p["on_frontier"],
+                }
+            )
+    return rows

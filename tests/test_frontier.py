@@ -1,0 +1,91 @@
+"""Quality against cost (issue 29, deliverable 4): the frontier of score against prefill cost at each ratio."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from test_report import _write_run
+
+from evaluation.frontier import cost_table, frontier_rows, read_costs
+from evaluation.report import build_report
+
+
+def test_frontier_keeps_the_points_no_other_point_dominates():
+    pts = [
+        {"press": "cheap_bad", "score": 0.2, "cost": 1.0},
+        {"press": "mid", "score": 0.5, "cost": 1.1},
+        {"press": "dominated", "score": 0.4, "cost": 1.2},  # mid scores more for less
+        {"press": "dear_good", "score": 0.9, "cost": 6.0},
+        {"press": "tie_dear", "score": 0.9, "cost": 6.5},  # same score as dear_good, more cost
+        {"press": "unmeasured", "score": 1.0, "cost": None},
+    ]
+    on = {p["press"]: p["on_frontier"] for p in frontier_rows(pts)}
+    assert on == {
+        "cheap_bad": True,
+        "mid": True,
+        "dominated": False,
+        "dear_good": True,
+        "tie_dear": False,
+        "unmeasured": False,
+    }
+
+
+def _costs(path: Path, rows: list[tuple]) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "press", "compression_ratio", "T", "prefill_ratio_vs_full", "error"])
+        w.writerows(rows)
+    return path
+
+
+def test_cost_table_reads_the_nearest_length_and_leaves_the_baseline_off_the_frontier(tmp_path):
+    costs = read_costs(
+        _costs(
+            tmp_path / "c.csv",
+            [
+                ("tiny", "a", 0.5, 1024, 1.5, ""),
+                ("tiny", "a", 0.5, 2048, 1.1, ""),  # nearest to 1900 tokens
+                ("tiny", "b", 0.5, 2048, 3.0, ""),
+                ("tiny", "c", 0.5, 2048, 0.9, "RuntimeError: failed"),  # an error row is not a cost
+                ("other", "b", 0.5, 2048, 0.1, ""),  # another model's
+            ],
+        )
+    )
+    summary = [
+        {"press": "no_press", "ratio": 0.0, "score": 0.9, "n": 4},
+        {"press": "a", "ratio": 0.5, "score": 0.4, "n": 4},
+        {"press": "b", "ratio": 0.5, "score": 0.6, "n": 4},
+        {"press": "c", "ratio": 0.5, "score": 0.7, "n": 4},
+    ]
+    rows = {r["press"]: r for r in cost_table(summary, costs, "tiny", 1900.0, "no_press")}
+    assert rows["a"]["prefill_cost"] == 1.1 and rows["b"]["prefill_cost"] == 3.0
+    assert rows["c"]["prefill_cost"] is None and not rows["c"]["on_frontier"]
+    assert rows["a"]["on_frontier"] and rows["b"]["on_frontier"]
+    assert rows["no_press"]["prefill_cost"] == 1.0 and not rows["no_press"]["on_frontier"]
+    assert cost_table(summary, [], "tiny", 1900.0, "no_press") == []
+
+
+def test_the_report_lists_the_frontier_with_its_costs(tmp_path):
+    root = tmp_path / "runs"
+    _write_run(root, "no_press", "0", [("e1", "A", 1), ("e2", "A", 1)])
+    _write_run(root, "fast", "0.5", [("e1", "A", 1), ("e2", "A", 0)])
+    _write_run(root, "slow_better", "0.5", [("e1", "A", 1), ("e2", "A", 1)])
+    _write_run(root, "slow_worse", "0.5", [("e1", "A", 0), ("e2", "A", 0)])
+    costs = _costs(
+        tmp_path / "speed.csv",
+        [("tiny", "fast", 0.5, 128, 1.0, ""), ("tiny", "slow_better", 0.5, 128, 5.0, "")]
+        + [("tiny", "slow_worse", 0.5, 128, 5.0, "")],
+    )
+    readme = build_report(root, tmp_path / "out", plots=False, costs=costs).read_text()
+    assert "### Quality against prefill cost" in readme
+    line = next(line for line in readme.splitlines() if line.startswith("- cr 0.5: on the frontier"))
+    assert "`fast` (0.500, 1.00 x)" in line and "`slow_better` (1.000, 5.00 x)" in line and "slow_worse" not in line
+    table = list(csv.DictReader(open(tmp_path / "out" / "tables" / "ruler__tiny__cost.csv")))
+    assert {r["press"]: r["on_frontier"] for r in table} == {
+        "fast": "True",
+        "slow_better": "True",
+        "slow_worse": "False",
+        "no_press": "False",
+    }
+    assert "Quality against prefill cost" not in build_report(root, tmp_path / "o2", plots=False).read_text()
