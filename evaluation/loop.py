@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from evaluation import guards, harness, inputs
+from evaluation import continuation, guards, harness, inputs
 from evaluation.pipeline import TextGenerationPipeline
 from evaluation.registry import capabilities, export_decode_state
 from evaluation.replay import (
@@ -173,10 +173,14 @@ def _shared_rows(
             state = export_decode_state(run.press, model) if run.caps.decode_state else (None,) * len(cache)
             clear_attention_bias(model)  # a press without decode-time state leaves none behind
             replayed.append((run, cache, time.perf_counter() - start, state))
-            if not batch_decode:
+            if not batch_decode and not ex.continuation:
                 rows += _decode_group(
                     [replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds
                 )
+    if ex.continuation:  # nothing to generate: the loss of the text after the context (evaluation.continuation)
+        return continuation.shared_rows(
+            replayed, capture, ex, dataset, model, pipe.tokenizer, T, max_new, prefill_seconds
+        )
     groups: dict = {}
     for item in replayed:  # one ratio (padded) or equal per-layer cache lengths (and bias layers): one batch
         key = (
@@ -327,6 +331,10 @@ def _run_examples(
             rows = _shared_rows(
                 pending, ex, pipe, dataset, model, context_ids, question_ids, T, max_new, batch_decode, pad_decode
             )
+        elif ex.continuation:  # nothing to generate: the loss of the text after the context (evaluation.continuation)
+            rows = [
+                (run, continuation.run_row(run, ex, dataset, model, tokenizer, context_ids, max_new)) for run in pending
+            ]
         else:
             rows = [(run, _pipeline_row(run, ex, pipe, dataset, model, tokenizer, T, max_new)) for run in pending]
         for run, row in rows:

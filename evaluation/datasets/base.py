@@ -20,6 +20,9 @@ class Example:
         max_new_tokens: generation length for this example, or None for the run's ``max_new_tokens``.
         task: sub-task name (RULER or LongBench task; the dataset name when there is one task).
         metadata: extra per-example fields written to ``predictions.jsonl`` (depth, context_length...).
+        continuation: the text that follows ``context``. When set, nothing is generated: the loop teacher-forces
+            the first ``max_new_tokens`` tokens of it on the compressed cache and scores the loss of the next-token
+            predictions against the uncompressed context's (:mod:`evaluation.continuation`). Empty: generate.
     """
 
     id: str
@@ -30,6 +33,7 @@ class Example:
     max_new_tokens: int | None = None
     task: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    continuation: str = ""
 
 
 class DataUnavailableError(RuntimeError):
