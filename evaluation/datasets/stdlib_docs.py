@@ -16,6 +16,11 @@ would give the default's ``repr`` instead, which can differ from the source), on
 - ``constant_value``: the value of a module-level ``UPPER_CASE = <literal>`` assignment;
 - ``method_class``: which class defines a method (the ``class`` line and the method's ``def`` line in the window).
 
+The answer prefix (after the question, RULER-style) starts the answer as the code that states the fact would:
+``p=``, ``NAME =``, ``class``; on the development split (seed 1, 2k tokens) these made the uncompressed embedded
+model answer 8, 6 and 4 of 10 against 3, 4 and 3 with English prefixes ("The default value of `p` is", ...;
+every configuration tried: ``results/dev_realtext/README.md``).
+
 An answer is a string literal's text (without quotes), a number as written, a negative number, or for defaults a
 name or dotted name, of 3 to 40 characters; ``True``, ``False``, ``None`` and bytes are never answers. A question
 is kept only when, in the final context, its answer occurs exactly once (case-insensitive, the way RULER's
@@ -57,14 +62,15 @@ INSTRUCTION = (
     "Answer the question based on the given documents. Only give me the answer and do not output any other words."
 )
 HEADER = INSTRUCTION + "\n\nThe following are given documents.\n\n"
-#: task -> (question, answer prefix); ``{subject}`` and ``{param}`` are filled in
+#: task -> (question, answer prefix); ``{subject}`` and ``{param}`` are filled in. The prefixes start the answer as
+#: the source states it (chosen on the development split: results/dev_realtext/README.md)
 QUESTIONS = {
     "param_default": (
         "What is the default value of the parameter `{param}` of the function `{subject}`?",
-        "The default value of `{param}` is",
+        "{param}=",
     ),
-    "constant_value": ("What is the value of the constant `{subject}`?", "The value of `{subject}` is"),
-    "method_class": ("Which class defines the method `{subject}`?", "The method `{subject}` is defined in the class"),
+    "constant_value": ("What is the value of the constant `{subject}`?", "{subject} ="),
+    "method_class": ("Which class defines the method `{subject}`?", "class"),
 }
 TASKS = tuple(QUESTIONS)
 _CONSTANT = re.compile(r"[A-Z][A-Z0-9_]+")
@@ -203,7 +209,7 @@ class StdlibDocsDataset:
     split: str = "test"
     window_tokens: int = 400
     num_samples: int = 10
-    max_new_tokens: int = 16
+    max_new_tokens: int = 32
     name: str = "stdlib_docs"
 
     def __post_init__(self):
