@@ -20,6 +20,9 @@ checked and written before any row) and for every example some run still lacks:
      (:func:`evaluation.replay.replay_prefill`), then the runs decoded in batches
      (:func:`evaluation.replay.generate_answers`), presses with decode-time state exporting it after their
      replay (the press contract, :mod:`presses.base`);
+   - an example with a ``continuation`` (:class:`evaluation.datasets.base.Example`) generates nothing: the
+     continuation is teacher-forced on each run's cache and scored by its loss against the uncompressed context's
+     (:func:`evaluation.continuation.run_row`, :func:`evaluation.continuation.shared_rows`);
 
 5. appends one row per run (:func:`evaluation.harness.prediction_row`), then writes ``metrics.json``.
 
