@@ -3,12 +3,15 @@ non-blank line of its file after the prompt's last line, LongBench's templates, 
 
 from __future__ import annotations
 
+import ast
+import re
+
 import pytest
 from _tiny_tokenizer import byte_tokenizer
 
 from evaluation.datasets import stdlib
 from evaluation.datasets.longbench import DATASET2PROMPT, split_prompt
-from evaluation.datasets.stdlib_code import StdlibCodeDataset, is_answer_line, path_line
+from evaluation.datasets.stdlib_code import StdlibCodeDataset, cross_file_uses, is_answer_line, path_line
 from evaluation.datasets.tokens import count_tokens
 
 TOK = byte_tokenizer()  # one token per byte: lengths are byte counts
@@ -58,6 +61,20 @@ def test_every_answer_is_the_next_nonblank_line_of_its_file(dev_examples):
         )
 
 
+def _top_level_names(relpath: str) -> set[str]:
+    """The module name of a file and the names its top level binds (definitions, assignments, imports)."""
+    names = {relpath.rsplit("/", 1)[-1].removesuffix(".py")}
+    for node in ast.parse(stdlib.read_source(relpath)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
 def test_lengths_templates_and_repobench_context(dev_examples):
     ds, exs = dev_examples
     for e in exs:
@@ -71,6 +88,12 @@ def test_lengths_templates_and_repobench_context(dev_examples):
             files = e.metadata["context_files"]
             assert files and e.metadata["file"] not in files
             assert {stdlib.unit_of(f) for f in files} == {stdlib.unit_of(e.metadata["file"])}
+            # RepoBench-P's cross-file-first line: it uses a name the file imports from the context's first files
+            uses = dict(cross_file_uses(e.metadata["file"], tuple(stdlib.files_in_split("dev"))))
+            sources = uses[e.metadata["answer_line"] - 1]
+            assert files[: len(sources)] == list(sources[: len(files)])
+            words = set(re.findall(r"\w+", e.answers[0]))
+            assert any(words & _top_level_names(source) for source in sources), (e.answers, sources)
             for f in files:  # each context file: its path line and its head
                 at = e.context.index(path_line(f)) + len(path_line(f))
                 assert stdlib.read_source(f).startswith(e.context[at : at + 200].split("\n# Path: ")[0][:150])

@@ -6,10 +6,12 @@ length (64 tokens) and metric (``code_sim_score``: the edit similarity of the pr
 answer), without the chat template as LongBench's ``pred.py``:
 
 - ``lcc``: the context is the head of one ``.py`` file, as many whole lines as fit the target length;
-- ``repobench-p``: the context is other files of the same package, each under a ``# Path: <file>`` line (whole files
-  while they fit, the last one cut to its head), and the input (LongBench's ``{input}``, asked after compression
-  unless ``query_aware``) is ``# Path: <file>`` and the last lines before the cut of the file being completed, at
-  most ``in_file_tokens`` tokens of them.
+- ``repobench-p``: the line to complete is, as in RepoBench-P's "cross-file first" setting, the first use in its
+  file of a name the file imports from another file of its package (:func:`cross_file_uses`); the context is other
+  files of the package, each under a ``# Path: <file>`` line, the files defining the imported names the line uses
+  first, then the others in seeded order (whole files while they fit, the last one cut to its head); the input
+  (LongBench's ``{input}``, asked after compression unless ``query_aware``) is ``# Path: <file>`` and the last
+  lines before the cut of the file being completed, at most ``in_file_tokens`` tokens of them.
 
 The answer is the line right after the prompt's last line, with its indentation (trailing whitespace dropped). The
 cut is placed so that this line is not blank and holds none of ``#``, a backtick or ``//``: LongBench's scorer
@@ -22,8 +24,10 @@ each (task, length) uses a file once. Every example records the file, the answer
 
 from __future__ import annotations
 
+import ast
 import functools
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,7 +49,7 @@ from evaluation.datasets.stdlib import (
 from evaluation.datasets.tokens import count_tokens
 from evaluation.metrics import longbench_score
 
-__all__ = ["StdlibCodeDataset", "TASKS", "is_answer_line", "path_line"]
+__all__ = ["StdlibCodeDataset", "TASKS", "is_answer_line", "path_line", "cross_file_uses"]
 
 TASKS = ("lcc", "repobench-p")
 
@@ -59,6 +63,57 @@ def is_answer_line(line: str) -> bool:
 def path_line(relpath: str) -> str:
     """RepoBench's file header line: ``# Path: <relpath>``."""
     return f"# Path: {relpath}\n"
+
+
+def _import_targets(relpath: str, node: ast.ImportFrom, alias: ast.alias) -> list[str]:
+    """The files of ``relpath``'s package that ``from <module> import <alias>`` may read (a module or a package's
+    ``__init__.py``; ``from . import name`` may name a module), nearest first; empty for another package."""
+    parts = relpath.split("/")
+    if node.level:
+        if node.level > len(parts) - 1:
+            return []
+        base = parts[: len(parts) - node.level]
+    elif node.module and node.module.split(".")[0] == parts[0]:
+        base = []
+    else:
+        return []
+    target = base + (node.module.split(".") if node.module else [])
+    out = ["/".join([*target, alias.name]) + ".py"]
+    return out + (["/".join(target) + ".py", "/".join([*target, "__init__.py"])] if target else [])
+
+
+@functools.lru_cache(maxsize=1024)
+def cross_file_uses(relpath: str, files: tuple[str, ...]) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """RepoBench-P's "cross-file first" lines of a package file: for each name it imports from another file of its
+    package (one of ``files``), the first later line, outside import statements, that uses it, when that line can be
+    an answer (:func:`is_answer_line`).
+
+    Returns:
+        ``(line index, the files defining the imported names the line uses)``, by line.
+    """
+    text = read_source(relpath)
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return ()
+    known = set(files) - {relpath}
+    imported, import_lines = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            import_lines.update(range(node.lineno - 1, node.end_lineno))
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                source = next((f for f in _import_targets(relpath, node, alias) if f in known), None)
+                if source and alias.name != "*":
+                    imported[alias.asname or alias.name] = (source, node.end_lineno)
+    lines = text.splitlines(keepends=True)
+    uses: dict[int, set] = {}
+    for name, (source, after) in imported.items():
+        pattern = re.compile(rf"(?<![\w.]){re.escape(name)}\b")
+        first = next((j for j in range(after, len(lines)) if j not in import_lines and pattern.search(lines[j])), None)
+        if first is not None and is_answer_line(lines[first]):
+            uses.setdefault(first, set()).add(source)
+    return tuple((j, tuple(sorted(sources))) for j, sources in sorted(uses.items()))
 
 
 def _snippet(relpath: str, m: int) -> str:
@@ -180,17 +235,18 @@ class StdlibCodeDataset:
         return ex if ex.metadata["prompt_tokens"] >= MIN_FILL * length else None
 
     def _repobench(self, tokenizer, relpath, length, files, rng, query_aware) -> Example | None:
-        """Other files of ``relpath``'s package as context, the lines before a random answer line of ``relpath`` as
-        input; None for a module outside a package, or a package with too little other code."""
+        """Other files of ``relpath``'s package as context (first those defining the names the answer line imports),
+        the lines before a random cross-file-first line of ``relpath`` (:func:`cross_file_uses`) as input; None for
+        a module outside a package, a file without such a line, or a package with too little other code."""
         if "/" not in relpath:
             return None
+        uses = cross_file_uses(relpath, tuple(files))
+        if not uses:
+            return None
+        j, sources = rng.choice(uses)
         est = file_lines(tokenizer, relpath)
         lines = est.lines
-        answers = [j for j in range(1, len(lines)) if is_answer_line(lines[j])]
-        others = [f for f in files if f != relpath and unit_of(f) == unit_of(relpath)]
-        if not answers or not others:
-            return None
-        j = rng.choice(answers)
+        others = [f for f in files if f != relpath and f not in sources and unit_of(f) == unit_of(relpath)]
 
         def in_file(m):  # the path line and the last m lines before the answer
             return path_line(relpath) + "".join(lines[j - m : j])
@@ -200,7 +256,7 @@ class StdlibCodeDataset:
         inp = in_file(shrink_to_fit(m, lambda m: count_tokens(tokenizer, in_file(m)), self.in_file_tokens))
         rng.shuffle(others)
         context, shown = "", []
-        for other in others:
+        for other in [*sources, *others]:  # the files the answer line's imported names come from first
             used = _prompt_tokens(tokenizer, "repobench-p", context + path_line(other), inp)
             m = self._snippet_lines(tokenizer, other, context, inp, length, used)
             if m == 0:
