@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from _tiny_tokenizer import byte_tokenizer, char_tokenizer
 from conftest import make_tiny_llama
+from hydra.utils import instantiate
 from kvpress import StreamingLLMPress
 from test_harness import composed
 from transformers import DynamicCache
@@ -77,6 +78,16 @@ def _example(tok):
     return Example(id="x", context=text[:400], question="", answers=[], continuation=text[400:500])
 
 
+def _own_loss(model, context_ids, ids) -> float:
+    """The model's own loss on context + continuation (one forward, HF's shifted cross-entropy), on the
+    continuation's tokens 1..n."""
+    T = context_ids.shape[1]
+    labels = torch.full((1, T + ids.shape[1]), -100)
+    labels[0, T + 1 :] = ids[0, 1:]
+    with torch.inference_mode():
+        return model(input_ids=torch.cat([context_ids, ids], 1), labels=labels).loss.item()
+
+
 def test_uncompressed_loss_is_the_models_own_loss_and_compression_changes_it(tiny):
     model, tok = tiny
     ex, n = _example(tok), 40
@@ -89,11 +100,7 @@ def test_uncompressed_loss_is_the_models_own_loss_and_compression_changes_it(tin
         model.model(input_ids=context_ids, past_key_values=cache)
     reference = continuation.teacher_forced_hidden(model, cache, ids, T)
     assert [cache.get_seq_length(i) for i in range(3)] == [T] * 3  # the fed tokens were cut off again
-    # the model's own loss: one forward over context and continuation, the continuation's tokens 1..n as labels
-    labels = torch.full((1, T + n + 1), -100)
-    labels[0, T + 1 :] = ids[0, 1:]
-    with torch.inference_mode():
-        own = model(input_ids=torch.cat([context_ids, ids], 1), labels=labels).loss.item()
+    own = _own_loss(model, context_ids, ids)  # one forward over context and continuation
     same = continuation.loss_stats(model, reference, reference, ids)
     assert same["nll_uncompressed"] == pytest.approx(own, abs=1e-5) and same["nll"] == same["nll_uncompressed"]
     assert same["kl"] == 0.0 and same["nll_increase"] == 0.0 and continuation.loss_score(same) == 1.0
@@ -151,16 +158,23 @@ def test_fused_equals_run_and_the_report_tables_it(tiny, tmp_path):
     for cfg, names in _runs(presses, tmp_path / "separate"):
         entry.run(cfg, names)
     fused.run_fused(_runs(presses, tmp_path / "fused"), "test")
+    model, tok = tiny
+    cfg = _runs(["no_press"], tmp_path)[0][0]
+    examples = {e.id: e for e in harness.run_examples(cfg, instantiate(cfg.dataset), tok)}
     for press in presses:
         sep, fus = _rows(tmp_path / "separate", press), _rows(tmp_path / "fused", press)
         assert sorted(sep) == sorted(fus) and len(sep) == 4
         for i in sep:
             for key in harness.CONTINUATION_FIELDS:
-                assert fus[i][key] == pytest.approx(sep[i][key], abs=1e-4), (press, i, key)
+                assert fus[i][key] == pytest.approx(sep[i][key], abs=1e-5), (press, i, key)
             assert fus[i]["effective_compression"] == pytest.approx(sep[i]["effective_compression"])
             assert fus[i]["score"] == pytest.approx(math.exp(-fus[i]["kl"]))
-            if press == "no_press":  # the uncompressed run is its own reference
+            if press == "no_press":  # the uncompressed run is its own reference, and the model's own loss
                 assert sep[i]["nll_increase"] == fus[i]["nll_increase"] == 0.0 and sep[i]["kl"] == fus[i]["kl"] == 0.0
+                ex = examples[i]
+                context_ids = torch.tensor([encode(tok, tok.bos_token + ex.context)])  # the pipeline's BOS
+                ids = continuation.continuation_ids(tok, ex, 24)
+                assert sep[i]["nll"] == pytest.approx(_own_loss(model, context_ids, ids), abs=1e-5)
             else:
                 assert fus[i]["kl"] > 1e-4 and fus[i]["effective_compression"] > 0.5
     readme = report.build_report(tmp_path / "fused", tmp_path / "report")
