@@ -21,7 +21,7 @@ LENGTHS = [1500, 4000]
 
 @pytest.fixture(scope="module")
 def generated():
-    ds = StdlibDocsDataset(context_lengths=LENGTHS, split="dev", window_tokens=400)
+    ds = StdlibDocsDataset(tasks=TASKS, context_lengths=LENGTHS, split="dev", window_tokens=400)
     return ds, ds.examples(TOK, 3, seed=5, query_aware=False), ds.examples(TOK, 3, seed=5, query_aware=True)
 
 
