@@ -423,6 +423,11 @@ def run_examples(cfg: DictConfig, dataset, tokenizer) -> list:
     return mine
 
 
+#: The fields of a row scored by the loss of the text after the context (:mod:`evaluation.continuation`), in nats
+#: per token; :func:`summarize` averages them and the report tables them.
+CONTINUATION_FIELDS = ("nll", "nll_uncompressed", "nll_increase", "kl")
+
+
 def prediction_row(
     ex,
     names: dict[str, str],
@@ -433,10 +438,13 @@ def prediction_row(
     context_length: int,
     seconds: float,
     press,
+    score: float | None = None,
     **extra,
 ) -> dict:
-    """One ``predictions.jsonl`` row: the example, the prediction and its score, the effective and the physical
-    compression (:func:`cache_stats`), seconds, and ``press.summary()`` when the press has one."""
+    """One ``predictions.jsonl`` row: the example, the prediction and its score (``dataset.score``, or ``score`` when
+    given: a continuation row's, :mod:`evaluation.continuation`), the effective and the
+    physical compression (:func:`cache_stats`), seconds, and
+    ``press.summary()`` when the press has one."""
     row = {
         "id": ex.id,
         "task": ex.task or names["dataset"],
@@ -444,7 +452,7 @@ def prediction_row(
         "depth": ex.metadata.get("depth"),
         "answers": ex.answers,
         "prediction": prediction,
-        "score": float(dataset.score(prediction, ex)),
+        "score": float(dataset.score(prediction, ex) if score is None else score),
         **cache_stats(cache, model, context_length, press),
         "seconds": seconds,
         "press_stats": press.summary() if press is not None and hasattr(press, "summary") else None,
@@ -490,15 +498,18 @@ def chat_template(tokenizer, enabled: bool):
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Mean score, per-task means, mean effective compression and timing of prediction rows."""
+    """Mean score, per-task means, mean effective compression and timing of prediction rows, and the mean of each
+    :data:`CONTINUATION_FIELDS` field that every row holds."""
     n = len(rows)
 
     def mean(xs):
         return sum(xs) / len(xs) if xs else math.nan
 
     tasks = sorted({r["task"] for r in rows})
+    losses = {k: mean([r[k] for r in rows]) for k in CONTINUATION_FIELDS if rows and all(k in r for r in rows)}
     return {
         "n": n,
+        **losses,
         "score": mean([r["score"] for r in rows]),
         "per_task": {t: mean([r["score"] for r in rows if r["task"] == t]) for t in tasks},
         "effective_compression": mean([r["effective_compression"] for r in rows]),

@@ -21,6 +21,9 @@ checked and written before any row) and for every example some run still lacks:
      (:func:`evaluation.replay.generate_answers`), presses with decode-time state exporting it after their
      replay (the press contract, :mod:`presses.base`); presses with ``scores_once`` scored by
      :mod:`evaluation.kvzip_path` and decoded one by one;
+   - an example with a ``continuation`` (:class:`evaluation.datasets.base.Example`) generates nothing: the
+     continuation is teacher-forced on each run's cache and scored by its loss against the uncompressed context's
+     (:func:`evaluation.continuation.run_row`, :func:`evaluation.continuation.shared_rows`);
 
 5. appends one row per run (:func:`evaluation.harness.prediction_row`), then writes ``metrics.json``.
 
@@ -41,7 +44,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from evaluation import guards, harness, inputs, kvzip_path, prompt_delimiter
+from evaluation import continuation, guards, harness, inputs, kvzip_path, prompt_delimiter
 from evaluation.memo import ReplayMemo
 from evaluation.pipeline import TextGenerationPipeline
 from evaluation.registry import capabilities, export_decode_state, sharing
@@ -191,8 +194,14 @@ def _shared_rows(
         # decode-time state belongs to the run's cache: keep it with the run until its decode
         state = export_decode_state(run.press, cache)
         replayed.append((run, cache, time.perf_counter() - start, state))
-        if not batch_decode:
+        if not batch_decode and not ex.continuation:
             rows += _decode_group([replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+    scored = [run for run in pending if run.caps.scores_once]  # one scoring pass, then each run on its own
+    if ex.continuation:  # nothing to generate: the loss of the text after the context (evaluation.continuation)
+        masked = kvzip_path.selected_runs(scored, model, capture, context_ids)
+        return continuation.shared_rows(
+            replayed, capture, ex, dataset, model, pipe.tokenizer, T, max_new, prefill_seconds, masked
+        )
     groups: dict = {}
     for item in replayed:  # one ratio (padded) or equal per-layer cache lengths (and bias layers): one batch
         key = (
@@ -206,7 +215,6 @@ def _shared_rows(
         groups.setdefault(key, []).append(item)
     for group in groups.values():
         rows += _decode_group(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
-    scored = [run for run in pending if run.caps.scores_once]  # one scoring pass, then each run decodes alone
     for run, cache, seconds, masks in kvzip_path.selected_runs(scored, model, capture, context_ids):
         with kvzip_path.masked_keys(model, masks):
             item = (run, cache, seconds, (None,) * len(cache))
@@ -350,6 +358,10 @@ def _run_examples(
             rows = _shared_rows(
                 pending, ex, pipe, dataset, model, context_ids, question_ids, T, max_new, batch_decode, pad_decode
             )
+        elif ex.continuation:  # nothing to generate: the loss of the text after the context (evaluation.continuation)
+            rows = [
+                (run, continuation.run_row(run, ex, dataset, model, tokenizer, context_ids, max_new)) for run in pending
+            ]
         else:
             rows = [(run, _pipeline_row(run, ex, pipe, dataset, model, tokenizer, T, max_new)) for run in pending]
         for run, row in rows:

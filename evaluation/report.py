@@ -19,10 +19,15 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
 * ``tables/<dataset>__<model>__win.csv``: win score (paper 003 section 7) per press and ratio, over the
   presses run at that ratio (the uncompressed ``no_press`` baseline is left out), on the examples every one of
   them scored;
-* ``plots/<dataset>__<model>__{score,win,tasks}.png``: score vs ratio, win score vs ratio, per-task panels;
+* ``plots/<dataset>__<model>__{score,win,tasks}.png``: score vs ratio, win score vs ratio, per-task panels, and
+  ``__loss.png`` (NLL increase and KL vs ratio) for continuation rows;
 * with ``--costs <speed sweep csv>``: ``tables/<dataset>__<model>__cost.csv`` and ``plots/...__cost.png``, each
   press's score against its prefill cost per ratio, and which presses lie on the quality-cost frontier
   (:mod:`evaluation.frontier`);
+* ``tables/<dataset>__<model>__continuation.csv`` for rows scored by the loss of the text after the context
+  (:mod:`evaluation.continuation`): per press, ratio and task (``all`` too), the mean NLL increase over the
+  uncompressed context and the mean KL of the next-token distributions, each with its Student-t interval
+  (:func:`continuation_table`);
 * ``README.md`` linking all of it, with the commands that produced the runs (``metrics.json``'s ``command``).
 
 A run that another process is writing (it holds the run directory's lock, :func:`evaluation.harness.claim_runs`)
@@ -49,12 +54,13 @@ from pathlib import Path
 from evaluation.frontier import cost_table, read_costs
 from evaluation.harness import (
     COMMANDS_NAME,
+    CONTINUATION_FIELDS,
     QA_SUFFIX,
     config_changes,
     run_in_progress,
     write_atomic,
 )
-from evaluation.metrics import score_interval, win_scores
+from evaluation.metrics import score_interval, t_interval, win_scores
 
 logger = logging.getLogger("evaluation.report")
 
@@ -310,6 +316,29 @@ def per_task_table(runs: list[Run], key=lambda r: r.get("task")) -> list[dict]:
     return out
 
 
+def continuation_table(runs: list[Run], confidence: float) -> list[dict]:
+    """Per run and task (and ``task="all"``): the mean NLL increase and mean KL of rows scored by their continuation's
+    loss (:mod:`evaluation.continuation`, nats per token), each with its Student-t interval (not clipped: an
+    increase can be negative), and the mean NLL with and without compression. Runs without such rows give none.
+    """
+    out = []
+    for run in runs:
+        rows = [r for r in run.rows if all(k in r for k in CONTINUATION_FIELDS)]
+        tasks = sorted({r.get("task") or run.dataset for r in rows})
+        for task in ["all", *tasks] if rows else []:
+            sel = [r for r in rows if task == "all" or (r.get("task") or run.dataset) == task]
+            rec = {"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio, "task": task}
+            rec["n"] = len(sel)
+            for key in ("nll_increase", "kl"):
+                vals = [float(r[key]) for r in sel]
+                lo, hi = t_interval(vals, confidence)
+                rec.update({key: sum(vals) / len(vals), f"{key}_low": lo, f"{key}_high": hi})
+            for key in ("nll", "nll_uncompressed"):
+                rec[key] = sum(float(r[key]) for r in sel) / len(sel)
+            out.append(rec)
+    return out
+
+
 def win_table(runs: list[Run], provisional: bool = False) -> list[dict]:
     """Win score of each press per ratio (paper 003 section 7), on examples all presses at that ratio scored.
 
@@ -500,6 +529,27 @@ def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bo
             ax.plot(xs, ys, marker="o", label=press, color=colors[press])
     ax.set_xlabel("compression ratio")
     ax.grid(alpha=0.3)
+
+
+def _loss_figure(w: _Writer, stem: str, title: str, losses: list[dict], presses: list[str]) -> str:
+    """``plots/<stem>__loss.png``: the NLL increase and the KL against the ratio, per press, with intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
+    for ax, key, label in zip(axes, ("nll_increase", "kl"), ("NLL increase (nats/token)", "KL (nats/token)")):
+        recs = [
+            {"press": r["press"], "ratio": r["ratio"], key: r[key], "low": r[f"{key}_low"], "high": r[f"{key}_high"]}
+            for r in losses
+            if r["task"] == "all"
+        ]
+        _plot_lines(ax, recs, key, presses, err=True)
+        ax.set_ylabel(label)
+        ax.set_title(f"{title}: {label.split(' (')[0]}")
+    axes[0].legend(fontsize=7)
+    return w.figure(f"plots/{stem}__loss.png", fig)
 
 
 def _figures(
@@ -722,6 +772,9 @@ def build_report(
         ranges = length_range_table(group)
         if ranges:
             links["by_length_range"] = w.text(f"tables/{stem}__by_length_range.csv", _csv(ranges))
+        losses = continuation_table(group, confidence)
+        if losses:
+            links["continuation"] = w.text(f"tables/{stem}__continuation.csv", _csv(losses))
         plots = _figures(w, stem, f"{dataset} / {model}", summary, wins, tasks, presses) if plots_on else {}
         lengths = [row["context_length"] for r in group for row in r.rows if row.get("context_length")]
         costed = cost_table(summary, cost_rows, model, sum(lengths) / len(lengths) if lengths else None, BASELINE)
@@ -729,6 +782,8 @@ def build_report(
             links["cost"] = w.text(f"tables/{stem}__cost.csv", _csv(costed))
             if plots_on:
                 plots["cost"] = _cost_figure(w, stem, f"{dataset} / {model}", costed, presses)
+        if losses and plots_on:
+            plots["loss"] = _loss_figure(w, stem, f"{dataset} / {model}", losses, presses)
 
         ratios = sorted({r["ratio"] for r in summary})
         md += [f'<a id="{_anchor(dataset, model)}"></a>', f"## {dataset} / {model}", ""]
@@ -787,6 +842,32 @@ def build_report(
             + (f" · plot:\n\n![score vs ratio]({plots['score']})" if "score" in plots else ""),
             "",
         ]
+        if losses:
+            every = [r for r in losses if r["task"] == "all"]
+            md += [
+                f"### Continuation loss (mean over examples, {pct} Student-t interval)",
+                "",
+                "The context compressed, the text that follows teacher-forced on the compressed cache "
+                "(`evaluation/continuation.py`): the increase of the mean negative log-likelihood per token over "
+                "the uncompressed context, and the mean KL(uncompressed || compressed) of the next-token "
+                "distributions, in nats per token (the rows' `score` is exp(-KL)).",
+                "",
+            ]
+            for key, label in (("nll_increase", "NLL increase"), ("kl", "KL")):
+                hdr, rows = _pivot(
+                    every,
+                    lambda r: r["press"],
+                    lambda r: r["ratio"],
+                    lambda r, k=key: f"{r[k]:.4f} [{r[f'{k}_low']:.4f}, {r[f'{k}_high']:.4f}]",
+                    row_order=presses,
+                    col_order=ratios,
+                )
+                md += [f"{label}:", "", _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), ""]
+            md += [
+                f"Table (per task too): [{links['continuation']}]({links['continuation']})"
+                + (f" · plot:\n\n![loss vs ratio]({plots['loss']})" if "loss" in plots else ""),
+                "",
+            ]
         if wins:
             hdr, rows = _pivot(
                 wins,

@@ -280,3 +280,30 @@ def test_embedded_model_fused_equals_run(tmp_path, passes):
     fused.run_fused(_runs(presses, ratios, tmp_path / "fused", settings), "test")
     assert len(passes) == 1
     _assert_fused_equals_separate(tmp_path, presses, ratios)
+
+
+def test_continuation_rows_fused_equal_separate_runs(tiny, tmp_path, passes):
+    """Real text scored by the loss after the context (``continuation_loss``): KVzip's one scoring pass in
+    ``evaluation.fused`` gives the losses ``evaluation.run`` gives, and compression changes them."""
+    settings = ["dataset=continuation_loss", "dataset.split=dev", "dataset.context_lengths=[300]", "n_samples=2"]
+    settings += ["dataset.continuation_tokens=24"]
+    presses, ratios = ["no_press", "kvzip"], [0.5, 0.75]
+
+    def runs(out):
+        return [
+            (cfg, {**names, "dataset": "continuation_loss"}) for cfg, names in _runs(presses, ratios, out, settings)
+        ]
+
+    for cfg, names in runs(tmp_path / "separate"):
+        entry.run(cfg, names)
+    passes.clear()
+    fused.run_fused(runs(tmp_path / "fused"), "test")
+    assert len(passes) == 4  # one scoring pass per example (the set has four examples of 300 tokens)
+    for ratio in ratios:
+        sep = _rows(tmp_path / "separate", "kvzip", ratio, "continuation_loss")
+        fus = _rows(tmp_path / "fused", "kvzip", ratio, "continuation_loss")
+        assert sep.keys() == fus.keys() and len(sep) == 4
+        for i in sep:
+            for key in ("nll_increase", "kl", "score", "effective_compression"):
+                assert fus[i][key] == pytest.approx(sep[i][key], abs=1e-5), (ratio, i, key)
+            assert fus[i]["kl"] > 0  # the compressed cache changes the predictions

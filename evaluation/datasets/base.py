@@ -23,6 +23,9 @@ class Example:
         question_start: where the question part starts inside ``context`` (characters) when ``query_aware=True`` put
             it there: the document is ``context[:question_start]``. None otherwise, or when the dataset cannot say;
             a press that needs a delimiter between the two (Finch) refuses such an example.
+        continuation: the text that follows ``context``. When set, nothing is generated: the loop teacher-forces
+            the first ``max_new_tokens`` tokens of it on the compressed cache and scores the loss of the next-token
+            predictions against the uncompressed context's (:mod:`evaluation.continuation`). Empty: generate.
     """
 
     id: str
@@ -34,6 +37,7 @@ class Example:
     task: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     question_start: int | None = None
+    continuation: str = ""
 
 
 class DataUnavailableError(RuntimeError):
