@@ -181,6 +181,7 @@ POOL_CASES = [
     (1.0, "raw_entropy", 5, "mass", 1, 3),
     (float("inf"), "max", 1, "block_max", 1, 8),
     (0.5, "mean", 7, "mass", 3, 1),
+    (2.0, "entropy", 16, "mean", 2, 4),  # ChunkKV's chunk mean (the partial last page over its own length)
 ]
 
 

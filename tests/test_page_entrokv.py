@@ -48,8 +48,11 @@ def rand_ids(T, batch=1, seed=0):
         ({"n_sink": -1}, "n_sink=-1 must be an integer >= 0"),
         ({"alpha": 0.0}, "alpha=0.0 must be > 0"),
         ({"tau": -1.0}, "tau=-1.0 must be > 0"),
-        ({"pooling": "median"}, r"pooling='median' is not one of \('entropy', 'raw_entropy', 'mean', 'max'\)"),
-        ({"page_score": "sum"}, r"page_score='sum' is not one of \('block_max', 'mass'\)"),
+        (
+            {"pooling": "median"},
+            r"pooling='median' is not one of \('entropy', 'raw_entropy', 'mean', 'max', 'snapkv'\)",
+        ),
+        ({"page_score": "sum"}, r"page_score='sum' is not one of \('block_max', 'mass', 'mean'\)"),
         ({"on_budget_conflict": "skip"}, "on_budget_conflict='skip' is not one of"),
     ],
 )

@@ -96,7 +96,7 @@ def test_max_fallback_pools_indistinguishable_groups_by_max():
     flat = flat / flat.sum(-1, keepdim=True)
     attn = torch.cat([sharp, flat], dim=1)  # group 0: distinct heads; group 1: mirror images, equal entropies
     press = PageEntroKVPress(compression_ratio=0.5, page_size=8, max_fallback=0.01)
-    scores, diag, fallback = press._page_scores(attn, 2)
+    _, scores, diag, fallback = press._page_scores(attn, 2)
     assert fallback.tolist() == [[False, True]]
     entropy = diag["entropy"].view(2, 2)
     assert float(entropy[1].max() - entropy[1].min()) < 0.01 < float(entropy[0].max() - entropy[0].min())
@@ -104,7 +104,7 @@ def test_max_fallback_pools_indistinguishable_groups_by_max():
     pooled_entropy, _ = pooled_group_scores(attn, 2, 4, 2.0, 0.5, "entropy")
     assert torch.allclose(scores[0, 1], pooled_max[0, 1].view(8, 8).amax(-1))
     assert torch.allclose(scores[0, 0], pooled_entropy[0, 0].view(8, 8).amax(-1))
-    off = PageEntroKVPress(compression_ratio=0.5, page_size=8)._page_scores(attn, 2)[0]
+    off = PageEntroKVPress(compression_ratio=0.5, page_size=8)._page_scores(attn, 2)[1]
     assert not torch.allclose(off[0, 1], scores[0, 1])  # the fallback changed something
 
 

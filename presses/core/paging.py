@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "PAGE_SCORES",
+    "BUDGETS",
     "BUDGET_CONFLICT_MODES",
     "PROTECTIONS",
     "PageBudget",
@@ -31,7 +32,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PAGE_SCORES = ("block_max", "mass")
+PAGE_SCORES = ("block_max", "mass", "mean")
+#: How many pages a layer keeps: ``"tokens"`` (the strict token budget ``floor(T (1 - ratio))``, docs/methods.md §1
+#: step 8) or ``"pages"`` (ChunkKV's count ``max(1, int(P (1 - ratio)))`` of the ``P`` pages, a partial one included).
+BUDGETS = ("tokens", "pages")
 BUDGET_CONFLICT_MODES = ("shrink", "raise", "keep_protected")
 PROTECTIONS = ("sink_window", "none")
 
@@ -77,7 +81,9 @@ def page_scores(scores: torch.Tensor, page_size: int, method: str = "block_max")
     Args:
         scores: ``(..., T)`` per-position scores (e.g. the pooled ``p_g``).
         page_size: ``B`` tokens per page, ``>= 1``.
-        method: ``"block_max"`` (``max_{j in page} p[j]``, default) or ``"mass"`` (``sum_{j in page} p[j]``).
+        method: ``"block_max"`` (``max_{j in page} p[j]``, default), ``"mass"`` (``sum_{j in page} p[j]``) or
+            ``"mean"`` (the page's mean, a partial last page over its own positions: ChunkKV's chunk score,
+            arXiv 2502.00299, computed as kvpress's ``ChunkKVPress`` computes it, so the two agree bit for bit).
 
     Returns:
         ``(..., P)`` float32 page scores; a partial last page uses only its existing positions.
@@ -91,6 +97,12 @@ def page_scores(scores: torch.Tensor, page_size: int, method: str = "block_max")
     P = num_pages(T, page_size)
     pad = P * page_size - T
     s = scores.float()
+    if method == "mean":  # full pages by one reshape, the partial page on its own (kvpress's ChunkKVPress)
+        full = T // page_size
+        means = [s[..., : full * page_size].reshape(*s.shape[:-1], full, page_size).mean(-1)]
+        if pad:
+            means.append(s[..., full * page_size :].mean(-1, keepdim=True))
+        return torch.cat(means, dim=-1)
     if method == "block_max":
         s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
         return s.reshape(*s.shape[:-1], P, page_size).amax(-1)
@@ -210,6 +222,7 @@ def page_budget(
     window_size: int,
     on_budget_conflict: str = "shrink",
     protect: str = "sink_window",
+    budget: str = "tokens",
 ) -> PageBudget:
     """Strict budget plan (docs/methods.md §1 step 8 and §1.12, paper 000 Theorem 3).
 
@@ -227,6 +240,9 @@ def page_budget(
             protection shrinks until it fits, :func:`shrink_protection`), ``"raise"``, or ``"keep_protected"``
             (keep only the protected pages and log a warning).
         protect: ``"sink_window"`` or ``"none"`` (:func:`protected_page_mask`).
+        budget: ``"tokens"`` (``b = floor(T (1 - compression_ratio))``) or ``"pages"`` (ChunkKV's count of
+            ``n = max(1, int(P (1 - compression_ratio)))`` pages, kvpress's ``ChunkKVPress``: ``b = n B`` tokens, so
+            the kept pages, a protected partial page counted as one, number ``n``).
 
     Returns:
         A :class:`PageBudget`.
@@ -237,7 +253,11 @@ def page_budget(
     """
     if on_budget_conflict not in BUDGET_CONFLICT_MODES:
         raise ValueError(f"on_budget_conflict={on_budget_conflict!r} is not one of {BUDGET_CONFLICT_MODES}")
+    if budget not in BUDGETS:
+        raise ValueError(f"budget={budget!r} is not one of {BUDGETS}")
     b = token_budget(seq_len, compression_ratio)
+    if budget == "pages" and seq_len:  # ChunkKV's expression, float for float
+        b = max(1, int(num_pages(seq_len, page_size) * (1 - compression_ratio))) * page_size
     protected = protected_page_mask(seq_len, page_size, n_sink, window_size, protect)
     P = protected.numel()
     page_len = torch.full((P,), page_size, dtype=torch.long)

@@ -10,7 +10,8 @@ Page-EntroKV needs (docs/methods.md §1 steps 2-6; paper 000 sec. 3 and Thm. 2; 
 - the group weights ``w = softmax_{h in g}(-H_h / tau)``: ``O(B H_Q)`` numbers, computed by
   :func:`presses.core.renyi.group_weights` in torch (no kernel needed);
 - ``p_g[j] = sum_h w_h a^h[j]`` (or ``max_h a^h[j]``) and the page score ``max_{j in page} p_g[j]``
-  (or the page mass): ``_pool_pages_kernel``, one program per (group, block of pages).
+  (or the page mass, or its mean: the mass over the page's length): ``_pool_pages_kernel``, one program per
+  (group, block of pages).
 
 The torch reference is :func:`presses.kernels.references.pooled_page_scores_reference` (Page-EntroKV's own
 ``pooled_group_scores`` followed by :func:`presses.core.paging.page_scores`).
@@ -247,11 +248,15 @@ def pooled_page_scores_triton(
             G=G,
             R=r,
             MAX_POOL=pooling == "max",
-            MASS=page_score == "mass",
+            MASS=page_score != "block_max",  # "mean": the mass divided by the page's length below
             BLOCK_P=block_p,
             BLOCK_S=block_s,
             num_warps=4,
         )
+    if page_score == "mean" and P:
+        lengths = torch.full((P,), float(page_size), device=attn.device)
+        lengths[-1] = T - (P - 1) * page_size
+        pages = pages / lengths
     if not diagnostics:
         return pooled, pages, None
     return (

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from kvpress import ComposedPress, ScorerPress
+from kvpress import ComposedPress, ScorerPress, SnapKVPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
@@ -16,11 +16,13 @@ from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, cache_proble
 from presses.core.observer import attention_logit_options, rotary_embeddings, window_queries
 from presses.core.paging import (
     BUDGET_CONFLICT_MODES,
+    BUDGETS,
     PAGE_SCORES,
     PROTECTIONS,
     PageBudget,
     check_compression_ratio,
     page_budget,
+    page_scores,
     pages_to_positions,
     protected_page_mask,
     select_pages,
@@ -30,9 +32,12 @@ from presses.core.pooling import POOLINGS
 from presses.kernels import column_sums, pooled_page_scores
 from presses.observers import memoized_observers, observer_attention
 
-__all__ = ["PageEntroKVPress", "GROUP_SELECTIONS", "MAX_OBSERVERS"]
+__all__ = ["PageEntroKVPress", "GROUP_SELECTIONS", "MAX_OBSERVERS", "SCORE_POOLINGS"]
 
-GROUP_SELECTIONS = ("group", "union")
+GROUP_SELECTIONS = ("group", "union", "shared")
+#: The press's ``pooling`` values: the observer-attention poolings of :data:`presses.core.pooling.POOLINGS`, and
+#: ``"snapkv"``, SnapKV's own window scores (kvpress's ``SnapKVPress.score``) in place of the pooled observer attention.
+SCORE_POOLINGS = (*POOLINGS, "snapkv")
 #: Paper 000 observes with the prompt's queries up to its prefill observation window of 4096 positions.
 MAX_OBSERVERS = 4096
 
@@ -64,17 +69,24 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         alpha: Rényi order (2 = collision, 1 = Shannon, ``inf`` = min-entropy), ``> 0``.
         tau: group temperature ``tau_g > 0``; ``tau -> inf`` is mean pooling.
         pooling: ``"entropy"`` (default), ``"raw_entropy"`` (no sink isolation), ``"mean"`` (``1/r``),
-            ``"max"`` (max over the group's heads).
-        page_score: ``"block_max"`` (default) or ``"mass"``.
+            ``"max"`` (max over the group's heads), or ``"snapkv"``: SnapKV's scores instead of the pooled observer
+            attention (kvpress's ``SnapKVPress(window_size=observers, kernel_size).score``: the window's attention
+            averaged over the window, an average pool of ``kernel_size``, the mean over the group's heads, the
+            window's own positions above every other; docs/methods.md §1.14).
+        kernel_size: SnapKV's pooling kernel, ``>= 1`` (``pooling="snapkv"`` only).
+        page_score: ``"block_max"`` (default), ``"mass"`` or ``"mean"`` (ChunkKV's chunk mean).
+        budget: ``"tokens"`` (default: the strict budget ``floor(T (1 - compression_ratio))`` tokens) or
+            ``"pages"`` (ChunkKV's ``max(1, int(P (1 - compression_ratio)))`` of the ``P`` pages).
         observer_window: the observers: ``None`` (the last ``window_size`` queries), an int (the last that many
             queries), or ``"all"`` (every prompt query, at most the last 4096: paper 000's prefill observation
             window, docs/methods.md §1.11). Windows above ``observer_block`` rows are averaged block by block
             through the column-sum kernel, so memory stays ``O(observer_block x T)`` per head.
         protect: ``"sink_window"`` (default; docs/methods.md §1 step 7) or ``"none"`` (paper 000 Algorithm 1:
             plain top-K over pages; a partial last page, which every group must keep, stays).
-        group_selection: ``"group"`` (default: each KV group keeps its own pages) or ``"union"`` (paper 000: each
+        group_selection: ``"group"`` (default: each KV group keeps its own pages), ``"union"`` (paper 000: each
             group selects its top-K, and the layer keeps the union of the groups' pages for every group; the
-            budget then holds per group selection, not per layer: ``summary()`` reports what was kept).
+            budget then holds per group selection, not per layer: ``summary()`` reports what was kept) or
+            ``"shared"`` (ChunkKV: one selection for every group, from the token scores summed over the groups).
         max_fallback: ``None`` (default, off) or a threshold in nats: a group whose sink-isolated head entropies
             span less than it (``max_h H_h - min_h H_h``) is pooled by the max over its heads instead (paper
             000's fallback for indistinguishable heads; docs/methods.md §1.11).
@@ -111,7 +123,9 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     alpha: float = 2.0
     tau: float = 0.5
     pooling: str = "entropy"
+    kernel_size: int = 5
     page_score: str = "block_max"
+    budget: str = "tokens"
     observer_window: int | str | None = None
     protect: str = "sink_window"
     group_selection: str = "group"
@@ -126,7 +140,8 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
 
     def __post_init__(self):
         check_compression_ratio(self.compression_ratio)
-        for name, low in (("page_size", 1), ("window_size", 1), ("n_sink", 0), ("observer_block", 1)):
+        minimums = (("page_size", 1), ("window_size", 1), ("n_sink", 0), ("observer_block", 1), ("kernel_size", 1))
+        for name, low in minimums:
             value = getattr(self, name)
             if isinstance(value, bool) or int(value) != value or value < low:
                 raise ValueError(f"{name}={value} must be an integer >= {low}")
@@ -139,10 +154,12 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             raise ValueError(f"alpha={self.alpha} must be > 0 (Rényi order; float('inf') = min-entropy)")
         if not (self.tau > 0):
             raise ValueError(f"tau={self.tau} must be > 0 (float('inf') = mean pooling)")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"pooling={self.pooling!r} is not one of {POOLINGS}")
+        if self.pooling not in SCORE_POOLINGS:
+            raise ValueError(f"pooling={self.pooling!r} is not one of {SCORE_POOLINGS}")
         if self.page_score not in PAGE_SCORES:
             raise ValueError(f"page_score={self.page_score!r} is not one of {PAGE_SCORES}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"budget={self.budget!r} is not one of {BUDGETS}")
         if self.on_budget_conflict not in BUDGET_CONFLICT_MODES:
             raise ValueError(f"on_budget_conflict={self.on_budget_conflict!r} is not one of {BUDGET_CONFLICT_MODES}")
         if self.protect not in PROTECTIONS:
@@ -184,7 +201,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
                 )
 
     # ------------------------------------------------------------------ scoring
-    def observers(self, seq_len: int) -> int:
+    def observer_count(self, seq_len: int) -> int:
         """The number of observer queries for a prompt of ``T`` rows (``observer_window`` resolved, at most ``T``)."""
         wanted = (
             self.window_size
@@ -212,7 +229,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         kvpress's SnapKV does.
         """
         n, T = hidden_states.shape[1], keys.shape[2]
-        W = min(self.observers(T), n)
+        W = min(self.observer_count(T), n)
         pe = kwargs.get("position_embeddings")
         return memoized_observers(
             self.memo,
@@ -259,16 +276,19 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             cos, sin = rotary_embeddings(module, hidden_states[:, -W:], positions)
         return observer_attention(module, hidden_states, keys, W, (cos[:, -W:], sin[:, -W:]), None)
 
-    def _page_scores(self, attn: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, dict | None, torch.Tensor]:
-        """Page scores ``(B, G, P)`` of the observer attention (docs/methods.md §1 steps 2-6), with the max-pooling
-        fallback for groups whose head entropies span less than ``max_fallback`` (§1.11).
+    def _page_scores(
+        self, attn: torch.Tensor, num_groups: int
+    ) -> tuple[torch.Tensor, torch.Tensor, dict | None, torch.Tensor]:
+        """Pooled scores ``(B, G, T)`` and page scores ``(B, G, P)`` of the observer attention (docs/methods.md §1
+        steps 2-6), with the max-pooling fallback for groups whose head entropies span less than ``max_fallback``
+        (§1.11).
 
         Returns:
-            ``(page scores, diagnostics or None, fallback (B, G) bool)``.
+            ``(pooled, page scores, diagnostics or None, fallback (B, G) bool)``.
         """
         need_diag = self.record or self.max_fallback is not None
         # dispatch: Triton on CUDA, pooled_group_scores + page_scores elsewhere (presses.kernels)
-        _, scores, diag = pooled_page_scores(
+        pooled, scores, diag = pooled_page_scores(
             attn,
             num_groups,
             self.n_sink,
@@ -285,11 +305,49 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             entropy = diag["entropy"].view(B, num_groups, -1)
             fallback = (entropy.amax(-1) - entropy.amin(-1)) < self.max_fallback
             if bool(fallback.any()):
-                _, max_scores, _ = pooled_page_scores(
+                max_pooled, max_scores, _ = pooled_page_scores(
                     attn, num_groups, self.n_sink, self.alpha, self.tau, "max", self.page_size, self.page_score
                 )
+                pooled = torch.where(fallback.unsqueeze(-1), max_pooled, pooled)
                 scores = torch.where(fallback.unsqueeze(-1), max_scores, scores)
-        return scores, diag, fallback
+        return pooled, scores, diag, fallback
+
+    def _scores(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, dict | None, torch.Tensor | None, int]:
+        """Page scores of one layer (docs/methods.md §1 steps 1-6; §1.14 for ``pooling="snapkv"`` and
+        ``group_selection="shared"``).
+
+        Returns:
+            ``(page scores (B, G, P), or (B, 1, P) for "shared"; diagnostics or None; fallback (B, G) or None;
+            observers)``.
+
+        Raises:
+            ValueError: for ``pooling="snapkv"`` on fewer than 2 query rows (SnapKV needs more rows than its window).
+        """
+        G, T, n = keys.shape[1], keys.shape[2], hidden_states.shape[1]
+        diag = fallback = pages = None
+        if self.pooling == "snapkv":
+            observers = min(self.observer_count(T), n - 1)  # kvpress's SnapKV needs more rows than its window
+            if observers < 1:
+                raise ValueError(f"pooling='snapkv' needs at least 2 query rows, got {n}")
+            snapkv = SnapKVPress(window_size=observers, kernel_size=self.kernel_size)
+            tokens = snapkv.score(module, hidden_states, keys, values, attentions, kwargs)
+        else:
+            observers = min(self.observer_count(T), n)
+            attn = self._observer_attention(module, hidden_states, keys, attentions, kwargs)
+            tokens, pages, diag, fallback = self._page_scores(attn, G)
+        if self.group_selection == "shared":  # one selection for every group (ChunkKV: summed over the KV heads)
+            pages = page_scores(tokens.sum(1, keepdim=True), self.page_size, self.page_score)
+        elif pages is None:
+            pages = page_scores(tokens, self.page_size, self.page_score)
+        return pages, diag, fallback, observers
 
     def score(
         self,
@@ -315,9 +373,8 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         B, G, T, _ = keys.shape
         if self.n_sink >= T:
             return keys.new_zeros(B, G, T, dtype=torch.float32)
-        attn = self._observer_attention(module, hidden_states, keys, attentions, kwargs)
-        pages, _, _ = self._page_scores(attn, G)
-        tokens = pages.repeat_interleave(self.page_size, dim=-1)[..., :T]
+        pages, _, _, _ = self._scores(module, hidden_states, keys, values, attentions, kwargs)
+        tokens = pages.repeat_interleave(self.page_size, dim=-1)[..., :T].expand(B, G, T)
         protected = protected_page_mask(T, self.page_size, self.n_sink, self.window_size, self.protect)
         protected = protected.to(keys.device).repeat_interleave(self.page_size)[:T]
         return tokens.masked_fill(protected, float(tokens.max()) + 1.0)
@@ -333,6 +390,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             self.window_size,
             self.on_budget_conflict,
             self.protect,
+            self.budget,
         )
         if key not in self._plan_cache:
             self._plan_cache = {
@@ -344,6 +402,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
                     self.window_size,
                     self.on_budget_conflict,
                     self.protect,
+                    self.budget,
                 )
             }
         return self._plan_cache[key]
@@ -430,12 +489,10 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         can_score = self.n_sink < T  # with n_sink >= T nothing is left to isolate: pages tie, lower ids win
         diag, fallback, selected, observers = None, None, None, 0
         if need_scores and can_score:
-            observers = min(self.observers(T), hidden_states.shape[1])
-            attn = self._observer_attention(module, hidden_states, keys, attentions, kwargs)
-            scores, diag, fallback = self._page_scores(attn, G)
+            scores, diag, fallback, observers = self._scores(module, hidden_states, keys, values, attentions, kwargs)
         else:
             scores = torch.zeros(Bsz, G, plan.num_pages, device=keys.device)
-        pages = select_pages(scores, plan.protected, plan.num_selected)
+        pages = select_pages(scores, plan.protected, plan.num_selected).expand(Bsz, G, -1)  # "shared": one row
         if self.group_selection == "union" and G > 1 and plan.num_selected > 0:
             selected, pages = pages, self._union(pages, scores)
         kept = pages_to_positions(pages, T, self.page_size).shape[-1]
