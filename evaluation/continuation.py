@@ -18,8 +18,8 @@ uncompressed context (the same forward on the full cache):
 
 ``c_0``, the token right after the context, is fed but not scored: it is predicted by the prefill's last position,
 which a press that compresses in its hooks computes before compressing. The uncompressed ``p_t`` comes from the
-same forward on the uncompressed cache, so the uncompressed run scores exactly 0 increase and 0 KL; it equals the model's
-own loss on the text (one forward over context and continuation) up to floating-point rounding
+same forward on the uncompressed cache, so the uncompressed run scores exactly 0 increase and 0 KL; it equals the
+model's own loss on the text (one forward over context and continuation) up to floating-point rounding
 (``tests/test_continuation_loss.py``).
 
 Two entry points, one per loop mode (:mod:`evaluation.loop`):
