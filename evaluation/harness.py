@@ -113,18 +113,27 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_predictions(path: Path) -> list[dict]:
-    """Complete rows of a ``predictions.jsonl``; a torn last line (a killed run) is dropped and the
-    file rewritten without it, so appending resumes cleanly."""
+def read_predictions(path: Path, repair: bool = False) -> list[dict]:
+    """Complete rows of a ``predictions.jsonl`` (``[]`` when the file does not exist); a torn line (a run killed
+    mid-write) is skipped.
+
+    Args:
+        path: the run's ``predictions.jsonl``.
+        repair: rewrite the file without its torn lines (atomically), so that appending resumes cleanly. Only the
+            run's writer, which holds the run directory's lock (:func:`claim_runs`), repairs; every reader (the
+            report, studies) leaves the file as it is.
+    """
     if not path.exists():
         return []
     rows, torn = [], False
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             torn = True
-    if torn:
+    if torn and repair:
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
@@ -465,7 +474,7 @@ def prediction_row(
 def finish_run(out: Path, examples: list, names: dict[str, str], cfg: DictConfig, command: str) -> dict:
     """Summarise the run's rows (those of ``examples``) into ``metrics.json``, written atomically."""
     ids = {e.id for e in examples}
-    rows = [r for r in read_predictions(out / "predictions.jsonl") if r["id"] in ids]
+    rows = [r for r in read_predictions(out / "predictions.jsonl", repair=True) if r["id"] in ids]
     metrics = summarize(rows)
     metrics.update(
         {

@@ -343,7 +343,10 @@ def _run_examples(
     pad_decode: bool,
 ) -> None:
     """Append one row per held run and example it still lacks (``tokens``: :func:`_check_inputs`'s)."""
-    done_ids = {run.index: {r["id"] for r in harness.read_predictions(run.out / "predictions.jsonl")} for run in runs}
+    done_ids = {
+        run.index: {r["id"] for r in harness.read_predictions(run.out / "predictions.jsonl", repair=True)}
+        for run in runs
+    }
     todo = round_robin_by_task([e for e in examples if any(e.id not in done_ids[r.index] for r in runs)])
     logger.info("%d runs x %d examples; %d examples still needed by some run", len(runs), len(examples), len(todo))
     torch.manual_seed(first.seed)

@@ -54,6 +54,7 @@ __all__ = [
     "PrefillCapture",
     "check_capture_memory",
     "replay_prefill",
+    "greedy_step",
     "generate_answers",
     "pad_to_common_lengths",
     "round_robin_by_task",
@@ -221,6 +222,25 @@ def replay_prefill(model, press, capture: PrefillCapture):
     return cache
 
 
+def greedy_step(model, cache, input_ids: torch.Tensor, position: int) -> torch.Tensor:
+    """One greedy decoding step, the harness's only one (the batched decode here, the speed benchmark's timed decode).
+
+    Args:
+        model: the causal LM.
+        cache: the cache the step reads and extends (its batch rows are ``input_ids``' rows).
+        input_ids: ``(B, n)`` tokens fed at positions ``position .. position + n - 1`` (RoPE positions continue the
+            uncompressed context, as kvpress's pipeline does).
+        position: the first token's position.
+
+    Returns:
+        ``(B,)`` the argmax of each row's last logits.
+    """
+    B, n = input_ids.shape
+    position_ids = torch.arange(position, position + n, device=model.device).unsqueeze(0).expand(B, -1)
+    outputs = model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
+    return outputs.logits[:, -1].argmax(-1)
+
+
 def generate_answers(
     pipe, question_ids, caches: list, context_length: int, max_new_tokens: int, states: list | None = None
 ) -> list[str]:
@@ -265,27 +285,14 @@ def generate_answers(
         cache.update(torch.cat([c.layers[i].keys for c in caches]), torch.cat([c.layers[i].values for c in caches]), i)
     if states is not None:
         attention.put_decode_state(cache, states)  # row k of the batch is run k
-    position_ids = (
-        torch.arange(context_length, context_length + question_ids.shape[1], device=model.device)
-        .unsqueeze(0)
-        .expand(n, -1)
-    )
-    outputs = model(
-        input_ids=question_ids.expand(n, -1), past_key_values=cache, position_ids=position_ids, logits_to_keep=1
-    )
+    last = greedy_step(model, cache, question_ids.expand(n, -1), context_length)
     position = context_length + question_ids.shape[1]
     stop = getattr(pipe, "stop_token_ids", None) or stop_token_ids(model, pipe.tokenizer)  # every token ending a turn
     stop = torch.tensor(stop, device=model.device)
-    last = outputs.logits[:, -1].argmax(-1)
     tokens = [[token] for token in last.tolist()]  # the first token is never a stop
     active = torch.arange(n, device=model.device)  # rows still decoding; finished rows leave the batch
     for i in range(max_new_tokens - 1):
-        outputs = model(
-            input_ids=last.unsqueeze(1),
-            past_key_values=cache,
-            position_ids=torch.full((len(active), 1), position + i, device=model.device),
-        )
-        last = outputs.logits[:, -1].argmax(-1)
+        last = greedy_step(model, cache, last.unsqueeze(1), position + i)
         for row, token in zip(active.tolist(), last.tolist()):
             tokens[row].append(token)
         going = ~torch.isin(last, stop)

@@ -57,6 +57,7 @@ from evaluation.harness import (
     CONTINUATION_FIELDS,
     QA_SUFFIX,
     config_changes,
+    read_predictions,
     run_in_progress,
     write_atomic,
 )
@@ -85,18 +86,6 @@ class Run:
     @property
     def complete(self) -> bool:
         return not self.problems
-
-
-def read_rows(path: Path) -> list[dict]:
-    """Complete JSON rows of a ``predictions.jsonl`` (a torn last line is skipped; the file is left as is)."""
-    rows = []
-    for line in path.read_text(encoding="utf-8").split("\n"):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
 
 
 def _read_json(path: Path) -> dict | None:
@@ -145,7 +134,7 @@ def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
         )
         seen: set[str] = set()
         for _, piece in sorted(pieces, key=lambda x: (x[0] is not None, x[0] or (0, 0))):
-            for row in read_rows(piece / "predictions.jsonl"):
+            for row in read_predictions(piece / "predictions.jsonl"):
                 if row.get("id") not in seen:
                     seen.add(row.get("id"))
                     run.rows.append(row)

@@ -58,7 +58,7 @@ def test_dry_run_kernel_tests_junit(dry_run):
     assert len(window) == 4 and {c["dtype"] for c in window} == {"float32"}  # ids name the dtype
 
 
-def test_dry_run_benchmarkread_rows(dry_run):
+def test_dry_run_benchmark_rows(dry_run):
     _, out = dry_run
     rows = [r for p in sorted((out / "kernels" / "dry_run").glob("*.csv")) for r in read_rows(p)]
     assert {r["kernel"] for r in rows} == set(KERNELS)  # every kernel the benchmark knows

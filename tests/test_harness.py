@@ -109,8 +109,11 @@ def test_torn_prediction_line_is_dropped(tmp_path):
     harness.append_row(path, {"id": "a", "score": 1.0})
     with open(path, "a") as f:
         f.write('{"id": "b", "sco')  # a run killed mid-write
-    rows = harness.read_predictions(path)
-    assert [r["id"] for r in rows] == ["a"]
+    before = path.read_bytes()
+    assert [r["id"] for r in harness.read_predictions(path)] == ["a"]
+    assert path.read_bytes() == before  # a reader (the report) never rewrites a file a writer may be appending to
+    rows = harness.read_predictions(path, repair=True)  # the run's writer, holding its lock, repairs before appending
+    assert [r["id"] for r in rows] == ["a"] and path.read_bytes() != before
     harness.append_row(path, {"id": "b", "score": 0.0})
     assert [r["id"] for r in harness.read_predictions(path)] == ["a", "b"]
 

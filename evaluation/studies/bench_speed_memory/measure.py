@@ -149,21 +149,16 @@ def kv_bytes(cache, context_length: int) -> tuple[int, int]:
 def greedy_decode(model, cache, question_ids, context_length: int, n_tokens: int, sync) -> float:
     """Feed ``question_ids`` at positions ``context_length..`` then time ``n_tokens`` greedy single-token
     steps (EOS ignored). Returns the seconds of those steps (``nan`` for ``n_tokens == 0``)."""
-    import torch
+    from evaluation.replay import greedy_step
 
-    device = model.device
-    q = question_ids.to(device)
-    pos = torch.arange(context_length, context_length + q.shape[1], device=device).unsqueeze(0)
-    out = model(input_ids=q, past_key_values=cache, position_ids=pos, logits_to_keep=1)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    next_pos = int(pos[0, -1]) + 1
+    token = greedy_step(model, cache, question_ids.to(model.device), context_length).unsqueeze(1)
+    next_pos = context_length + question_ids.shape[1]
     if n_tokens <= 0:
         return math.nan
     sync()
     start = time.perf_counter()
     for i in range(n_tokens):
-        out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[next_pos + i]], device=device))
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        token = greedy_step(model, cache, token, next_pos + i).unsqueeze(1)
     sync()
     return time.perf_counter() - start
 
