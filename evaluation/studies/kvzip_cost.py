@@ -1,0 +1,145 @@
+"""Seconds per example of KVzip on the embedded model, one thread: what ``evaluation.run`` pays per ratio against
+what ``evaluation.fused`` pays for several ratios and both variants (one reconstruction pass,
+``evaluation.kvzip_path``).
+
+Usage::
+
+    python -m evaluation.studies.kvzip_cost [n_examples=2] [context_length=2048] [output=results/kvzip_cost]
+    python scripts/kvzip_cost.py ...            # the same
+
+Per needle example (question after the context), each measured in this process with one torch thread, as CPU
+seconds of the calling thread (``time.thread_time``: what the work costs, whatever else the machine runs) and wall
+seconds:
+
+- ``prefill``: the uncompressed prefill alone (``model.model``);
+- ``run kvzip@r``: kvpress's pipeline with ``KVzipPress(r)``, prefill, reconstruction, selection and decode, as
+  ``evaluation.run`` runs it, once per ratio;
+- ``fused ...``: one recorded prefill, :func:`evaluation.kvzip_path.selected_runs` (one pass, a selection per run)
+  and each run's decode with its masks, as ``evaluation.fused`` runs them.
+
+The fused predictions are checked against the pipeline's (they must be equal). Writes ``<output>/README.md``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RATIOS = (0.25, 0.5, 0.75)
+
+
+class _Run:
+    def __init__(self, press):
+        self.press = press
+
+
+def _timed(fn):
+    cpu, wall = time.thread_time(), time.perf_counter()
+    out = fn()
+    return out, time.thread_time() - cpu, time.perf_counter() - wall
+
+
+def main(n_examples: int = 2, context_length: int = 2048, output: str = "results/kvzip_cost") -> None:
+    import torch
+    from hydra.utils import instantiate
+    from kvpress import KVzipPress
+    from transformers import DynamicCache
+
+    from evaluation import harness, kvzip_path
+    from evaluation.loop import _tokenise
+    from evaluation.models import load_model
+    from evaluation.pipeline import TextGenerationPipeline
+    from evaluation.replay import PrefillCapture, generate_answers
+
+    torch.set_num_threads(1)
+    model, tok = load_model("smollm2-135m")
+    pipe = TextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
+    cfg = harness.compose_config(["dataset=needle", f"dataset.context_length={context_length}"])
+    examples = instantiate(cfg.dataset).examples(tok, n_examples, 42, False)
+    rows: dict[str, list] = {}
+    mismatches = []
+
+    def add(name, cpu, wall):
+        rows.setdefault(name, []).append((cpu, wall))
+
+    for ex in examples:
+        ids = _tokenise(pipe, tok, ex)
+        context_ids, question_ids = ids["context_ids"], ids["questions_ids"][0]
+        T, max_new = context_ids.shape[1], ex.max_new_tokens or 32
+        with torch.inference_mode():
+            _, cpu, wall = _timed(lambda: model.model(input_ids=context_ids, past_key_values=DynamicCache()))
+            add("prefill (no_press)", cpu, wall)
+            alone = {}
+            for ratio in RATIOS:
+                press = KVzipPress(compression_ratio=ratio)
+                answer, cpu, wall = _timed(
+                    lambda p=press: pipe(
+                        ex.context,
+                        question=ex.question,
+                        answer_prefix=ex.answer_prefix,
+                        press=p,
+                        max_new_tokens=max_new,
+                    )["answer"]
+                )
+                alone[ratio] = answer
+                add(f"run kvzip@{ratio:g} (prefill + pass + decode)", cpu, wall)
+            for label, variants in (("kvzip", (False,)), ("kvzip + kvzip_plus", (False, True))):
+                runs = [
+                    _Run(KVzipPress(compression_ratio=r, kvzip_plus_normalization=v)) for v in variants for r in RATIOS
+                ]
+
+                def fused(runs=runs):
+                    answers = []
+                    with PrefillCapture(model) as capture:
+                        model.model(input_ids=context_ids, past_key_values=DynamicCache())
+                    for _, cache, _, masks in kvzip_path.selected_runs(runs, model, capture, context_ids):
+                        with kvzip_path.masked_keys(model, masks):
+                            answers += generate_answers(pipe, question_ids, [cache], T, max_new)
+                    return answers
+
+                answers, cpu, wall = _timed(fused)
+                add(f"fused {label}, {len(RATIOS)} ratios ({len(runs)} runs)", cpu, wall)
+                for run, answer in zip(runs, answers):
+                    if not run.press.kvzip_plus_normalization and answer != alone[run.press.compression_ratio]:
+                        mismatches.append(
+                            (ex.id, run.press.compression_ratio, answer, alone[run.press.compression_ratio])
+                        )
+        print(ex.id, {k: round(v[-1][0], 1) for k, v in rows.items()}, flush=True)
+
+    prefill_cpu = statistics.mean(c for c, _ in rows["prefill (no_press)"])
+    lines = [
+        "# KVzip cost on the embedded model (one thread)",
+        "",
+        f"Command: `python scripts/kvzip_cost.py {n_examples} {context_length} {output}` (torch "
+        f"{torch.__version__}, {torch.get_num_threads()} thread). Needle examples of {context_length} tokens, "
+        f"question after the context; mean over {len(examples)} examples. CPU: seconds of the calling thread "
+        "(`time.thread_time`), wall: elapsed (the machine is shared, so wall time varies with its load).",
+        "",
+        "| what | CPU s / example | x prefill | wall s / example |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, values in rows.items():
+        cpu, wall = statistics.mean(c for c, _ in values), statistics.mean(w for _, w in values)
+        lines.append(f"| {name} | {cpu:.1f} | {cpu / prefill_cpu:.1f} | {wall:.1f} |")
+    lines += [
+        "",
+        "Fused predictions equal the pipeline's for every kvzip run: "
+        + ("yes" if not mismatches else f"NO, {len(mismatches)} differ: {mismatches}"),
+        "",
+    ]
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    harness.write_atomic(out / "README.md", "\n".join(lines))
+    print("\n".join(lines))
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """``[n_examples] [context_length] [output]`` from the command line."""
+    args = sys.argv[1:] if argv is None else argv
+    main(*(int(a) for a in args[:2]), *args[2:3])
+
+
+if __name__ == "__main__":
+    cli()
