@@ -61,8 +61,14 @@ SCORING_FIELDS = frozenset({"n_sink", "kvzip_plus_normalization"})
 
 
 def _key(press, drop: frozenset) -> tuple:
-    """The press's dataclass fields outside ``drop``, as a hashable key (an unknown new field counts as different)."""
-    return (type(press), *((f.name, getattr(press, f.name)) for f in dataclasses.fields(press) if f.name not in drop))
+    """The press's dataclass fields outside ``drop``, as a hashable key (an unknown new field counts as different).
+
+    A subclass that changes only kvpress's selection (``compress_post``) says so with ``scores_as`` (the class whose
+    scores it computes) and ``selection_fields`` (its fields that only the selection reads): it then shares the
+    pass and the scores of that class (the page variant, presses/kvzip_pages/)."""
+    drop = drop | frozenset(getattr(press, "selection_fields", ()))
+    cls = getattr(press, "scores_as", type(press))
+    return (cls, *((f.name, getattr(press, f.name)) for f in dataclasses.fields(press) if f.name not in drop))
 
 
 def take_masked_keys(model) -> tuple:

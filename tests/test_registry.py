@@ -31,7 +31,7 @@ ANALYSES = {"uor", "studies"}  # they study named presses; the harness runs any 
 HARNESS = [p for p in sorted((ROOT / "evaluation").rglob("*.py")) if not ANALYSES & set(p.relative_to(ROOT).parts)]
 PRESS_CLASSES = sorted(
     {name for name in dir(kvpress) if name.endswith("Press") and name != "BasePress"}
-    | {"PageEntroKVPress", "ProbabilisticEvictionPress", "EntroPrefillPress", "ResearchPress"}
+    | {"PageEntroKVPress", "ProbabilisticEvictionPress", "EntroPrefillPress", "ResearchPress", "KVzipPagePress"}
 )
 CONFIG_NAMES = sorted(p.stem for p in (ROOT / "configs" / "press").glob("*.yaml") if p.stem != "no_press")
 
