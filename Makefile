@@ -61,8 +61,8 @@ endif
 sweep: install
 	$(PY) -m evaluation.fused $(LAUNCH) model=$(MODEL) dataset=$(DATASET) presses=[$(SWEEP_PRESSES)] ratios=[$(SWEEP_RATIOS)] output_dir=$(RESULTS)
 
-report: install
-	$(PY) -m evaluation.report $(RESULTS) --out $(RESULTS)
+report: install              # with the quality-cost frontier from the 2k speed sweep (results/speed_memory_2k/)
+	$(PY) -m evaluation.report $(RESULTS) --out $(RESULTS) --costs results/speed_memory_2k/speed_memory.csv
 
 uor: install                 # paper 000 UOR / pooling analysis -> results/uor/$(MODEL)/
 	$(PY) -m evaluation.uor model=$(MODEL)
