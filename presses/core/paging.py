@@ -23,6 +23,7 @@ __all__ = [
     "token_budget",
     "num_pages",
     "page_scores",
+    "expand_pages",
     "protected_page_mask",
     "page_budget",
     "select_pages",
@@ -108,6 +109,35 @@ def page_scores(scores: torch.Tensor, page_size: int, method: str = "block_max")
         return s.reshape(*s.shape[:-1], P, page_size).amax(-1)
     s = torch.nn.functional.pad(s, (0, pad), value=0.0)
     return s.reshape(*s.shape[:-1], P, page_size).sum(-1)
+
+
+def expand_pages(x: torch.Tensor, page_size: int, seq_len: int) -> torch.Tensor:
+    """Give every token the value of its page: ``out[..., i] = x[..., i // B]`` for ``i < T``.
+
+    Used for page scores handed to kvpress's per-token selection (Page-EntroKV's ``score``, KVzip's pages), and for
+    page SNIS's draw counts ``c_p`` (a token is kept iff its page was drawn) and page proposal ``pi_p``, so that
+    :func:`presses.probabilistic.correction.snis_bias` gives every token of page ``p`` the bias
+    ``(log c_p - log m - log pi_p) / tau``.
+
+    Args:
+        x: ``(..., P)`` per-page values, ``P = ceil(T / B)``.
+        page_size: ``B >= 1``.
+        seq_len: ``T``.
+
+    Returns:
+        ``(..., T)`` tensor of ``x``'s dtype.
+
+    Raises:
+        ValueError: if ``page_size < 1`` or ``x`` does not have ``ceil(T / B)`` pages.
+    """
+    P = num_pages(seq_len, page_size)
+    if x.shape[-1] != P:
+        raise ValueError(
+            f"expected ceil(T / page_size) = {P} pages (T={seq_len}, page_size={page_size}), got {x.shape[-1]}"
+        )
+    if page_size == 1:
+        return x
+    return x.repeat_interleave(page_size, dim=-1)[..., :seq_len]
 
 
 def protected_page_mask(

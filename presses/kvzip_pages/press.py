@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from kvpress import KVzipPress
 
-from presses.core.paging import num_pages, page_scores
+from presses.core.paging import expand_pages, page_scores
 
 __all__ = ["KVzipPagePress", "page_expanded"]
 
@@ -28,10 +28,7 @@ def page_expanded(scores: torch.Tensor, page_size: int) -> torch.Tensor:
     """
     if page_size < 1:
         raise ValueError(f"page_size={page_size} must be an integer >= 1")
-    T = scores.shape[-1]
-    pages = page_scores(scores, page_size, "block_max")
-    assert pages.shape[-1] == num_pages(T, page_size)
-    return pages.repeat_interleave(page_size, dim=-1)[..., :T]
+    return expand_pages(page_scores(scores, page_size, "block_max"), page_size, scores.shape[-1])
 
 
 @dataclass

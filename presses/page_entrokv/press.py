@@ -21,6 +21,7 @@ from presses.core.paging import (
     PROTECTIONS,
     PageBudget,
     check_compression_ratio,
+    expand_pages,
     page_budget,
     page_scores,
     pages_to_positions,
@@ -374,7 +375,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         if self.n_sink >= T:
             return keys.new_zeros(B, G, T, dtype=torch.float32)
         pages, _, _, _ = self._scores(module, hidden_states, keys, values, attentions, kwargs)
-        tokens = pages.repeat_interleave(self.page_size, dim=-1)[..., :T].expand(B, G, T)
+        tokens = expand_pages(pages, self.page_size, T).expand(B, G, T)
         protected = protected_page_mask(T, self.page_size, self.n_sink, self.window_size, self.protect)
         protected = protected.to(keys.device).repeat_interleave(self.page_size)[:T]
         return tokens.masked_fill(protected, float(tokens.max()) + 1.0)

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import torch
 
-from presses.core.paging import check_compression_ratio, num_pages, page_scores
+from presses.core.paging import check_compression_ratio, expand_pages, page_scores
 
 __all__ = ["UNITS", "page_proposal", "page_target", "page_tolerance", "expand_pages"]
 
@@ -139,31 +139,3 @@ def page_tolerance(page_size: int, tol_tokens: float = 0.5) -> float:
     if tol_tokens < 0:
         raise ValueError(f"tol_tokens={tol_tokens} must be >= 0")
     return tol_tokens / page_size
-
-
-def expand_pages(x: torch.Tensor, page_size: int, seq_len: int) -> torch.Tensor:
-    """Give every token the value of its page: ``out[..., i] = x[..., i // B]`` for ``i < T``.
-
-    Used for the draw counts ``c_p`` (a token is kept iff its page was drawn) and the page proposal
-    ``pi_p``, so that :func:`presses.probabilistic.correction.snis_bias` gives every token of page ``p`` the bias
-    ``(log c_p - log m - log pi_p) / tau``.
-
-    Args:
-        x: ``(..., P)`` per-page values, ``P = ceil(T / B)``.
-        page_size: ``B >= 1``.
-        seq_len: ``T``.
-
-    Returns:
-        ``(..., T)`` tensor of ``x``'s dtype.
-
-    Raises:
-        ValueError: if ``page_size < 1`` or ``x`` does not have ``ceil(T / B)`` pages.
-    """
-    P = num_pages(seq_len, page_size)
-    if x.shape[-1] != P:
-        raise ValueError(
-            f"expected ceil(T / page_size) = {P} pages (T={seq_len}, page_size={page_size}), got {x.shape[-1]}"
-        )
-    if page_size == 1:
-        return x
-    return x.repeat_interleave(page_size, dim=-1)[..., :seq_len]
