@@ -202,11 +202,13 @@ def cache_stats(cache, model, context_length: int, press=None) -> dict:
 RESUME_FREE_KEYS = ("overwrite", "output_dir", "device")
 
 
-def config_changes(saved, cfg) -> list[str]:
+def config_changes(saved, cfg, both_saved: bool = False) -> list[str]:
     """The settings in which ``cfg`` differs from a run directory's ``saved`` config, as ``key: old -> new``.
 
     Both are compared as run settings (:func:`evaluation.settings.run_settings`: the press as the class and fields
-    it builds), leaf by leaf with dotted names; the keys in ``RESUME_FREE_KEYS`` are ignored.
+    it builds; for ``saved``, a field it predates takes its value from before the field existed,
+    :func:`evaluation.settings.saved_run_settings`), leaf by leaf with dotted names; the keys in
+    ``RESUME_FREE_KEYS`` are ignored. ``both_saved``: ``cfg`` is a saved config too (two shards of one run).
     """
 
     def flat(node, prefix=""):
@@ -214,9 +216,10 @@ def config_changes(saved, cfg) -> list[str]:
             return {k: v for key, val in node.items() for k, v in flat(val, f"{prefix}{key}.").items()}
         return {prefix[:-1]: node}
 
-    from evaluation.settings import run_settings
+    from evaluation.settings import run_settings, saved_run_settings
 
-    old, new = (flat(run_settings(OmegaConf.create(side))) for side in (saved, cfg))
+    old = flat(saved_run_settings(OmegaConf.create(saved)))
+    new = flat((saved_run_settings if both_saved else run_settings)(OmegaConf.create(cfg)))
     return [
         f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
         for k in sorted(set(old) | set(new))

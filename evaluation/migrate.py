@@ -5,13 +5,16 @@
 Two changes, both idempotent and written atomically:
 
 1. ``config.yaml`` holds the run's settings (:func:`evaluation.settings.run_settings`: the press as the class and
-   every field it built), where earlier versions saved the yaml tree that built it. (The committed results were
-   migrated with this command; a class that moved module before then, ``presses.snis_press``, was mapped to its
-   new path once, by hand.)
+   every field it built), where earlier versions saved the yaml tree that built it. A field added since takes the
+   value it had before it existed where its class says so (:func:`evaluation.settings.saved_run_settings`), e.g.
+   ``draws: sequential`` for the probabilistic press's runs made before per-layer random streams. (The committed
+   results were migrated with this command; a class that moved module before then, ``presses.snis_press``, was
+   mapped to its new path once, by hand.)
 2. A prediction row's ``effective_compression`` counts the kept entries. Rows written before this rule by a press
    that pads its per-group caches (probabilistic eviction) hold the padded (physical) figure there, which their
    ``physical_compression`` also holds; their press reported the kept one as ``press_stats.logical_compression``,
-   which is copied over. Nothing else in a row changes.
+   which is copied over; only a row whose ``effective_compression`` equals its ``physical_compression`` (the
+   padded figure) is such a row. Nothing else in a row changes.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from evaluation.harness import write_atomic
-from evaluation.settings import run_settings
+from evaluation.settings import saved_run_settings
 
 __all__ = ["migrate"]
 
@@ -31,7 +34,9 @@ __all__ = ["migrate"]
 def _migrated_row(row: dict) -> dict:
     stats = row.get("press_stats") or {}
     kept = stats.get("logical_compression")
-    if isinstance(kept, (int, float)) and stats.get("num_layers_evicted") and row.get("effective_compression") != kept:
+    padded = row.get("effective_compression") == row.get("physical_compression")  # the old rule's tell
+    evicted = stats.get("num_layers_evicted")
+    if isinstance(kept, (int, float)) and evicted and padded and row["effective_compression"] != kept:
         return {**row, "effective_compression": float(kept)}
     return row
 
@@ -43,7 +48,7 @@ def migrate(root: Path) -> dict[str, int]:
         if not (config.parent / "predictions.jsonl").exists() and not (config.parent / "metrics.json").exists():
             continue  # not a run directory
         node = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
-        new = run_settings(node)
+        new = saved_run_settings(node)
         if new != node:
             write_atomic(config, OmegaConf.to_yaml(OmegaConf.create(new)))
             changed["configs"] += 1

@@ -178,7 +178,7 @@ def _shard_setting_problems(pieces: list[tuple[tuple[int, int] | None, Path]]) -
     ]
     problems = []
     for piece, cfg in saved[1:]:
-        changed = [c for c in config_changes(saved[0][1], cfg) if not c.startswith("shard:")]
+        changed = [c for c in config_changes(saved[0][1], cfg, both_saved=True) if not c.startswith("shard:")]
         if changed:
             problems.append(f"{piece.name} was made with other settings than {saved[0][0].name} ({'; '.join(changed)})")
     return problems

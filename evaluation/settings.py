@@ -19,7 +19,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["press_settings", "public_path", "run_settings"]
+__all__ = ["press_settings", "public_path", "run_settings", "saved_run_settings"]
 
 
 def public_path(cls: type) -> str:
@@ -82,3 +82,42 @@ def run_settings(cfg) -> dict:
                 "an earlier version is brought up to date by python -m evaluation.migrate <directory>"
             ) from err
     return node
+
+
+def _fill_saved_before(node):
+    """``node`` with every press section (a dict with ``_target_``, nested ones too) completed by the
+    :data:`presses.base.SAVED_BEFORE` values of the fields its class has and it lacks."""
+    if isinstance(node, list):
+        return [_fill_saved_before(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _fill_saved_before(v) for k, v in node.items()}
+    target = node.get("_target_")
+    if isinstance(target, str):
+        try:
+            from hydra.utils import get_class
+
+            from presses.base import SAVED_BEFORE
+
+            cls = get_class(target)
+        except Exception:  # an unknown class: run_settings names it with its own error
+            return node
+        if dataclasses.is_dataclass(cls):
+            for f in dataclasses.fields(cls):
+                if f.init and SAVED_BEFORE in f.metadata and f.name not in node:
+                    node[f.name] = f.metadata[SAVED_BEFORE]
+    return node
+
+
+def saved_run_settings(saved) -> dict:
+    """:func:`run_settings` of a config saved in a run directory: a press field the saved section lacks takes the
+    value it had before it existed (its :data:`presses.base.SAVED_BEFORE` metadata) where it has one, else today's
+    default.
+
+    Raises:
+        ValueError: as :func:`run_settings`.
+    """
+    node = OmegaConf.to_container(saved, resolve=True) if isinstance(saved, DictConfig) else dict(saved)
+    if isinstance(node.get("press"), dict):
+        node["press"] = _fill_saved_before(node["press"])
+    return run_settings(node)

@@ -47,6 +47,7 @@ from presses.core.model import language_model
 __all__ = [
     "Capabilities",
     "KEPT_ENTRIES",
+    "SAVED_BEFORE",
     "cache_problem",
     "ResearchPress",
     "held_presses",
@@ -59,6 +60,11 @@ __all__ = [
 #: separated (a float where KV heads keep different counts: their mean). The harness reads effective compression
 #: from it, ``1 - mean(kept) / T``, with no press-specific key.
 KEPT_ENTRIES = "kept_entries"
+
+#: Dataclass field metadata key: the value a press field had in effect before the field existed. A run directory
+#: whose saved settings lack the field ran with that value, not with today's default
+#: (:func:`evaluation.settings.saved_run_settings`), e.g. ``ProbabilisticEvictionPress.draws``.
+SAVED_BEFORE = "saved_before"
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,9 @@ def test_resume_refuses_other_settings(tmp_path):
 def test_a_run_is_identified_by_the_press_it_builds():
     """The same press stated two ways (a module path, a default left out or restated) is one run; another class or
     a changed field is a change; a press class that no longer exists is one clear error."""
-    stated = {"press": {"_target_": "presses.probabilistic.ProbabilisticEvictionPress", "tau": 1.0}}
+    stated = {
+        "press": {"_target_": "presses.probabilistic.ProbabilisticEvictionPress", "tau": 1.0, "draws": "per_layer"}
+    }
     built = {"press": {"_target_": "presses.ProbabilisticEvictionPress"}}
     assert harness.config_changes(stated, built) == []
     changes = harness.config_changes(stated, {"press": {"_target_": "presses.PageEntroKVPress"}})

@@ -317,17 +317,20 @@ DRAWS_BEFORE = {
 }
 
 
-def _synthetic_draws(budget: str, unit: str, other_device: dict | None = None) -> tuple[str, list]:
+def _synthetic_draws(
+    budget: str, unit: str, other_device: dict | None = None, draws: str = "sequential", order=(0, 1, 2)
+) -> tuple[str, list]:
     """Evict three layers of fixed proposals with the press's own eviction (``finalize`` for the global budget,
-    ``_evict`` layer by layer for the head budget); keys hold their positions, so the kept rows show the draws.
-    ``other_device`` maps a layer to the device its proposal reports. Returns the digest and the kept positions."""
+    ``_evict`` layer by layer for the head budget, in ``order``); keys hold their positions, so the kept rows show
+    the draws. ``other_device`` maps a layer to the device its proposal reports. Returns the digest and the kept
+    positions of the layers in ``order`` (layer order)."""
     import hashlib
     import types
 
     from presses import ProbabilisticEvictionPress
     from presses.probabilistic.budget import search_num_samples
 
-    press = ProbabilisticEvictionPress(0.5, budget=budget, unit=unit, page_size=4)
+    press = ProbabilisticEvictionPress(0.5, budget=budget, unit=unit, page_size=4, draws=draws)
     press.reset()
     gen = torch.Generator().manual_seed(7)
     B, G, t, d, L = 2, 2, 48, 4, 3
@@ -342,17 +345,20 @@ def _synthetic_draws(budget: str, unit: str, other_device: dict | None = None) -
     press._seq_len = t
     with _reported_devices({id(layers[j][1]): device for j, device in (other_device or {}).items()}):
         if budget == "global":
-            for i, (module, pi) in enumerate(layers):
+            for i in order:
+                module, pi = layers[i]
                 press._pending[i] = (module, cache, pi, cache.layers[i].keys, None)
             press.finalize()
         else:
-            for module, pi in layers:
+            for module, pi in (layers[i] for i in order):
                 layer = cache.layers[module.layer_idx]
                 m = search_num_samples(pi, 0.5, **press._search_options())
                 layer.keys, layer.values = press._evict(module, cache, layer.keys, layer.values, pi, m)
     digest = hashlib.sha256()
     kept = []
     for i, state in enumerate(attention.take_decode_state(cache, L)):
+        if i not in order:
+            continue
         kept.append(cache.layers[i].keys[..., 0].to(torch.int64))
         digest.update(kept[-1].numpy().tobytes())
         digest.update(state.bias.numpy().tobytes())
@@ -381,17 +387,82 @@ class _reported_devices:
 @pytest.mark.parametrize("budget", ["global", "head"])
 @pytest.mark.parametrize("unit", ["token", "page"])
 def test_draws_do_not_depend_on_devices(budget, unit):
-    """Issue 32 item 8 (kvpress #240; pytorch #196613, #194676): the draws come from one CPU generator seeded once
-    per request and consumed in layer order, so (1) today's CPU draws are unchanged (digests recorded with the code
-    before the change), (2) a layer whose proposal lives on another device draws exactly what it draws on one device
-    (the generator was re-created, re-seeded, at each device change, so that layer replayed layer 0's draws), and the
-    global budget's search stacks every layer's proposal on one device."""
+    """Issue 32 item 8 (kvpress #240; pytorch #196613, #194676): the draws come from CPU generators, so (1) the
+    sequential scheme of the committed runs draws what it drew before (digests recorded with the code before the
+    change), (2) a layer whose proposal lives on another device draws exactly what it draws on one device (the
+    generator was re-created, re-seeded, at each device change, so that layer replayed layer 0's draws), in both
+    schemes, and the global budget's search stacks every layer's proposal on one device."""
     digest, kept = _synthetic_draws(budget, unit)
     assert digest == DRAWS_BEFORE[(budget, unit)]
-    moved_digest, moved = _synthetic_draws(budget, unit, other_device={1: torch.device("cpu", 1)})
-    for a, b in zip(kept, moved):
+    for draws in ("sequential", "per_layer"):
+        digest, kept = _synthetic_draws(budget, unit, draws=draws)
+        moved_digest, moved = _synthetic_draws(budget, unit, other_device={1: torch.device("cpu", 1)}, draws=draws)
+        for a, b in zip(kept, moved):
+            assert torch.equal(a, b)
+        assert moved_digest == digest
+
+
+@pytest.mark.parametrize("unit", ["token", "page"])
+def test_a_layers_draws_depend_only_on_seed_and_layer(unit):
+    """Issue 32 item 8: with per-layer streams (the default) a layer draws the same entries whatever other layers
+    evict, and in whatever order; the sequential scheme, one stream consumed in layer order, does not (which is why
+    it is kept only to reproduce the runs committed with it)."""
+    _, alone = _synthetic_draws("head", unit, draws="per_layer", order=(2,))
+    _, forward = _synthetic_draws("head", unit, draws="per_layer", order=(0, 1, 2))
+    _, backward = _synthetic_draws("head", unit, draws="per_layer", order=(2, 1, 0))
+    assert torch.equal(alone[0], forward[2])
+    for a, b in zip(forward, backward):
         assert torch.equal(a, b)
-    assert moved_digest == digest
+    _, seq_alone = _synthetic_draws("head", unit, draws="sequential", order=(2,))
+    _, seq_forward = _synthetic_draws("head", unit, draws="sequential", order=(0, 1, 2))
+    assert not torch.equal(seq_alone[0], seq_forward[2])
+
+
+@pytest.mark.parametrize("budget", ["global", "head"])
+def test_each_layer_draws_from_its_own_seeded_stream(budget, monkeypatch):
+    """Both budgets: every draw of layer ``i`` starts from the state of ``layer_generator(seed, i)``, a CPU generator;
+    distinct layers and seeds give distinct streams."""
+    from presses.probabilistic import press as snis_press
+    from presses.probabilistic.budget import layer_generator
+
+    states = []
+    real = snis_press.sample_counts
+
+    def spy(pi, m, generator=None):
+        states.append((generator.device.type, generator.get_state().clone()))
+        return real(pi, m, generator)
+
+    monkeypatch.setattr(snis_press, "sample_counts", spy)
+    _synthetic_draws(budget, "token", draws="per_layer", order=(0, 1, 2))
+    assert [device for device, _ in states] == ["cpu"] * 3
+    for i, (_, state) in enumerate(states):
+        assert torch.equal(state, layer_generator(42, i).get_state())
+    seeds = {(seed, layer): layer_generator(seed, layer).initial_seed() for seed in (0, 1, 42) for layer in (0, 1, 29)}
+    assert len(set(seeds.values())) == len(seeds)
+    with pytest.raises(ValueError, match="seed=-1"):
+        layer_generator(-1, 0)
+
+
+def test_runs_saved_before_per_layer_streams_keep_their_scheme(tmp_path):
+    """A run directory saved before the ``draws`` field existed ran the sequential scheme: its settings read as
+    ``draws: sequential`` (migrate writes it), so the per-layer default never resumes it silently."""
+    from omegaconf import OmegaConf
+
+    from evaluation.harness import config_changes
+    from evaluation.migrate import migrate
+
+    old = {"press": {"_target_": "presses.ProbabilisticEvictionPress", "compression_ratio": 0.5, "tau": 1.0}}
+    new = {"press": {"_target_": "presses.ProbabilisticEvictionPress", "compression_ratio": 0.5}}
+    assert config_changes(old, new) == ["press.draws: 'sequential' -> 'per_layer'"]
+    assert config_changes(old, old, both_saved=True) == []  # two shards saved before: the same run
+    assert config_changes({"press": {**new["press"], "draws": "per_layer"}}, new) == []
+    run = tmp_path / "ruler" / "tiny" / "snis_min_h" / "cr0.5"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(old)))
+    (run / "metrics.json").write_text("{}")
+    assert migrate(tmp_path)["configs"] == 1
+    assert OmegaConf.load(run / "config.yaml").press.draws == "sequential"
+    assert migrate(tmp_path)["configs"] == 0  # idempotent
 
 
 # ---------------------------------------------------------------------------------------------- item 9

@@ -367,7 +367,8 @@ def test_shards_whose_saved_presses_differ_only_in_how_they_are_stated_are_one_r
 
     root = tmp_path / "runs"
     full = run_settings({"press": {"_target_": "presses.ProbabilisticEvictionPress", "compression_ratio": 0.5}})
-    stated = "\n".join(f"  {k}: {v}" for k, v in full["press"].items() if k != "_target_")
+    # both saved before the press had its ``draws`` field (a field they predate reads as its earlier value)
+    stated = "\n".join(f"  {k}: {v}" for k, v in full["press"].items() if k not in ("_target_", "draws"))
     trees = (
         f"press:\n  _target_: presses.ProbabilisticEvictionPress\n{stated}\n",
         "press:\n  _target_: presses.probabilistic.ProbabilisticEvictionPress\n  compression_ratio: 0.5\n",
@@ -404,17 +405,32 @@ def test_effective_compression_counts_kept_entries_not_padding(tmp_path):
     _write_run(root, "snis_min", "0.5", [("e1", "A", 1), ("e2", "A", 0)])
     path = root / "ruler" / "tiny" / "snis_min" / "cr0.5" / "predictions.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()[:2]]
-    for row, logical in zip(rows, (0.51, 0.49)):
-        row.update(effective_compression=0.37, press_stats={"logical_compression": logical, "num_layers_evicted": 30})
+    for row, logical in zip(rows, (0.51, 0.49)):  # old rows: effective = physical, the padded figure
+        row.update(
+            effective_compression=0.37,
+            physical_compression=0.37,
+            press_stats={"logical_compression": logical, "num_layers_evicted": 30},
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _write_run(root, "snis_min_h", "0.5", [("e1", "A", 1)])  # a new row: its kept count, one float bit off the logical
+    newer = root / "ruler" / "tiny" / "snis_min_h" / "cr0.5" / "predictions.jsonl"
+    row = json.loads(newer.read_text().splitlines()[0])
+    row.update(
+        effective_compression=0.7529261255375905,
+        physical_compression=0.728,
+        press_stats={"logical_compression": 0.7529261255375904, "num_layers_evicted": 30},
+    )
+    newer.write_text(json.dumps(row) + "\n")
+    newer_bytes = newer.read_bytes()
     _write_run(root, "tova", "0.5", [("e1", "A", 1), ("e2", "A", 1)])
     tova_rows = (root / "ruler" / "tiny" / "tova" / "cr0.5" / "predictions.jsonl").read_bytes()
     assert migrate(root)["rows"] == 2
     assert migrate(root)["rows"] == 0  # idempotent
     assert (root / "ruler" / "tiny" / "tova" / "cr0.5" / "predictions.jsonl").read_bytes() == tova_rows
+    assert newer.read_bytes() == newer_bytes  # only the padded figure is replaced
     build_report(root, tmp_path / "out", plots=False)
     eff = {
         r["press"]: float(r["effective_compression"])
         for r in _csv(tmp_path / "out" / "tables" / "ruler__tiny__summary.csv")
     }
-    assert eff == pytest.approx({"snis_min": 0.50, "tova": 0.5})
+    assert eff == pytest.approx({"snis_min": 0.50, "snis_min_h": 0.7529261255375905, "tova": 0.5})

@@ -67,22 +67,43 @@ def _committed_runs():
 
 def test_committed_runs_resume_with_todays_configs():
     """For every committed run, the press ``press=<name> compression_ratio=<ratio>`` builds today is the one its
-    ``config.yaml`` holds, field for field (a changed default or a yaml that dropped a value would show here)."""
-    checked, built = 0, {}
+    ``config.yaml`` holds, field for field (a changed default or a yaml that dropped a value would show here). The
+    one exception: a field the run predates holds the value it had before it existed (its ``SAVED_BEFORE``
+    metadata, e.g. the probabilistic press's ``draws: sequential``), and the run is rebuilt with that override."""
+    import dataclasses
+
+    from hydra.utils import get_class
+
+    from presses.base import SAVED_BEFORE
+
+    checked, built, overridden = 0, {}, 0
     for config in _committed_runs():
         saved = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
         parts = config.relative_to(ROOT / "results").parts
         shard = parts[-2].startswith("shard_")
         name = parts[-4] if shard else parts[-3]
         ratio = saved["compression_ratio"]
-        key = (name, ratio, saved.get("seed"))
+        target = (saved.get("press") or {}).get("_target_")
+        cls = get_class(target) if target else None
+        before = {
+            f.name: saved["press"][f.name]
+            for f in (dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ())
+            if SAVED_BEFORE in f.metadata and saved["press"].get(f.name) == f.metadata[SAVED_BEFORE]
+        }
+        key = (name, ratio, saved.get("seed"), tuple(sorted(before.items())))
         if key not in built:
             built[key] = run_settings(
-                composed(f"press={name}", f"compression_ratio={ratio}", f"seed={saved.get('seed', 42)}")
+                composed(
+                    f"press={name}",
+                    f"compression_ratio={ratio}",
+                    f"seed={saved.get('seed', 42)}",
+                    *(f"++press.{k}={v}" for k, v in before.items()),
+                )
             )["press"]
         assert built[key] == saved["press"], config
         checked += 1
-    assert checked > 300
+        overridden += bool(before)
+    assert checked > 300 and 0 < overridden < checked
 
 
 def test_settings_are_the_built_press_not_the_yaml():

@@ -10,10 +10,10 @@ from torch import nn
 
 from presses import attention
 from presses.attention_bias import AttentionBias
-from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, kept_entries_text
+from presses.base import KEPT_ENTRIES, SAVED_BEFORE, Capabilities, ResearchPress, kept_entries_text
 from presses.core.model import language_model
 from presses.core.paging import check_compression_ratio, num_pages
-from presses.probabilistic.budget import BUDGETS, sample_counts, search_num_samples
+from presses.probabilistic.budget import BUDGETS, DRAWS, layer_generator, sample_counts, search_num_samples
 from presses.probabilistic.correction import snis_bias
 from presses.probabilistic.page_sampling import UNITS, expand_pages, page_proposal, page_target, page_tolerance
 from presses.probabilistic.prefill_attention import request_statistics
@@ -53,10 +53,12 @@ class ProbabilisticEvictionPress(ResearchPress):
     full cache and cache entries are only read again at decode. ``budget="head"`` evicts in each
     layer's own hook with one ``m`` per group.
 
-    The draws come from one CPU generator, re-seeded with ``seed`` at every prefill, so a request's draws do not
-    depend on the requests before it, nor on the devices its layers live on (``device_map``): a layer's draws depend
-    on the seed and on the draws of the layers before it in the request. At least one draw is made per group
-    (``m >= 1``).
+    Each layer draws from a CPU generator of its own, seeded from ``(seed, layer)``
+    (:func:`presses.probabilistic.budget.layer_generator`), so a layer's draws depend only on the seed, the layer
+    and its proposal: not on the requests before it, the other layers, the order they evict in, nor the devices
+    they live on (``device_map``). ``draws="sequential"`` instead seeds one CPU generator per request and lets the
+    layers consume it in layer order (the scheme of the runs committed before this rule; a layer's draws then also
+    depend on the layers drawn before it). At least one draw is made per group (``m >= 1``).
 
     Inside kvpress's wrappers (the press contract, :mod:`presses.base`): alone in a ``ComposedPress`` or as the
     ``prefilling_press`` of a ``PrefillDecodingPress`` it gives the same cache and correction as direct use.
@@ -106,6 +108,8 @@ class ProbabilisticEvictionPress(ResearchPress):
             docs/methods.md §3 item 1) or ``"sum"`` (non-negative scores, appendix D eqs. 17, 20).
         unit: sampling unit, ``"token"`` (paper 003) or ``"page"`` (pages of ``page_size`` positions).
         page_size: positions per page for ``unit="page"``, ``>= 1`` (unused for tokens).
+        draws: ``"per_layer"`` (a random stream per (seed, layer)) or ``"sequential"`` (one stream per request in
+            layer order, to reproduce runs made before per-layer streams).
     """
 
     compression_ratio: float = 0.0
@@ -122,6 +126,7 @@ class ProbabilisticEvictionPress(ResearchPress):
     score_normalization: str = "softmax"
     unit: str = "token"
     page_size: int = 16
+    draws: str = field(default="per_layer", metadata={SAVED_BEFORE: "sequential"})
     _pending: dict = field(default_factory=dict, init=False, repr=False)
     _stats: dict = field(default_factory=dict, init=False, repr=False)
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
@@ -146,6 +151,10 @@ class ProbabilisticEvictionPress(ResearchPress):
             raise ValueError(f"unit={self.unit!r} must be one of {UNITS}")
         if self.page_size < 1:
             raise ValueError(f"page_size={self.page_size} must be >= 1")
+        if self.draws not in DRAWS:
+            raise ValueError(f"draws={self.draws!r} must be one of {DRAWS}")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")
 
     @property
     def capabilities(self) -> Capabilities:
@@ -204,11 +213,14 @@ class ProbabilisticEvictionPress(ResearchPress):
                     "decode-time correction refers to"
                 )
 
-    def _get_generator(self) -> torch.Generator:
-        """The request's sampling generator: one CPU generator, seeded with ``seed`` at the request's first draw and
-        consumed by the layers in the order they draw (layer order), whatever device each layer's proposal lives on
-        (with ``device_map`` over several devices, a generator per device re-seeded at each device change made a
-        layer replay another layer's draws; seeded CUDA and CPU draws differ)."""
+    def _get_generator(self, layer_idx: int) -> torch.Generator:
+        """The CPU generator layer ``layer_idx`` draws from: its own, seeded from ``(seed, layer_idx)``, or with
+        ``draws="sequential"`` the request's one generator, seeded with ``seed`` at the request's first draw and
+        consumed in the order the layers draw. Always on the CPU, whatever device the layer's proposal lives on
+        (with ``device_map``, a generator per device re-seeded at each device change made a layer replay another
+        layer's draws; seeded CUDA and CPU draws differ)."""
+        if self.draws == "per_layer":
+            return layer_generator(self.seed, layer_idx)
         if self._generator is None:
             self._generator = torch.Generator().manual_seed(self.seed)
         return self._generator
@@ -237,7 +249,7 @@ class ProbabilisticEvictionPress(ResearchPress):
         """
         B, G, t, d = keys.shape
         m = num_samples.clamp_min(1).expand(B, G)
-        counts = sample_counts(pi, m, self._get_generator())  # drawn on the CPU (sample_counts)
+        counts = sample_counts(pi, m, self._get_generator(module.layer_idx))  # drawn on the CPU (sample_counts)
         kept_units = (counts > 0).sum(-1)
         if self.unit == "page":  # every token of a drawn page is kept, with its page's count and mass
             counts, pi = expand_pages(counts, self.page_size, t), expand_pages(pi, self.page_size, t)
