@@ -892,11 +892,12 @@ def build_report(
             )
             n = {r["ratio"]: r["n_examples"] for r in provisional}
             md += [
-                "### Win score so far (incomplete runs, provisional)",
+                "### Win score on the examples every run holds (some runs incomplete)",
                 "",
-                "As above, at the ratios where some run is still incomplete, on the examples every run at the "
-                "ratio holds so far (" + ", ".join(f"cr {x:g}: n = {n[x]}" for x in sorted(n)) + "). These "
-                "change as the runs finish; no other table or the claims ledger reads them.",
+                "As above, at the ratios where some run is incomplete (unfinished, or run on a subset of its shards: "
+                "see Incomplete runs), on the examples every run at the ratio holds ("
+                + ", ".join(f"cr {x:g}: n = {n[x]}" for x in sorted(n))
+                + "). These change as those runs grow; no other table or the claims ledger reads them.",
                 "",
                 _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows),
                 "",

@@ -130,7 +130,7 @@ def test_summary_intervals_averages_and_win_score(results, tmp_path):
     text = readme.read_text()
     assert readme == out / "README.md"
     assert "python -m evaluation.run dataset=ruler press=knorm compression_ratio=0.5" in text
-    assert "### Win score so far (incomplete runs, provisional)" in text and "cr 0.25: n = 1" in text
+    assert "### Win score on the examples every run holds (some runs incomplete)" in text and "cr 0.25: n = 1" in text
     assert "shards [1] of 2 missing" in text and "never edit by hand" in text
     for name in ("score", "win", "tasks"):
         png = out / "plots" / f"ruler__tiny__{name}.png"
