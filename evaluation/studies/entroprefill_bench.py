@@ -22,6 +22,14 @@ RoPE removed from queries and keys (every key at relative distance 0 from its ob
 diagnostic, not the method; ``--press KEY=VALUE`` overrides EntroPrefillPress fields; ``--variant NAME KEY=VALUE``
 (repeatable) runs several EntroPrefill configurations on every example after the same full prefill.
 
+``--finch`` also runs kvpress's ``FinchPress`` (its nearest peer: query-aware prefill compression, the question as
+SnapKV's window, arXiv 2408.11795 / TACL 2024) on every example at the first variant's kept fraction of that
+example, ``compression_ratio = 1 - T'/T``, on a model copy with Finch's delimiter token (as the harness sets it
+up, :func:`evaluation.registry.install_delimiter`), after the other methods; ``finch.csv`` and the README then
+compare accuracy, prefill time against the full prefill, and the answer value's survival: the fraction of
+(layer, KV head) pairs whose kept tokens hold every token of the answer value (Finch's selection recomputed from
+its own scores, as its ``compress`` takes them).
+
 Long runs: ``examples.csv`` is rewritten after every example and the tables after every length; ``--resume``
 (same arguments) keeps the finished examples and runs the rest. ``--shard i/n`` runs every n-th example and
 ``--merge DIR ...`` writes the tables from the shards' ``examples.csv``.
@@ -169,6 +177,11 @@ def main(argv=None) -> int:
         "full prefill); --press overrides apply to every variant. Default: one variant "
         "'entroprefill'",
     )
+    ap.add_argument(
+        "--finch",
+        action="store_true",
+        help="also kvpress's FinchPress at the first variant's kept fraction of each example (module docstring)",
+    )
     ap.add_argument("--shard", default=None, help="i/n: run examples i, i+n, ... only (merge with --merge)")
     ap.add_argument(
         "--merge",
@@ -268,7 +281,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = read_examples([out]) if args.resume and (out / "examples.csv").exists() else []
-    methods = ([] if args.skip_full else ["full"]) + list(variants)
+    finch = FinchRunner(args) if args.finch else None
+    methods = ([] if args.skip_full else ["full"]) + list(variants) + (["finch"] if finch else [])
     done = {(r["id"], r["method"]) for r in rows}
     rows = [r for r in rows if all((r["id"], m) in done for m in methods)]  # drop half-finished examples
     if rows:
@@ -280,15 +294,19 @@ def main(argv=None) -> int:
         ids = inputs["context_ids"].to(args.device)
         q_ids = inputs["questions_ids"][0].to(args.device)
         T = ids.shape[1]
-        order = list(methods)
+        order = [m for m in methods if m != "finch"]
         if n % 2:  # alternate which method runs first
             order.reverse()
-        for method in order:
+        for method in order + (["finch"] if finch else []):  # Finch last: it needs the first variant's T'
             priorities.clear()
             press = variants.get(method)
-            cache, seconds, cpu_seconds = prefill(ids, press)
-            with torch.inference_mode():
-                answer = pipe.generate_answer(q_ids, cache, T, ex.max_new_tokens or args.max_new_tokens)
+            if method == "finch":
+                first = next(r for r in rows[::-1] if r["id"] == ex.id and r["method"] == list(variants)[0])
+                answer, seconds, cpu_seconds, cache, extra = finch.run(ex, 1 - first["T_prime"] / T)
+            else:
+                cache, seconds, cpu_seconds = prefill(ids, press)
+                with torch.inference_mode():
+                    answer = pipe.generate_answer(q_ids, cache, T, ex.max_new_tokens or args.max_new_tokens)
             answer_chunk = ex.metadata["answer_passage"] - 1
             row = {
                 "id": ex.id,
@@ -305,7 +323,9 @@ def main(argv=None) -> int:
                 "prefill_cpu_s": cpu_seconds,
                 "cache_len": cache.get_seq_length(),
             }
-            if press is not None:
+            if method == "finch":
+                row.update(extra)
+            elif press is not None:
                 st = press.summary()
                 removed = [int(i) for i in st["removed_chunks"].split(",") if i]
                 row.update(
@@ -342,6 +362,8 @@ def main(argv=None) -> int:
             info = (
                 ""
                 if method == "full"
+                else f"ratio={row['finch_ratio']:.3f} value_kept={row['answer_value_kept']:.2f}"
+                if method == "finch"
                 else (
                     f"T_prime={row['T_prime']} layer={row['accepted_layer']} "
                     f"bypass={row['bypass_reason'] or '-'} "
@@ -385,6 +407,124 @@ def read_examples(dirs) -> list[dict]:
                 if k in rows[-1] and rows[-1][k] is None:
                     rows[-1][k] = ""
     return rows
+
+
+def finch_table(rows: list[dict], lengths: list[int], variant: str) -> list[dict]:
+    """Per length: Finch against the full prefill and ``variant`` on the examples all three ran (``finch.csv``)."""
+
+    def mean(xs):
+        return statistics.fmean(xs) if xs else math.nan
+
+    out = []
+    for length in lengths:
+        by = {
+            m: {r["id"]: r for r in rows if r["target_length"] == length and r["method"] == m}
+            for m in ("full", variant, "finch")
+        }
+        ids = sorted(set(by["full"]) & set(by[variant]) & set(by["finch"]))
+        if not ids:
+            continue
+        full, ep, fi = ([by[m][i] for i in ids] for m in ("full", variant, "finch"))
+        out.append(
+            {
+                "target_length": length,
+                "n": len(ids),
+                "mean_finch_ratio": mean([r["finch_ratio"] for r in fi]),
+                "time_ratio_finch": mean([r["prefill_s"] for r in fi]) / mean([r["prefill_s"] for r in full]),
+                f"time_ratio_{variant}": mean([r["prefill_s"] for r in ep]) / mean([r["prefill_s"] for r in full]),
+                "cpu_time_ratio_finch": mean([r["prefill_cpu_s"] for r in fi])
+                / mean([r["prefill_cpu_s"] for r in full]),
+                f"cpu_time_ratio_{variant}": mean([r["prefill_cpu_s"] for r in ep])
+                / mean([r["prefill_cpu_s"] for r in full]),
+                "acc_full": mean([r["score"] for r in full]),
+                f"acc_{variant}": mean([r["score"] for r in ep]),
+                "acc_finch": mean([r["score"] for r in fi]),
+                "answer_value_kept": mean(
+                    [r["answer_value_kept"] for r in fi if not math.isnan(r["answer_value_kept"])]
+                ),
+                f"answer_passage_kept_{variant}": 1 - mean([r["answer_removed"] for r in ep]),
+            }
+        )
+    return out
+
+
+class FinchRunner:
+    """kvpress's ``FinchPress`` on a model copy of its own with its delimiter token (the ``--finch`` method)."""
+
+    def __init__(self, args):
+        from kvpress import FinchPress, KVPressTextGenerationPipeline
+
+        from evaluation.models import load_model
+        from evaluation.registry import install_delimiter
+
+        self.args = args
+        self.model, self.tok = load_model(args.model, device=args.device)
+        self.setup = FinchPress()
+        self.token = install_delimiter(self.setup, self.model, self.tok, args.seed)
+        self.pipe = KVPressTextGenerationPipeline(
+            model=self.model, tokenizer=self.tok, device=torch.device(args.device)
+        )
+
+    def run(self, ex, ratio: float):
+        """Prefill ``ex`` (question inside, the delimiter before its question part) under ``FinchPress(ratio)``,
+        ``ratio`` clamped to ``[0, 0.99]``, then decode as kvpress's pipeline does (from the cache's length: Finch
+        re-rotates the kept keys). Returns ``(answer, seconds, cpu_seconds, cache, row fields)``."""
+        from kvpress import FinchPress
+        from kvpress.utils import compute_n_kept
+        from transformers import DynamicCache
+
+        ratio = min(max(ratio, 0.0), 0.99)
+        at = ex.question_start
+        if at is None or not 0 < at < len(ex.context):
+            raise ValueError(f"example {ex.id!r} does not say where its question starts (question_start={at})")
+        inputs = self.pipe.preprocess(
+            ex.context[:at] + self.token + ex.context[at:], [ex.question], ex.answer_prefix, int(1e10)
+        )
+        ids = inputs["context_ids"].to(self.args.device)
+        plain = ids[0][ids[0] != self.setup.delimiter_token_id]  # the positions Finch scores
+        press = FinchPress(compression_ratio=ratio)
+        press.delimiter_token, press.delimiter_token_id = self.setup.delimiter_token, self.setup.delimiter_token_id
+        scores: dict[int, torch.Tensor] = {}
+        score = press.score
+
+        def recording(module, *a, **k):
+            scores[module.layer_idx] = out = score(module, *a, **k)
+            return out
+
+        press.score = recording  # compress calls self.score: its selection is the top-k of these
+        cache = DynamicCache()
+        with torch.inference_mode():
+            start, cpu = time.perf_counter(), time.process_time()
+            with press(self.model):
+                self.model.model(input_ids=ids, past_key_values=cache)
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+            q_ids = inputs["questions_ids"][0].to(self.args.device)
+            answer = self.pipe.generate_answer(
+                q_ids, cache, cache.get_seq_length(), ex.max_new_tokens or self.args.max_new_tokens
+            )
+        value = answer_positions(plain, self.tok.encode(ex.answers[0], add_special_tokens=False))
+        value = value or answer_positions(plain, self.tok.encode(" " + ex.answers[0], add_special_tokens=False))
+        kept = []
+        for s in scores.values():  # (1, G, T) per layer
+            top = s.topk(compute_n_kept(s.shape[-1], ratio), dim=-1).indices
+            mask = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top, True)
+            kept.append(mask[..., value].all(-1).float().mean().item() if value else math.nan)
+        extra = {
+            "finch_ratio": ratio,
+            "answer_value_kept": statistics.fmean(kept) if kept else (0.0 if ratio == 0 else math.nan),
+        }
+        if ratio == 0:  # Finch compresses nothing at ratio 0: every token kept
+            extra["answer_value_kept"] = 1.0
+        return answer, seconds, cpu_seconds, cache, extra
+
+
+def answer_positions(ids: torch.Tensor, answer_ids: list[int]) -> list[int]:
+    """The positions of the last occurrence of ``answer_ids`` in ``ids`` (``(T,)``), or ``[]`` when absent."""
+    n, seq = len(answer_ids), ids.tolist()
+    for i in range(len(seq) - n, -1, -1):
+        if n and seq[i : i + n] == answer_ids:
+            return list(range(i, i + n))
+    return []
 
 
 def write_tables(
@@ -460,8 +600,10 @@ def write_tables(
                     "acc_entroprefill": mean([r["score"] for r in part]),
                 }
             )
-    for name, table in (("summary.csv", summary), ("survival.csv", survival)):
-        tables.write_rows(out / name, table, list(table[0]))
+    finch = finch_table(rows, args.lengths, variants[0]) if any(r["method"] == "finch" for r in rows) else []
+    for name, table in (("summary.csv", summary), ("survival.csv", survival), ("finch.csv", finch)):
+        if table:
+            tables.write_rows(out / name, table, list(table[0]))
     cmd = tables.command("entroprefill_bench", argv if argv is not None else sys.argv[1:])
 
     def fmt(v):
@@ -499,6 +641,20 @@ def write_tables(
         "",
         *md(survival),
         "",
+        *(
+            [
+                f"kvpress's FinchPress at {variants[0]}'s kept fraction of each example (`finch_ratio` = 1 - T'/T; "
+                "Finch ran after the other methods on a model copy with its delimiter token). `time_ratio`: mean "
+                "Finch prefill wall time / mean full; `answer_value_kept`: the fraction of (layer, KV head) pairs "
+                f"keeping every token of the answer value; `answer_passage_kept_{variants[0]}`: 1 - its "
+                "answer-passage removal, every example counted (a bypass keeps it).",
+                "",
+                *md(finch),
+                "",
+            ]
+            if finch
+            else []
+        ),
         f"Command: `{cmd}`",
         "",
         f"Wall time: {seconds:.0f} s. Per-example rows: `examples.csv`.",
