@@ -509,13 +509,11 @@ class FinchRunner:
             top = s.topk(compute_n_kept(s.shape[-1], ratio), dim=-1).indices
             mask = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top, True)
             kept.append(mask[..., value].all(-1).float().mean().item() if value else math.nan)
-        extra = {
-            "finch_ratio": ratio,
-            "answer_value_kept": statistics.fmean(kept) if kept else (0.0 if ratio == 0 else math.nan),
-        }
-        if ratio == 0:  # Finch compresses nothing at ratio 0: every token kept
-            extra["answer_value_kept"] = 1.0
-        return answer, seconds, cpu_seconds, cache, extra
+        if ratio == 0:  # Finch neither scores nor evicts at ratio 0: every token kept
+            value_kept = 1.0
+        else:
+            value_kept = statistics.fmean(kept) if kept else math.nan
+        return answer, seconds, cpu_seconds, cache, {"finch_ratio": ratio, "answer_value_kept": value_kept}
 
 
 def answer_positions(ids: torch.Tensor, answer_ids: list[int]) -> list[int]:

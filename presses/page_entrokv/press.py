@@ -377,7 +377,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         pages, _, _, _ = self._scores(module, hidden_states, keys, values, attentions, kwargs)
         tokens = expand_pages(pages, self.page_size, T).expand(B, G, T)
         protected = protected_page_mask(T, self.page_size, self.n_sink, self.window_size, self.protect)
-        protected = protected.to(keys.device).repeat_interleave(self.page_size)[:T]
+        protected = expand_pages(protected.to(keys.device), self.page_size, T)
         return tokens.masked_fill(protected, float(tokens.max()) + 1.0)
 
     # ------------------------------------------------------------------ selection
