@@ -542,3 +542,13 @@ def test_the_harness_takes_a_triton_cache_of_its_own(monkeypatch, tmp_path):
     )
     entry.run(cfg, names)
     assert seen and seen[0] != str(inherited) and os.environ[process_cache.OWNER] == str(os.getpid())
+
+
+def test_bad_draws_and_seed_are_refused():
+    """The draws scheme and the seed are checked when the press is built, naming the value."""
+    from presses import ProbabilisticEvictionPress
+
+    with pytest.raises(ValueError, match=r"draws='random' must be one of \('per_layer', 'sequential'\)"):
+        ProbabilisticEvictionPress(0.5, draws="random")
+    with pytest.raises(ValueError, match="seed=-1 must be >= 0"):
+        ProbabilisticEvictionPress(0.5, seed=-1)
