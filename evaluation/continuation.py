@@ -206,7 +206,8 @@ def shared_rows(
     """The ``evaluation.fused`` rows of a continuation example: each replayed press cache
     (``(run, cache, replay seconds, decode state per layer)``, as :mod:`evaluation.loop` replays them) teacher-forced
     on its own, against the shared prefill's uncompressed cache, then each ``masked`` run
-    (``(run, cache, seconds, masks)``, :func:`evaluation.kvzip_path.selected_runs`) with its masked keys.
+    (``(run, cache, seconds, masks, state)``, :func:`evaluation.kvzip_path.selected_runs`) with its masked keys and
+    decode-time state.
     ``seconds``: the shared prefill, the press's replay and its forward; ``prefill_seconds`` the shared part.
 
     Returns:
@@ -231,7 +232,8 @@ def shared_rows(
     for run, cache, replay_s, state in replayed:
         attention.put_decode_state(cache, [state])  # the run's decode-time state, on its own cache
         rows.append(row(run, cache, replay_s))
-    for run, cache, seconds, masks in masked:
+    for run, cache, seconds, masks, state in masked:
+        attention.put_decode_state(cache, [state])
         with kvzip_path.masked_keys(model, masks):
             rows.append(row(run, cache, seconds))
     return rows

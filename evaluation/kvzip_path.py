@@ -39,6 +39,7 @@ from collections.abc import Iterator
 import torch
 from kvpress.utils import extract_keys_and_values
 
+from presses import attention
 from presses.core.model import decoder_layers, language_model
 
 __all__ = [
@@ -187,10 +188,13 @@ def pass_key(press) -> tuple:
     return _key(press, SELECTION_FIELDS | SCORING_FIELDS)
 
 
-def select(press, scores: torch.Tensor, model) -> tuple:
-    """kvpress's ``compress_post`` on a copy of ``scores`` (``(L, 1, G, T)``, :func:`score`): the masks it leaves on
-    the modules, taken off (:func:`take_masked_keys`)."""
-    press.score_val = scores.clone()
+def select(press, scores: torch.Tensor, model, cache) -> tuple:
+    """The press's ``compress_post`` on a copy of ``scores`` (``(L, 1, G, T)``, :func:`score`) with ``cache`` (a new
+    uncompressed cache of the prefill) as the cache its prefill recorded: the masks kvpress's selection leaves on the
+    modules, taken off (:func:`take_masked_keys`). A selection that evicts from the cache instead (the sampling
+    variant, presses/kvzip_pages/sampling.py) leaves ``cache`` evicted, with its decode-time state."""
+    press.post_init_from_model(model)  # the lead press's pass called it for the lead only (kvpress's: a no-op)
+    press.score_val, press._cache = scores.clone(), cache
     try:
         press.compress_post(model)
     finally:
@@ -203,9 +207,12 @@ def selected_runs(runs: list, model, capture, context_ids: torch.Tensor) -> Iter
     select per run.
 
     Yields:
-        ``(run, cache, seconds, masks)`` per run, in order: a new uncompressed cache (the decode writes kvpress's
-        fake keys into it), the seconds of its pass (shared, counted in full for every run, as the shared prefill
-        is) plus its selection, and its masks per layer (None everywhere at ratio 0, which kvpress does not score).
+        ``(run, cache, seconds, masks, state)`` per run, in order: a new cache of the prefill (uncompressed for
+        kvpress's selection: the decode writes kvpress's fake keys into it; evicted by a sampling selection), the
+        seconds of its pass (shared, counted in full for every run, as the shared prefill is) plus its selection,
+        its masks per layer (None everywhere at ratio 0, which kvpress does not score, and for a sampling selection)
+        and its decode-time state per layer, taken off the cache (:func:`presses.attention.take_decode_state`; None
+        for kvpress's selection).
     """
     passes: dict = {}
     for run in runs:
@@ -220,6 +227,8 @@ def selected_runs(runs: list, model, capture, context_ids: torch.Tensor) -> Iter
     for run in runs:
         start = time.perf_counter()
         scored = run.press.compression_ratio > 0
-        masks = select(run.press, scores[scores_key(run.press)], model) if scored else take_masked_keys(model)
+        cache = capture.uncompressed_cache()
+        masks = select(run.press, scores[scores_key(run.press)], model, cache) if scored else take_masked_keys(model)
+        state = attention.take_decode_state(cache, len(cache))
         shared = seconds[pass_key(run.press)] if scored else 0.0
-        yield run, capture.uncompressed_cache(), shared + time.perf_counter() - start, masks
+        yield run, cache, shared + time.perf_counter() - start, masks, state

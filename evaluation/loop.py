@@ -215,9 +215,9 @@ def _shared_rows(
         groups.setdefault(key, []).append(item)
     for group in groups.values():
         rows += _decode_group(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
-    for run, cache, seconds, masks in kvzip_path.selected_runs(scored, model, capture, context_ids):
+    for run, cache, seconds, masks, state in kvzip_path.selected_runs(scored, model, capture, context_ids):
         with kvzip_path.masked_keys(model, masks):
-            item = (run, cache, seconds, (None,) * len(cache))
+            item = (run, cache, seconds, state)
             rows += _decode_group([item], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
     return rows
 

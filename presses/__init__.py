@@ -3,8 +3,14 @@ correction, and EntroPrefill, with the contract they share (:mod:`presses.base`)
 layout; docs/methods.md explains each method."""
 
 from presses.entroprefill import EntroPrefillPress
-from presses.kvzip_pages import KVzipPagePress
+from presses.kvzip_pages import KVzipPagePress, KVzipSamplingPress
 from presses.page_entrokv import PageEntroKVPress
 from presses.probabilistic import ProbabilisticEvictionPress
 
-__all__ = ["EntroPrefillPress", "KVzipPagePress", "PageEntroKVPress", "ProbabilisticEvictionPress"]
+__all__ = [
+    "EntroPrefillPress",
+    "KVzipPagePress",
+    "KVzipSamplingPress",
+    "PageEntroKVPress",
+    "ProbabilisticEvictionPress",
+]

@@ -63,7 +63,7 @@ def test_whole_pages_are_masked_at_kvzips_budget(tiny, passes, page_size):  # no
         ]
         shared = list(kvzip_path.selected_runs(runs, model, capture, ids))
     assert len(passes) == 1  # one reconstruction pass for both presses
-    (_, _, _, token_masks), (_, _, _, page_masks) = shared
+    (_, _, _, token_masks, _), (_, _, _, page_masks, _) = shared
     for a, b in zip(own, page_masks):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     count = sum(len(m[0]) for m in page_masks)

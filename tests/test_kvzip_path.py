@@ -174,8 +174,8 @@ def test_one_pass_scores_every_ratio_and_both_variants_exactly(tiny, passes, mon
     assert len(passes) == 2  # chunk_size 2048 (two ratios, both variants, layerwise or not) and chunk_size 128
     assert len(attention) == 3 * (2 + 3)  # per layer: n_sink 4 (KVzip and KVzip+ share it), n_sink 8, 3 chunks of 128
     assert [item[0] for item in shared] == runs
-    for spec, own, (_, cache, seconds, masks) in zip(specs, direct, shared):
-        assert seconds > 0 and cache.get_seq_length(0) == 300
+    for spec, own, (_, cache, seconds, masks, state) in zip(specs, direct, shared):
+        assert seconds > 0 and cache.get_seq_length(0) == 300 and state == (None,) * 3  # masks, no bias
         assert torch.equal(cache.layers[0].keys, capture.layers[0][3])
         if spec[1] == 0:
             assert all(m is None for m in masks) and all(m is None for m in own)

@@ -94,7 +94,7 @@ def main(n_examples: int = 2, context_length: int = 2048, output: str = "results
                     answers = []
                     with PrefillCapture(model) as capture:
                         model.model(input_ids=context_ids, past_key_values=DynamicCache())
-                    for _, cache, _, masks in kvzip_path.selected_runs(runs, model, capture, context_ids):
+                    for _, cache, _, masks, _ in kvzip_path.selected_runs(runs, model, capture, context_ids):
                         with kvzip_path.masked_keys(model, masks):
                             answers += generate_answers(pipe, question_ids, [cache], T, max_new)
                     return answers

@@ -316,8 +316,15 @@ class ProbabilisticEvictionPress(ResearchPress):
                 self.score_normalization,
                 self.memo,
             )
-            if self.unit == "page":
-                pi = page_proposal(pi, self.page_size)  # (B, G, P): pages are the sampling unit
+        return self._schedule(module, cache, keys, values, pi)
+
+    def _schedule(
+        self, module: nn.Module, cache, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head budget: evict the layer now from its token proposal ``pi`` ``(B, G, t)``. Global budget: keep it
+        for :meth:`finalize`. Returns the layer's keys and values as the cache should hold them now."""
+        if self.unit == "page":
+            pi = page_proposal(pi, self.page_size)  # (B, G, P): pages are the sampling unit
         if self.budget == "head":
             m = search_num_samples(pi, self.compression_ratio, **self._search_options())  # (B, G)
             return self._evict(module, cache, keys, values, pi, m)
@@ -325,6 +332,42 @@ class ProbabilisticEvictionPress(ResearchPress):
         # inside a wrapper a later press may select among this layer's entries before finalize: remember them
         self._pending[module.layer_idx] = (module, cache, pi, keys, row_fingerprints(keys) if composed else None)
         return keys, values
+
+    def evict_with_proposals(self, modules: list[nn.Module], cache, proposals: list[torch.Tensor]) -> None:
+        """Evict every layer of a filled prefill ``cache`` by sampling from proposals computed elsewhere, with this
+        press's budget, unit, draws and correction (the proposal field is not read).
+
+        For proposals that exist only after the prefill, e.g. KVzip's context-reconstruction scores
+        (:class:`presses.kvzip_pages.KVzipSamplingPress`); given the proposals the prefill's own hooks would compute,
+        the cache and decode-time bias are those of a prefill with this press (``tests/test_kvzip_sampling.py``).
+
+        Args:
+            modules: the attention modules, one per layer of ``cache`` (``module.layer_idx`` indexes it).
+            cache: a ``DynamicCache`` holding ``t`` uncompressed prompt entries per layer; its layers are replaced
+                by the kept entries (padded) and it receives the decode-time bias (:mod:`presses.attention`).
+            proposals: per layer, ``(B, G, t)`` token proposals (rows summing to 1, non-negative).
+
+        Raises:
+            ValueError: if the numbers of modules, proposals and cache layers differ, or a proposal's length is not
+                the cache's.
+        """
+        if not (len(modules) == len(proposals) == len(cache)):
+            raise ValueError(
+                f"{len(modules)} attention modules and {len(proposals)} proposals for a cache of {len(cache)} layers"
+            )
+        self.reset()
+        self._seq_len = cache.get_seq_length(0)
+        for module, pi in zip(modules, proposals):
+            attention.set_decode_bias(cache, module.layer_idx, None)
+            layer = cache.layers[module.layer_idx]
+            if pi.shape[-1] != layer.keys.shape[2]:
+                raise ValueError(
+                    f"layer {module.layer_idx}: a proposal over {pi.shape[-1]} entries for {layer.keys.shape[2]} "
+                    "cached entries"
+                )
+            if self.compression_ratio > 0:
+                layer.keys, layer.values = self._schedule(module, cache, layer.keys, layer.values, pi.float())
+        self.finalize()
 
     def finalize(self) -> None:
         """Global budget (paper 003 F.1): one ``m`` per request for all groups of all pending layers,
