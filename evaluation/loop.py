@@ -47,7 +47,7 @@ from transformers import DynamicCache
 from evaluation import continuation, guards, harness, inputs, kvzip_path, prompt_delimiter
 from evaluation.memo import ReplayMemo
 from evaluation.pipeline import TextGenerationPipeline
-from evaluation.registry import capabilities, export_decode_state, sharing
+from evaluation.registry import capabilities, export_decode_state, run_ratio_problem, sharing
 from evaluation.replay import (
     PrefillCapture,
     check_capture_memory,
@@ -93,6 +93,9 @@ def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
                 raise
             raise ValueError(f"press {names['press']} ({cfg.press._target_}): {err.__cause__}") from err
         caps = capabilities(press)
+        problem = run_ratio_problem(press, cfg.compression_ratio)
+        if problem:
+            raise ValueError(f"press {names['press']}: {problem}")
         if shared_prefill and not caps.scores_once:  # scored once per example instead (evaluation.kvzip_path)
             check_shareable(press, names["press"])
         if caps.needs_question and not cfg.query_aware:

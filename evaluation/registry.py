@@ -18,6 +18,7 @@ model layout is checked for it.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 
 import torch
 from kvpress import (
@@ -73,6 +74,7 @@ __all__ = [
     "inner_press",
     "press_download_problem",
     "press_input_problem",
+    "run_ratio_problem",
     "sharing_problem",
     "export_decode_state",
     "install_delimiter",
@@ -158,6 +160,10 @@ _SINGLE_WRAPPERS = (
 )
 
 
+#: Of those, the ones that keep a different number of entries per layer whatever their inner press keeps.
+_UNEVEN_WRAPPERS = (PerLayerCompressionPress,)
+
+
 def inner_press(press):
     """The press a single-press kvpress wrapper (AdaKV, ChunkKV, CriticalKV, ...) holds, else ``press`` itself."""
     return press.press if isinstance(press, _SINGLE_WRAPPERS + _FOLLOW_INNER) else press
@@ -205,7 +211,7 @@ def capabilities(press) -> Capabilities:
         needs_eager=any(c.needs_eager for c in caps),
         composable=all(c.composable for c in caps),
         needs_delimiter=any(c.needs_delimiter for c in caps),
-        uneven_layers=any(c.uneven_layers for c in caps),
+        uneven_layers=isinstance(press, _UNEVEN_WRAPPERS) or any(c.uneven_layers for c in caps),
         extra_forwards=any(c.extra_forwards for c in caps),
     )
 
@@ -247,6 +253,19 @@ def _ratio(press) -> float | None:
         return None
 
 
+def run_ratio_problem(press, ratio: float) -> str | None:
+    """Why ``press`` cannot run as a run of ``compression_ratio=ratio`` (the ratio names the run's directory), or
+    None: kvpress's ``PerLayerCompressionPress`` reports the mean of its per-layer ratios, which must be the run's."""
+    if isinstance(press, PerLayerCompressionPress):
+        mean = press.compression_ratio
+        if abs(mean - float(ratio)) > 1e-9:
+            return (
+                f"PerLayerCompressionPress: the mean of compression_ratios is {mean:g}, the run's compression_ratio "
+                f"is {float(ratio):g}: set compression_ratio={mean:g} (it names the run's directory)"
+            )
+    return None
+
+
 def press_input_problem(press, model, context_length: int, multi_token_forward: bool = False) -> str | None:
     """Why kvpress's ``press`` cannot compress a ``T``-token context on ``model``, or None.
 
@@ -277,6 +296,14 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
     inner = inner_press(press)
     label = type(press).__name__ if inner is press else f"{type(press).__name__}({type(inner).__name__})"
     eager = getattr(model.config, "_attn_implementation", None) == "eager"
+    if isinstance(press, PerLayerCompressionPress):
+        n_layers = len(attention_modules(model))
+        if len(press.compression_ratios) != n_layers:
+            return (
+                f"{label}: compression_ratios has {len(press.compression_ratios)} values, the model has {n_layers} "
+                "layers: give one ratio per layer"
+            )
+        inner = replace(inner, compression_ratio=max(press.compression_ratios))  # the scorer's limits at its ratios
     if isinstance(press, _MASKING) and eager and _ratio(press) != 0:  # threshold-based presses have none (None)
         return (
             f"{label} does not support attn_implementation='eager' (its key masking patches sdpa and flash "

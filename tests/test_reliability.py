@@ -121,6 +121,44 @@ def test_pyramidkv_answers_through_the_harness(attn, monkeypatch, tmp_path):
         assert 0.45 < row["effective_compression"] < 0.55, row["effective_compression"]  # 0.5, averaged over layers
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_per_layer_compression_answers_through_the_harness(attn, monkeypatch, tmp_path):
+    """kvpress's PerLayerCompressionPress (config ``per_layer_compression``): one ratio per layer of the 2-layer model,
+    their mean the run's ratio; each layer keeps its own share, and the question forward answers."""
+    from test_robustness import _tiny_harness
+
+    from evaluation import run as entry
+
+    ratios = "press.compression_ratios=[0.25,0.75]"
+    cfg, names = _tiny_harness(
+        monkeypatch, tmp_path, "per_layer_compression", ratios, f"model.attn_implementation={attn}"
+    )
+    metrics = entry.run(cfg, names)
+    rows = [json.loads(line) for line in next(tmp_path.rglob("predictions.jsonl")).read_text().splitlines()]
+    assert metrics["n"] == 2 == len(rows)
+    for row in rows:
+        assert isinstance(row["prediction"], str) and row["prediction"]
+        assert 0.45 < row["effective_compression"] < 0.55, row["effective_compression"]  # (0.25 + 0.75) / 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["press.compression_ratios=[0.5,0.5,0.5]"], "compression_ratios has 3 values, the model has 2 layers"),
+        (["press.compression_ratios=[0.25,0.5]"], "the mean of compression_ratios is 0.375, the run's compression_"),
+    ],
+)
+def test_per_layer_compression_refuses_a_list_that_does_not_fit(overrides, message, monkeypatch, tmp_path):
+    from test_robustness import _tiny_harness
+
+    from evaluation import run as entry
+
+    cfg, names = _tiny_harness(monkeypatch, tmp_path, "per_layer_compression", *overrides)
+    with pytest.raises(ValueError, match=message):
+        entry.run(cfg, names)
+    assert not list(tmp_path.rglob("predictions.jsonl"))
+
+
 # ---------------------------------------------------------------------------------------------- item 4
 OURS = ("page_entrokv", "snis_h2o", "snis_h2o_page", "entroprefill")
 
