@@ -39,6 +39,7 @@ from collections.abc import Iterator
 import torch
 from kvpress.utils import extract_keys_and_values
 
+from evaluation.registry import capabilities
 from presses import attention
 from presses.core.model import decoder_layers, language_model
 
@@ -64,11 +65,13 @@ SCORING_FIELDS = frozenset({"n_sink", "kvzip_plus_normalization"})
 def _key(press, drop: frozenset) -> tuple:
     """The press's dataclass fields outside ``drop``, as a hashable key (an unknown new field counts as different).
 
-    A subclass that changes only kvpress's selection (``compress_post``) says so with ``scores_as`` (the class whose
-    scores it computes) and ``selection_fields`` (its fields that only the selection reads): it then shares the
-    pass and the scores of that class (the page variant, presses/kvzip_pages/)."""
-    drop = drop | frozenset(getattr(press, "selection_fields", ()))
-    cls = getattr(press, "scores_as", type(press))
+    A subclass that changes only kvpress's selection (``compress_post``) says so in its capabilities
+    (:class:`presses.base.Capabilities`: ``scores_as``, the class whose scores it computes, and ``selection_fields``,
+    its fields that only the selection reads): it then shares the pass and the scores of that class (the page and
+    sampling variants, presses/kvzip_pages/)."""
+    caps = capabilities(press)
+    drop = drop | frozenset(caps.selection_fields)
+    cls = caps.scores_as or type(press)
     return (cls, *((f.name, getattr(press, f.name)) for f in dataclasses.fields(press) if f.name not in drop))
 
 

@@ -92,6 +92,10 @@ class Capabilities:
             wrapper (:func:`presses.attention.install`, :func:`presses.attention_bias.fit_mask`) before it runs.
         extra_forwards: the press runs the model again on the context (more forward passes than the prefill's own,
             e.g. to rebuild or re-score it), so no recorded prefill stands for its work.
+        scores_as: with ``scores_once``, the class whose scores the press's pass computes when they are another
+            class's (KVzip's, for this project's KVzip subclasses): a sweep scores both from one pass; None: its own.
+        selection_fields: with ``scores_once``, the press's fields that only its selection reads (besides the
+            ratio): presses differing only in them share one score tensor (``evaluation.kvzip_path``).
     """
 
     shares_prefill: bool = True
@@ -104,6 +108,8 @@ class Capabilities:
     needs_delimiter: bool = False
     uneven_layers: bool = False
     extra_forwards: bool = False
+    scores_as: type | None = None
+    selection_fields: tuple[str, ...] = ()
 
 
 def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:

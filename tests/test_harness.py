@@ -41,11 +41,13 @@ def test_required_press_configs_exist():
 # presses whose run ratio sets another field (ThinK: the fraction of key channels, DuoAttention: of streaming heads),
 # or none (DMS: a score threshold); the others' compression_ratio (a wrapper's is its scorer's) is the run's
 RATIO_FIELD = {"think": "key_channel_compression_ratio", "duo_attention": "head_compression_ratio", "dms": None}
+# configs with a mandatory value (``???``): the override a user gives
+REQUIRED = {"per_layer_compression": ["press.compression_ratios=[0.0,0.5]"]}
 
 
 @pytest.mark.parametrize("press", harness.config_choices("press"))
 def test_every_press_config_composes_and_instantiates(press):
-    cfg = composed(f"press={press}", "compression_ratio=0.25")
+    cfg = composed(f"press={press}", "compression_ratio=0.25", *REQUIRED.get(press, []))
     if cfg.press.get("_target_") is None:
         assert press == "no_press"
         return

@@ -4,6 +4,7 @@ reconstruction pass, and ``evaluation.fused`` gives what ``evaluation.run`` give
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -36,7 +37,8 @@ def test_page_expanded_is_the_block_max_of_each_page():
 def test_config_and_capabilities():
     press = instantiate(composed("press=kvzip_page", "compression_ratio=0.5").press)
     assert isinstance(press, KVzipPagePress) and press.page_size == 32 and press.n_sink == KVzipPress.n_sink
-    assert capabilities(press) == capabilities(KVzipPress(0.5))  # scored once per example, as KVzip
+    caps, kvzip = capabilities(press), capabilities(KVzipPress(0.5))
+    assert caps == replace(kvzip, scores_as=KVzipPress, selection_fields=("page_size",))  # scored once, as KVzip
     assert kvzip_path.pass_key(press) == kvzip_path.pass_key(KVzipPress(0.25))
     assert kvzip_path.scores_key(press) == kvzip_path.scores_key(KVzipPress(0.25))
     assert kvzip_path.scores_key(press) != kvzip_path.scores_key(KVzipPress(0.25, kvzip_plus_normalization=True))

@@ -8,7 +8,9 @@ from typing import ClassVar
 import torch
 from kvpress import KVzipPress
 
+from presses.base import Capabilities
 from presses.core.paging import expand_pages, page_scores
+from presses.kvzip_pages.base import KVzipResearchPress
 
 __all__ = ["KVzipPagePress", "page_expanded"]
 
@@ -32,7 +34,7 @@ def page_expanded(scores: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 @dataclass
-class KVzipPagePress(KVzipPress):
+class KVzipPagePress(KVzipResearchPress):
     """KVzip's importance (the most attention a query of the context-reconstruction pass pays each cached pair),
     kept and evicted in pages of ``page_size`` positions, as Page-EntroKV and ChunkKV evict.
 
@@ -57,10 +59,15 @@ class KVzipPagePress(KVzipPress):
 
     page_size: int = 32
 
-    #: its scores are KVzip's: a sweep scores both from one reconstruction pass (evaluation/kvzip_path.py)
-    scores_as: ClassVar[type] = KVzipPress
-    #: the fields only the selection reads (besides kvpress's ``compression_ratio`` and ``layerwise``)
-    selection_fields: ClassVar[tuple[str, ...]] = ("page_size",)
+    #: KVzip's (kvpress's registry entry), its scores KVzip's: a sweep scores both from one reconstruction pass
+    #: (evaluation/kvzip_path.py); only the selection reads ``page_size``
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        shares_prefill=False,
+        scores_once=True,
+        extra_forwards=True,
+        scores_as=KVzipPress,
+        selection_fields=("page_size",),
+    )
 
     def __post_init__(self):
         if isinstance(self.page_size, bool) or int(self.page_size) != self.page_size or self.page_size < 1:

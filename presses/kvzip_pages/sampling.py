@@ -9,8 +9,9 @@ import torch
 from kvpress import KVzipPress
 
 from presses import attention
-from presses.base import Capabilities, ResearchPress, cache_problem
+from presses.base import Capabilities, cache_problem
 from presses.core.model import attention_modules
+from presses.kvzip_pages.base import KVzipResearchPress
 from presses.probabilistic import ProbabilisticEvictionPress
 from presses.probabilistic.proposals import adjust_proposal, score_to_proposal
 
@@ -65,7 +66,7 @@ def reconstruction_proposals(
 
 
 @dataclass
-class KVzipSamplingPress(ResearchPress, KVzipPress):
+class KVzipSamplingPress(KVzipResearchPress):
     """Probabilistic eviction whose proposal is KVzip's context-reconstruction importance, by pages, SNIS-corrected.
 
     kvpress's ``KVzipPress`` prefills the context, then runs the model again on the cache to reconstruct the context
@@ -105,14 +106,17 @@ class KVzipSamplingPress(ResearchPress, KVzipPress):
     draws: str = _DEFAULTS.draws
 
     #: the contract (presses.base): decode-time bias, per-layer lengths, a reconstruction pass after the prefill,
-    #: scored once per example in a sweep, as KVzip (evaluation/kvzip_path.py)
+    #: scored once per example in a sweep from KVzip's scores (evaluation/kvzip_path.py); only the sampling reads
+    #: the sampling fields
     capabilities: ClassVar[Capabilities] = Capabilities(
-        shares_prefill=False, decode_state=True, uneven_layers=True, extra_forwards=True, scores_once=True
+        shares_prefill=False,
+        decode_state=True,
+        uneven_layers=True,
+        extra_forwards=True,
+        scores_once=True,
+        scores_as=KVzipPress,
+        selection_fields=SAMPLING_FIELDS,
     )
-    #: its scores are KVzip's: a sweep scores both from one reconstruction pass (evaluation/kvzip_path.py)
-    scores_as: ClassVar[type] = KVzipPress
-    #: the fields only the selection reads: the sampling's
-    selection_fields: ClassVar[tuple[str, ...]] = SAMPLING_FIELDS
 
     def __post_init__(self):
         self.sampler()  # the probabilistic press checks the sampling fields, naming the value
@@ -123,8 +127,7 @@ class KVzipSamplingPress(ResearchPress, KVzipPress):
         return ProbabilisticEvictionPress(**{name: getattr(self, name) for name in SAMPLING_FIELDS})
 
     def post_init_from_model(self, model):
-        """Install the correcting attention (the SNIS bias is an additive mask, sdpa and eager). No model hooks:
-        KVzip's ``__call__`` does the prefill's bookkeeping.
+        """Install the correcting attention (the SNIS bias is an additive mask, sdpa and eager).
 
         Raises:
             ValueError: for an attention implementation other than sdpa or eager.
@@ -136,10 +139,6 @@ class KVzipSamplingPress(ResearchPress, KVzipPress):
                 f"{attention.SUPPORTED_ATTENTION} (the correction is an additive float mask)"
             )
         attention.install()
-
-    def model_hooks(self, model) -> list:
-        """None (see :meth:`post_init_from_model`)."""
-        return []
 
     def compress_post(self, model):
         """Sample the kept pages from the reconstruction scores (see the class) instead of kvpress's masking."""
