@@ -247,3 +247,22 @@ def test_comparison_table_lists_rows_measured_again(tmp_path):
         "| m | snis_h2o_h | 0.5 | 2048 | 1.97 | 1.12 | 2633.6 | 310.0 | 14.48 | 1.40 |",
     ]
     assert "Comparison file `missing.csv` (compare_with) not found." in lines
+
+
+def test_a_press_that_needs_a_delimiter_runs_on_its_own_copy(tmp_path, model):
+    """Finch (issue 29.4: the frontier in one speed sweep): measured on a model and tokenizer copy with its delimiter
+    token, on the query-aware context with the token where the question starts; the sweep's model and tokenizer keep
+    their vocabulary, and Finch's row is compared with the uncompressed prefill of the same context."""
+    tok = _tokenizer()
+    vocab, rows_before = len(tok), model.get_input_embeddings().weight.shape[0]
+    cfg = _cfg(
+        tmp_path, "compression_ratios=[0.5]", "presses=[snapkv,finch]", "query_aware_presses=[finch]", "lengths=[600]"
+    )
+    rows = sweep.run_bench(cfg, model, tok, "tiny", "cpu", command="finch")
+    by = {r["press"]: r for r in rows}
+    assert not by["finch"]["error"], by["finch"]["error"]
+    finch = by["finch"]
+    assert finch["context"] == "query_aware" and float(finch["prefill_s"]) > 0
+    assert 0.4 < float(finch["physical_vs_full"]) < 0.6  # half the context kept (the question window included)
+    assert float(finch["full_prefill_s"]) != float(by["snapkv"]["full_prefill_s"])  # its own context's reference
+    assert len(tok) == vocab and model.get_input_embeddings().weight.shape[0] == rows_before

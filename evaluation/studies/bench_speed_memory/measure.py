@@ -184,6 +184,8 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
     sync = _sync_fn(device)
     ids = context_ids.to(device)
     T = ids.shape[1]
+    if question_ids.shape[1] == 0:  # a query-aware context with no template after it: the decode (timed only)
+        question_ids = context_ids[:, -1:]  # starts from a repeat of the context's last token
     prefill, press_s, decode, peaks, deltas = [], [], [], [], []
     for _ in range(max(1, int(repeats))):
         mem = PeakMemory(device)

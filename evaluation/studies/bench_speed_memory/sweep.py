@@ -3,6 +3,7 @@ from their configs, prose contexts of ``T`` tokens, every (T, ratio, press) row 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -13,7 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from evaluation.harness import CONFIG_DIR, check_ratio, command_line, compose_config, config_choices
-from evaluation.registry import capabilities
+from evaluation.registry import capabilities, install_delimiter
 from evaluation.studies.bench_speed_memory.measure import measure_row
 from evaluation.studies.bench_speed_memory.report import write_report
 from evaluation.studies.bench_speed_memory.rows import CSV_NAME, NO_PRESS, REFERENCE, row_key, write_rows
@@ -72,11 +73,15 @@ MIN_CONTEXT_FRACTION = 0.8
 """A context must reach this fraction of its target length ``T`` to be measured as length ``T``."""
 
 
-def build_context(ds_cfg: DictConfig, pipe, tokenizer, T: int, seed: int, query_aware: bool):
+def build_context(
+    ds_cfg: DictConfig, pipe, tokenizer, T: int, seed: int, query_aware: bool, delimiter: str | None = None
+):
     """Token ids of one prose context of about ``T`` tokens (chat template included) and its question.
 
     ``ds_cfg`` is a dataset config (``_target_`` + parameters); its length argument (``context_length``
-    or ``context_lengths``) is set to ``T`` minus the chat template's own tokens.
+    or ``context_lengths``) is set to ``T`` minus the chat template's own tokens. With ``delimiter`` (a press that
+    needs one, Finch: :mod:`evaluation.prompt_delimiter`), the same example with the delimiter where its question
+    starts, through ``pipe`` (whose tokenizer knows the token).
 
     Returns:
         ``(context_ids (1, T'), question_ids (1, q))`` on the CPU; ``question_ids`` holds the question
@@ -94,7 +99,13 @@ def build_context(ds_cfg: DictConfig, pipe, tokenizer, T: int, seed: int, query_
     length = {"context_length": n} if "context_length" in fields else {"context_lengths": [n]}
     dataset = instantiate(ds_cfg, **length)
     example = dataset.examples(tokenizer, 1, seed, query_aware)[0]
-    inputs = pipe.preprocess(example.context, [example.question], example.answer_prefix, int(1e10))
+    context = example.context
+    if delimiter is not None:
+        at = example.question_start
+        if at is None or not 0 < at < len(context):
+            raise ValueError(f"{ds_cfg._target_} does not say where its question starts: no place for {delimiter!r}")
+        context = context[:at] + delimiter + context[at:]
+    inputs = pipe.preprocess(context, [example.question], example.answer_prefix, int(1e10))
     if inputs["context_ids"].shape[1] < MIN_CONTEXT_FRACTION * T:
         raise ValueError(
             f"{ds_cfg._target_} built a context of {inputs['context_ids'].shape[1]} tokens for T={T}, "
@@ -218,14 +229,33 @@ def run_bench(
                 )
             return contexts[kind]
 
+        def delimited(press, kind: str) -> tuple:
+            """A press that needs a delimiter token (Finch) runs on a model and tokenizer copy of its own with the
+            token installed (:func:`evaluation.registry.install_delimiter`), on this T's ``kind`` example with the
+            token where its question starts."""
+            if "delimited" not in contexts:
+                own_model, own_tokenizer = copy.deepcopy(model), copy.deepcopy(tokenizer)
+                token = install_delimiter(press, own_model, own_tokenizer, int(cfg.seed))
+                own_pipe = KVPressTextGenerationPipeline(
+                    model=own_model, tokenizer=own_tokenizer, device=torch.device(device)
+                )
+                ids = build_context(cfg.contexts[kind], own_pipe, own_tokenizer, T, int(cfg.seed), True, token)
+                contexts["delimited"] = (own_model, own_tokenizer, token, ids)
+            own_model, own_tokenizer, token, ids = contexts["delimited"]
+            install_delimiter(press, own_model, own_tokenizer, int(cfg.seed))  # the token exists: sets its id
+            return own_model, ids
+
         def measure(name: str, ratio: float, kind: str) -> dict:
             press = make_press(name, ratio, int(cfg.seed), tokenizer, overrides.get(name))
-            ids, q_ids = context(kind)
+            if press is not None and capabilities(press).needs_delimiter:
+                run_model, (ids, q_ids) = delimited(press, kind)
+            else:
+                run_model, (ids, q_ids) = model, context(kind)
             if cfg.warmup and name not in warmed:
-                measure_row(model, press, ids, q_ids, min(2, int(cfg.decode_tokens)), device)
+                measure_row(run_model, press, ids, q_ids, min(2, int(cfg.decode_tokens)), device)
                 warmed.add(name)
             logger.info("T=%d ratio=%g %s (%s context, %d tokens)", T, ratio, name, kind, ids.shape[1])
-            return measure_row(model, press, ids, q_ids, int(cfg.decode_tokens), device, int(cfg.repeats))
+            return measure_row(run_model, press, ids, q_ids, int(cfg.decode_tokens), device, int(cfg.repeats))
 
         def full_prefill(kind: str) -> float:
             """The uncompressed prefill time on this T's ``kind`` context (measured once per run)."""
