@@ -54,6 +54,7 @@ __all__ = [
     "withdraw_prefill",
     "take_prefill_result",
     "SUPPORTED_ATTENTION",
+    "check_implementation",
 ]
 
 #: The attention implementations the wrapper serves (``attn_implementation``).
@@ -144,6 +145,22 @@ def _wrap(func, name: str):
     attention.__wrapped__ = func  # the wrapped function (None: the module's own eager_attention_forward)
     attention.__name__ = f"kvpress_research_{name}_attention"
     return attention
+
+
+def check_implementation(model, owner: str) -> str:
+    """The model's attention implementation, when this module's wrapper corrects it (sdpa, eager).
+
+    Raises:
+        ValueError: naming the implementation, ``owner`` (the press) and :data:`SUPPORTED_ATTENTION`: a decode-time
+            correction is an additive float mask, which flash attention does not take.
+    """
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attn_implementation={impl!r} is not supported by {owner}: use one of {SUPPORTED_ATTENTION} "
+            "(the correction is an additive float mask)"
+        )
+    return impl
 
 
 def install() -> None:

@@ -160,8 +160,10 @@ def test_config_capabilities_and_refusals():
 def test_refuses_flash_attention(tmp_path):
     model, _ = _tiny_model(tmp_path)
     model.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2' is not supported"):
-        KVzipSamplingPress(0.5).post_init_from_model(model)
+    for press in (KVzipSamplingPress(0.5), ProbabilisticEvictionPress(0.5)):  # one check, presses.attention's
+        name = type(press).__name__
+        with pytest.raises(ValueError, match=f"attn_implementation='flash_attention_2' is not supported by {name}"):
+            press.post_init_from_model(model)
 
 
 def test_runs_through_the_harness(tiny, tmp_path):  # noqa: F811

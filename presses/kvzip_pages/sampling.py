@@ -9,7 +9,7 @@ import torch
 from kvpress import KVzipPress
 
 from presses import attention
-from presses.base import Capabilities, cache_problem
+from presses.base import Capabilities
 from presses.core.model import attention_modules
 from presses.kvzip_pages.base import KVzipResearchPress
 from presses.probabilistic import ProbabilisticEvictionPress
@@ -132,19 +132,12 @@ class KVzipSamplingPress(KVzipResearchPress):
         Raises:
             ValueError: for an attention implementation other than sdpa or eager.
         """
-        impl = getattr(model.config, "_attn_implementation", None)
-        if impl not in attention.SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attn_implementation={impl!r} is not supported by KVzipSamplingPress: use one of "
-                f"{attention.SUPPORTED_ATTENTION} (the correction is an additive float mask)"
-            )
+        attention.check_implementation(model, "KVzipSamplingPress")
         attention.install()
 
     def compress_post(self, model):
         """Sample the kept pages from the reconstruction scores (see the class) instead of kvpress's masking."""
-        problem = cache_problem(self._cache)
-        if problem:
-            raise ValueError(f"KVzipSamplingPress cannot compress this cache: {problem}; use a DynamicCache")
+        self.check_cache(self._cache)  # the contract's refusal (presses.base.ResearchPress.check_cache)
         sampler = self.sampler()
         self.__dict__["_last"] = sampler
         pi = reconstruction_proposals(self.score_val, self.n_sink, self.proposal_temperature, self.uniform_mix)

@@ -432,12 +432,7 @@ class ProbabilisticEvictionPress(ResearchPress):
             ValueError: if the model's attention implementation is not sdpa or eager, or not eager for a scorer
                 proposal that reads attention weights.
         """
-        impl = getattr(model.config, "_attn_implementation", None)
-        if impl not in attention.SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attn_implementation={impl!r} is not supported by ProbabilisticEvictionPress: "
-                f"use one of {attention.SUPPORTED_ATTENTION} (the correction is an additive float mask)"
-            )
+        impl = attention.check_implementation(model, "ProbabilisticEvictionPress")
         scorer = self.scorer
         if needs_attention_weights(scorer) and impl != "eager":
             raise ValueError(
