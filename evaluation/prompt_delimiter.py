@@ -21,7 +21,7 @@ import dataclasses
 
 from evaluation.registry import install_delimiter
 
-__all__ = ["VARIANT", "model_variant", "setup", "strip"]
+__all__ = ["VARIANT", "delimited", "model_variant", "setup", "strip"]
 
 #: The name of the model copy a press that needs a delimiter runs on (``evaluation.harness.get_model``).
 VARIANT = "prompt delimiter"
@@ -61,18 +61,27 @@ def setup(runs: list, model, tokenizer, examples: list, seed: int) -> tuple[list
     if len(tokens) != 1:
         raise ValueError(f"the presses of one call need different delimiter tokens {sorted(tokens)}: run them apart")
     token = tokens.pop()
-    out = []
-    for ex in examples:
-        at = ex.question_start
-        if at is None or not 0 < at < len(ex.context):
-            raise ValueError(
-                f"example {ex.id!r}: press {needing[0].names['press']} needs a delimiter between the document and the "
-                f"question, and the dataset does not say where the question starts inside the context "
-                f"(question_start={at}); set query_aware=true, or use a dataset that sets it (needle, ruler, "
-                "keyfacts, multidoc, longbench)"
-            )
-        out.append(dataclasses.replace(ex, context=ex.context[:at] + token + ex.context[at:], question_start=None))
+    out = [delimited(ex, token, needing[0].names["press"]) for ex in examples]
     return out, tokenizer.convert_tokens_to_ids(token)
+
+
+def delimited(ex, token: str, press: str):
+    """``ex`` (an :class:`evaluation.datasets.base.Example`) with ``token`` between the document and the question:
+    at :attr:`~evaluation.datasets.base.Example.question_start`, which the result no longer has.
+
+    Raises:
+        ValueError: naming the example and ``press`` (the press that needs the token), when the example does not say
+            where its question starts inside the context.
+    """
+    at = ex.question_start
+    if at is None or not 0 < at < len(ex.context):
+        raise ValueError(
+            f"example {ex.id!r}: press {press} needs a delimiter between the document and the "
+            f"question, and the dataset does not say where the question starts inside the context "
+            f"(question_start={at}); set query_aware=true, or use a dataset that sets it (needle, ruler, "
+            "keyfacts, multidoc, longbench)"
+        )
+    return dataclasses.replace(ex, context=ex.context[:at] + token + ex.context[at:], question_start=None)
 
 
 def strip(tokens: dict[str, dict], token_id: int | None) -> dict[str, dict]:

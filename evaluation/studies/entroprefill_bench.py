@@ -473,13 +473,11 @@ class FinchRunner:
         from kvpress.utils import compute_n_kept
         from transformers import DynamicCache
 
+        from evaluation.prompt_delimiter import delimited
+
         ratio = min(max(ratio, 0.0), 0.99)
-        at = ex.question_start
-        if at is None or not 0 < at < len(ex.context):
-            raise ValueError(f"example {ex.id!r} does not say where its question starts (question_start={at})")
-        inputs = self.pipe.preprocess(
-            ex.context[:at] + self.token + ex.context[at:], [ex.question], ex.answer_prefix, int(1e10)
-        )
+        context = delimited(ex, self.token, "finch").context
+        inputs = self.pipe.preprocess(context, [ex.question], ex.answer_prefix, int(1e10))
         ids = inputs["context_ids"].to(self.args.device)
         plain = ids[0][ids[0] != self.setup.delimiter_token_id]  # the positions Finch scores
         press = FinchPress(compression_ratio=ratio)

@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from evaluation.harness import CONFIG_DIR, check_ratio, command_line, compose_config, config_choices
+from evaluation.prompt_delimiter import delimited
 from evaluation.registry import capabilities, install_delimiter
 from evaluation.studies.bench_speed_memory.measure import measure_row
 from evaluation.studies.bench_speed_memory.report import write_report
@@ -74,14 +75,14 @@ MIN_CONTEXT_FRACTION = 0.8
 
 
 def build_context(
-    ds_cfg: DictConfig, pipe, tokenizer, T: int, seed: int, query_aware: bool, delimiter: str | None = None
+    ds_cfg: DictConfig, pipe, tokenizer, T: int, seed: int, query_aware: bool, delimiter: tuple[str, str] | None = None
 ):
     """Token ids of one prose context of about ``T`` tokens (chat template included) and its question.
 
     ``ds_cfg`` is a dataset config (``_target_`` + parameters); its length argument (``context_length``
-    or ``context_lengths``) is set to ``T`` minus the chat template's own tokens. With ``delimiter`` (a press that
-    needs one, Finch: :mod:`evaluation.prompt_delimiter`), the same example with the delimiter where its question
-    starts, through ``pipe`` (whose tokenizer knows the token).
+    or ``context_lengths``) is set to ``T`` minus the chat template's own tokens. With ``delimiter``, ``(token,
+    press)`` for a press that needs one (Finch: :func:`evaluation.prompt_delimiter.delimited`), the same example with
+    the token where its question starts, through ``pipe`` (whose tokenizer knows the token).
 
     Returns:
         ``(context_ids (1, T'), question_ids (1, q))`` on the CPU; ``question_ids`` holds the question
@@ -99,13 +100,9 @@ def build_context(
     length = {"context_length": n} if "context_length" in fields else {"context_lengths": [n]}
     dataset = instantiate(ds_cfg, **length)
     example = dataset.examples(tokenizer, 1, seed, query_aware)[0]
-    context = example.context
     if delimiter is not None:
-        at = example.question_start
-        if at is None or not 0 < at < len(context):
-            raise ValueError(f"{ds_cfg._target_} does not say where its question starts: no place for {delimiter!r}")
-        context = context[:at] + delimiter + context[at:]
-    inputs = pipe.preprocess(context, [example.question], example.answer_prefix, int(1e10))
+        example = delimited(example, *delimiter)
+    inputs = pipe.preprocess(example.context, [example.question], example.answer_prefix, int(1e10))
     if inputs["context_ids"].shape[1] < MIN_CONTEXT_FRACTION * T:
         raise ValueError(
             f"{ds_cfg._target_} built a context of {inputs['context_ids'].shape[1]} tokens for T={T}, "
@@ -229,26 +226,27 @@ def run_bench(
                 )
             return contexts[kind]
 
-        def delimited(press, kind: str) -> tuple:
+        def with_delimiter(name: str, press, kind: str) -> tuple:
             """A press that needs a delimiter token (Finch) runs on a model and tokenizer copy of its own with the
-            token installed (:func:`evaluation.registry.install_delimiter`), on this T's ``kind`` example with the
-            token where its question starts."""
+            token installed (:func:`evaluation.registry.install_delimiter`: the first press adds it, the others only
+            learn its id), on this T's ``kind`` example with the token where its question starts."""
+            if "delimiter copy" not in contexts:
+                contexts["delimiter copy"] = (copy.deepcopy(model), copy.deepcopy(tokenizer))
+            own_model, own_tokenizer = contexts["delimiter copy"]
+            token = install_delimiter(press, own_model, own_tokenizer, int(cfg.seed))
             if "delimited" not in contexts:
-                own_model, own_tokenizer = copy.deepcopy(model), copy.deepcopy(tokenizer)
-                token = install_delimiter(press, own_model, own_tokenizer, int(cfg.seed))
                 own_pipe = KVPressTextGenerationPipeline(
                     model=own_model, tokenizer=own_tokenizer, device=torch.device(device)
                 )
-                ids = build_context(cfg.contexts[kind], own_pipe, own_tokenizer, T, int(cfg.seed), True, token)
-                contexts["delimited"] = (own_model, own_tokenizer, token, ids)
-            own_model, own_tokenizer, token, ids = contexts["delimited"]
-            install_delimiter(press, own_model, own_tokenizer, int(cfg.seed))  # the token exists: sets its id
-            return own_model, ids
+                contexts["delimited"] = build_context(
+                    cfg.contexts[kind], own_pipe, own_tokenizer, T, int(cfg.seed), True, (token, name)
+                )
+            return own_model, contexts["delimited"]
 
         def measure(name: str, ratio: float, kind: str) -> dict:
             press = make_press(name, ratio, int(cfg.seed), tokenizer, overrides.get(name))
             if press is not None and capabilities(press).needs_delimiter:
-                run_model, (ids, q_ids) = delimited(press, kind)
+                run_model, (ids, q_ids) = with_delimiter(name, press, kind)
             else:
                 run_model, (ids, q_ids) = model, context(kind)
             if cfg.warmup and name not in warmed:
