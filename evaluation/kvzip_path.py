@@ -121,7 +121,8 @@ def score(presses: list, model, capture, context_ids: torch.Tensor) -> dict[tupl
         for _, press in others:
             if press.score_val is None:
                 press.score_val = torch.zeros_like(lead.score_val)
-            press.context_length, press.start_idx, press.end_idx = lead.context_length, lead.start_idx, lead.end_idx
+            press.context_length, press.prefix_length = lead.context_length, lead.prefix_length
+            press.start_idx, press.end_idx = lead.start_idx, lead.end_idx
             press.score_kvzip(module, kwargs["hidden_states"], keys, values, output[1], kwargs)
 
     def keep_lead_scores(module, args, output):

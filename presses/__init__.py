@@ -4,7 +4,7 @@ layout; docs/methods.md explains each method."""
 
 from presses.entroprefill import EntroPrefillPress
 from presses.kvzip_pages import KVzipPagePress, KVzipSamplingPress
-from presses.page_entrokv import PageEntroKVPress
+from presses.page_entrokv import PageEntroKVPress, PageEntroKVReconstructionPress
 from presses.probabilistic import ProbabilisticEvictionPress
 
 __all__ = [
@@ -12,5 +12,6 @@ __all__ = [
     "KVzipPagePress",
     "KVzipSamplingPress",
     "PageEntroKVPress",
+    "PageEntroKVReconstructionPress",
     "ProbabilisticEvictionPress",
 ]

@@ -49,17 +49,19 @@ if ON_GPU and INTERPRET:
     raise RuntimeError(f"KVPRESS_TEST_DEVICE={DEVICE_NAME} needs TRITON_INTERPRET=0 (compiled kernels)")
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+from presses.core.columns import column_maxes as column_maxes_reference
 from presses.core.columns import column_sums as column_sums_reference
 from presses.core.observer import observer_attention_reference
 from presses.kernels import (
     biased_decode_attention,
+    column_maxes,
     column_sums,
     expected_unique_many,
     pooled_page_scores,
     use_triton,
     window_attention,
 )
-from presses.kernels.attention_columns import column_sums_triton, window_attention_triton
+from presses.kernels.attention_columns import column_maxes_triton, column_sums_triton, window_attention_triton
 from presses.kernels.biased_decode import biased_decode_triton
 from presses.kernels.expected_unique import expected_unique_many_triton
 from presses.kernels.references import (
@@ -172,6 +174,27 @@ def test_column_sums_unsorted_rows_low_precision(dtype):
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     with pytest.raises(ValueError, match=r"row positions must lie in \[0, t=50\)"):
         column_sums_triton(q, k, w, torch.tensor([0, 1, 2, 3, 50], device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES if ON_GPU else [torch.float32, torch.bfloat16], ids=_dtype_id)
+def test_column_maxes_match_reference(dtype):
+    """KVzip-style importance per query head: the most attention any row pays each key, with unsorted rows, small
+    tiles and key splits, against the reference and against a brute-force max over dense softmax rows."""
+    q, k = _qk(1, 2, 3, 20, 70, dtype, seed=11)
+    rows = torch.tensor([69, 5, 40, 41, 42, 68, 30, 31, 32, 50, 51, 52, 53, 60, 61, 62, 63, 64, 65, 66], device=DEVICE)
+    ref = column_maxes_reference(q, k, rows, scaling=0.2)
+    atol, rtol = STAT_TOL[dtype]
+    for blocks in ({}, {"block_m": 16, "block_n": 16, "num_splits": 3}):
+        torch.testing.assert_close(column_maxes_triton(q, k, rows, 0.2, **blocks), ref, atol=atol, rtol=rtol)
+    logits = torch.einsum("bgrnd,bgtd->bgrnt", q.float().view(1, 2, 3, 20, D), k.float()) * 0.2
+    visible = torch.arange(70, device=DEVICE).view(1, 70) <= rows.view(20, 1)
+    dense = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1).amax(-2).reshape(1, 6, 70)
+    torch.testing.assert_close(ref, dense, atol=1e-6, rtol=1e-5)
+    assert float(ref.max()) <= 1.0 and float(ref.min()) > 0  # row 69 sees every key
+    with pytest.raises(ValueError, match="reduce='min' is not 'sum' or 'max'"):
+        column_sums_reference(q, k, reduce="min")
+    with pytest.raises(ValueError, match="reduce='min' is not 'sum' or 'max'"):
+        column_sums_triton(q, k, reduce="min")
 
 
 # ------------------------------------------------------------------------------ Rényi / pooling / pages
@@ -304,6 +327,7 @@ def test_dispatch_names_are_functions_after_kernel_imports():
 
     for name in (
         "window_attention",
+        "column_maxes",
         "column_sums",
         "pooled_page_scores",
         "expected_unique_many",
@@ -344,6 +368,7 @@ def test_dispatch_functions_route_by_mode(monkeypatch):
     attn = window_attention(q, k)
     assert torch.equal(attn, observer_attention_reference(q, k))
     assert torch.equal(column_sums(q, k), column_sums_reference(q, k))
+    assert torch.equal(column_maxes(q, k), column_maxes_reference(q, k))
     pooled_ref = pooled_page_scores(attn, 1, page_size=8)
     assert torch.equal(pooled_ref[1], pooled_page_scores_reference(attn, 1, page_size=8)[1])
     pi = torch.softmax(torch.randn(2, 40, generator=_gen(1)), -1).to(DEVICE)

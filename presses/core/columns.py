@@ -11,7 +11,7 @@ import torch
 
 from presses.core.observer import softcap_logits
 
-__all__ = ["column_sums", "harmonic_prior"]
+__all__ = ["column_maxes", "column_sums", "harmonic_prior"]
 
 
 def column_sums(
@@ -21,6 +21,7 @@ def column_sums(
     rows: torch.Tensor | None = None,
     scaling: float | None = None,
     softcap: float | None = None,
+    reduce: str = "sum",
 ) -> torch.Tensor:
     """Weighted column sums of causal softmax attention for one block of query rows.
 
@@ -35,13 +36,16 @@ def column_sums(
             default the last ``n`` positions ``t - n .. t - 1``.
         scaling: logit scale, default ``d ** -0.5``.
         softcap: the attention soft-cap applied to the scaled logits (Gemma2), or None.
+        reduce: ``"sum"``, or ``"max"`` over the weighted rows (:func:`column_maxes`).
 
     Returns:
         ``(B, H_Q, t)`` float32.
 
     Raises:
-        ValueError: if ``G`` does not divide ``H_Q`` or a row position is outside ``[0, t)``.
+        ValueError: if ``G`` does not divide ``H_Q``, a row position is outside ``[0, t)`` or ``reduce`` is unknown.
     """
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce={reduce!r} is not 'sum' or 'max'")
     B, HQ, n, d = queries.shape
     G, t = keys.shape[1], keys.shape[2]
     if HQ % G:
@@ -60,8 +64,38 @@ def column_sums(
     probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
     if row_weights is not None:
         probs = probs * row_weights.float().view(n, 1)
-    out = probs.sum(dim=-2).reshape(B, HQ, end)
+    out = (probs.sum(dim=-2) if reduce == "sum" else probs.amax(dim=-2)).reshape(B, HQ, end)
     return torch.nn.functional.pad(out, (0, t - end))
+
+
+def column_maxes(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Column maxima of causal softmax attention for one block of query rows.
+
+    ``s^h[i] = max_{j in block, pos_j >= i} softmax_i(q^h_j . k_i * scaling)``: the most attention any row pays key
+    ``i`` (KVzip's importance per query head, https://arxiv.org/abs/2505.23416 section 3.2, before its max over the
+    group's heads). Keys no row sees score 0.
+
+    Args:
+        queries: ``(B, H_Q, n, d)`` RoPE'd queries of the block rows.
+        keys: ``(B, G, t, d)`` RoPE'd keys, ``G`` dividing ``H_Q``.
+        rows: ``(n,)`` absolute positions of the rows (query at position ``p`` sees keys ``<= p``);
+            default the last ``n`` positions ``t - n .. t - 1``.
+        scaling: logit scale, default ``d ** -0.5``.
+        softcap: the attention soft-cap applied to the scaled logits (Gemma2), or None.
+
+    Returns:
+        ``(B, H_Q, t)`` float32 in ``[0, 1]``.
+
+    Raises:
+        ValueError: if ``G`` does not divide ``H_Q`` or a row position is outside ``[0, t)``.
+    """
+    return column_sums(queries, keys, None, rows, scaling, softcap, reduce="max")
 
 
 def harmonic_prior(t: int, device=None) -> torch.Tensor:

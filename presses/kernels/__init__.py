@@ -13,6 +13,8 @@ Dispatch function -> torch reference -> Triton implementation:
   :func:`presses.kernels.attention_columns.window_attention_triton`
 - :func:`column_sums` -> :func:`presses.core.columns.column_sums` ->
   :func:`presses.kernels.attention_columns.column_sums_triton`
+- :func:`column_maxes` -> :func:`presses.core.columns.column_maxes` ->
+  :func:`presses.kernels.attention_columns.column_maxes_triton`
 - :func:`pooled_page_scores` -> :func:`presses.kernels.references.pooled_page_scores_reference` ->
   :func:`presses.kernels.renyi_pages.pooled_page_scores_triton`
 - :func:`expected_unique_many` -> :func:`presses.kernels.references.expected_unique_many_reference` ->
@@ -34,6 +36,7 @@ import os
 
 import torch
 
+from presses.core.columns import column_maxes as column_maxes_reference
 from presses.core.columns import column_sums as column_sums_reference
 from presses.core.observer import observer_attention_reference
 from presses.core.prefill_stats import attention_with_column_sums as attention_with_column_sums_reference
@@ -61,6 +64,7 @@ __all__ = [
     "kernel_mode",
     "use_triton",
     "window_attention",
+    "column_maxes",
     "column_sums",
     "pooled_page_scores",
     "expected_unique_many",
@@ -136,6 +140,21 @@ def column_sums(
     if softcap is None and use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
         return attention_columns.column_sums_triton(queries, keys, row_weights, rows, scaling)
     return column_sums_reference(queries, keys, row_weights, rows, scaling, softcap)
+
+
+def column_maxes(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Dispatch for the column maxima of causal attention of a block of query rows (KVzip's importance per query
+    head: Page-EntroKV's reconstruction observers); see :func:`presses.core.columns.column_maxes` for shapes
+    ``(B, H_Q, n, d), (B, G, t, d) -> (B, H_Q, t)``, errors and source. A soft-capped model takes the reference."""
+    if softcap is None and use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
+        return attention_columns.column_maxes_triton(queries, keys, rows, scaling)
+    return column_maxes_reference(queries, keys, rows, scaling, softcap)
 
 
 def pooled_page_scores(

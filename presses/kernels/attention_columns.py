@@ -33,7 +33,7 @@ import triton.language as tl
 from presses.core.observer import check_window
 from presses.kernels.tiles import key_tile_scores, load_group_rows, online_softmax_step
 
-__all__ = ["check_query_key_args", "column_sums_triton", "window_attention_triton"]
+__all__ = ["check_query_key_args", "column_maxes_triton", "column_sums_triton", "window_attention_triton"]
 
 _LOG2E = 1.4426950408889634
 # default tiles, GPU and interpreter alike (the interpreter pays per operation, not per element)
@@ -122,6 +122,7 @@ def _column_kernel(
     R: tl.constexpr,
     D: tl.constexpr,
     HAS_W: tl.constexpr,
+    MAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -169,7 +170,10 @@ def _column_kernel(
                 else:
                     s = tl.dot(q, kt)
                 s = tl.where(offs_n[None, :] <= pos[:, None], s * qk_scale - m_r[:, None], float("-inf"))
-                acc += tl.sum(tl.exp2(s) * coef[:, None], 0)  # padded rows: pos = -1, coef = 0
+                if MAX:  # the column max of the weighted rows (KVzip's importance per head)
+                    acc = tl.maximum(acc, tl.max(tl.exp2(s) * coef[:, None], 0))
+                else:
+                    acc += tl.sum(tl.exp2(s) * coef[:, None], 0)  # padded rows: pos = -1, coef = 0
         tl.store(out_ptr + (b * G * R + h) * t_keys + offs_n, acc, mask=mask_n)
 
 
@@ -281,6 +285,7 @@ def column_sums_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    reduce: str = "sum",
 ) -> torch.Tensor:
     """Triton weighted column sums of causal softmax attention (paper 003 eqs. 16, 36; docs/methods.md §3 item 1).
 
@@ -295,14 +300,17 @@ def column_sums_triton(
         scaling: logit scale, default ``d ** -0.5``.
         row_scale: a constant factor on every row weight (``1 / W`` gives the observer mean).
         block_m, block_n, num_splits: tile sizes and key splits of pass 1 (defaults by device).
+        reduce: ``"sum"``, or ``"max"`` over the weighted rows (:func:`column_maxes_triton`).
 
     Returns:
         ``(B, H_Q, t)`` float32.
 
     Raises:
-        ValueError: if ``G`` does not divide ``H_Q``, ``n > t``, shapes or dtypes disagree, or a row
-            position is outside ``[0, t)``.
+        ValueError: if ``G`` does not divide ``H_Q``, ``n > t``, shapes or dtypes disagree, a row
+            position is outside ``[0, t)``, or ``reduce`` is unknown.
     """
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce={reduce!r} is not 'sum' or 'max'")
     B, HQ, n, d, G, t = check_query_key_args(queries, keys)
     R = HQ // G
     out = torch.zeros(B, HQ, t, device=keys.device, dtype=torch.float32)
@@ -376,6 +384,7 @@ def column_sums_triton(
         R=R,
         D=d,
         HAS_W=row_weights is not None,
+        MAX=reduce == "max",
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_D=bd,
@@ -384,6 +393,16 @@ def column_sums_triton(
         num_warps=num_warps,
     )
     return out
+
+
+def column_maxes_triton(
+    queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None, scaling: float | None = None, **blocks
+) -> torch.Tensor:
+    """Triton column maxima of causal softmax attention (KVzip's importance per query head); same contract as
+    :func:`presses.core.columns.column_maxes`, which it matches to float round-off. ``blocks``: ``block_m``,
+    ``block_n``, ``num_splits`` of :func:`column_sums_triton`, whose two passes it shares (the second keeps the max
+    of each key's probabilities instead of their sum)."""
+    return column_sums_triton(queries, keys, None, rows, scaling, reduce="max", **blocks)
 
 
 def window_attention_triton(

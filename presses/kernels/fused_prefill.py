@@ -215,6 +215,7 @@ def attention_with_column_sums_triton(
         R=R,
         D=d,
         HAS_W=weights is not None,
+        MAX=False,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_D=bd,

@@ -219,6 +219,7 @@ def row_chunk_masses_triton(
             R=R,
             D=d,
             HAS_W=True,
+            MAX=False,
             BLOCK_M=64,
             BLOCK_N=bn,
             BLOCK_D=bd,

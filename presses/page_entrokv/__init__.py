@@ -2,5 +2,6 @@
 group, with eviction at page granularity."""
 
 from presses.page_entrokv.press import PageEntroKVPress
+from presses.page_entrokv.reconstruction import PageEntroKVReconstructionPress
 
-__all__ = ["PageEntroKVPress"]
+__all__ = ["PageEntroKVPress", "PageEntroKVReconstructionPress"]

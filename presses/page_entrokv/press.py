@@ -321,9 +321,11 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         values: torch.Tensor,
         attentions: torch.Tensor | None,
         kwargs: dict,
+        observed: tuple[torch.Tensor, int] | None = None,
     ) -> tuple[torch.Tensor, dict | None, torch.Tensor | None, int]:
         """Page scores of one layer (docs/methods.md §1 steps 1-6; §1.14 for ``pooling="snapkv"`` and
-        ``group_selection="shared"``).
+        ``group_selection="shared"``); with ``observed`` (:meth:`compress_observed`), from that observer attention
+        ``(B, H_Q, T)`` and observer count instead of the layer's own queries.
 
         Returns:
             ``(page scores (B, G, P), or (B, 1, P) for "shared"; diagnostics or None; fallback (B, G) or None;
@@ -332,16 +334,20 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         Raises:
             ValueError: for ``pooling="snapkv"`` on fewer than 2 query rows (SnapKV needs more rows than its window).
         """
-        G, T, n = keys.shape[1], keys.shape[2], hidden_states.shape[1]
+        G, T = keys.shape[1], keys.shape[2]
         diag = fallback = pages = None
-        if self.pooling == "snapkv":
+        if observed is not None:
+            attn, observers = observed
+            tokens, pages, diag, fallback = self._page_scores(attn, G)
+        elif self.pooling == "snapkv":
+            n = hidden_states.shape[1]
             observers = min(self.observer_count(T), n - 1)  # kvpress's SnapKV needs more rows than its window
             if observers < 1:
                 raise ValueError(f"pooling='snapkv' needs at least 2 query rows, got {n}")
             snapkv = SnapKVPress(window_size=observers, kernel_size=self.kernel_size)
             tokens = snapkv.score(module, hidden_states, keys, values, attentions, kwargs)
         else:
-            observers = min(self.observer_count(T), n)
+            observers = min(self.observer_count(T), hidden_states.shape[1])
             attn = self._observer_attention(module, hidden_states, keys, attentions, kwargs)
             tokens, pages, diag, fallback = self._page_scores(attn, G)
         if self.group_selection == "shared":  # one selection for every group (ChunkKV: summed over the KV heads)
@@ -375,9 +381,37 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         if self.n_sink >= T:
             return keys.new_zeros(B, G, T, dtype=torch.float32)
         pages, _, _, _ = self._scores(module, hidden_states, keys, values, attentions, kwargs)
+        return self._token_scores(pages, B, G, T)
+
+    def score_observed(self, attn: torch.Tensor, num_groups: int) -> torch.Tensor:
+        """:meth:`score` from an observer attention computed elsewhere (:meth:`compress_observed`'s ``attn``).
+
+        Args:
+            attn: ``(B, H_Q, T)`` observer attention.
+            num_groups: ``G``, dividing ``H_Q``.
+
+        Returns:
+            ``(B, G, T)`` float32: each token its group's page score, the protected pages' tokens above every other.
+
+        Raises:
+            ValueError: for ``pooling="snapkv"`` or ``G`` not dividing ``H_Q``.
+        """
+        if self.pooling == "snapkv":
+            raise ValueError("pooling='snapkv' scores the layer's own queries; score_observed needs another pooling")
+        B, HQ, T = attn.shape
+        if num_groups < 1 or HQ % num_groups:
+            raise ValueError(f"num_groups={num_groups} must divide the number of query heads H_Q={HQ}")
+        if self.n_sink >= T:
+            return attn.new_zeros(B, num_groups, T, dtype=torch.float32)
+        keys = attn.new_empty(B, num_groups, T, 0)  # only the shape is read
+        pages, _, _, _ = self._scores(None, None, keys, None, None, {}, (attn, 0))
+        return self._token_scores(pages, B, num_groups, T)
+
+    def _token_scores(self, pages: torch.Tensor, B: int, G: int, T: int) -> torch.Tensor:
+        """Page scores spread over their tokens, protected pages first (:meth:`score`)."""
         tokens = expand_pages(pages, self.page_size, T).expand(B, G, T)
         protected = protected_page_mask(T, self.page_size, self.n_sink, self.window_size, self.protect)
-        protected = expand_pages(protected.to(keys.device), self.page_size, T)
+        protected = expand_pages(protected.to(pages.device), self.page_size, T)
         return tokens.masked_fill(protected, float(tokens.max()) + 1.0)
 
     # ------------------------------------------------------------------ selection
@@ -454,8 +488,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             ValueError: on a budget conflict in ``"raise"`` mode (see :func:`presses.core.paging.page_budget`), or
                 when another press compressed the layer first (inside a ``ComposedPress``).
         """
-        layer_idx = getattr(module, "layer_idx", 0)
-        Bsz, G, T, _ = keys.shape
+        T = keys.shape[2]
         cache_position = kwargs.get("cache_position")
         if (
             T != hidden_states.shape[1]
@@ -467,6 +500,45 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
                 "tokens: another press compressed this layer first; it must be the first press of "
                 "a ComposedPress"
             )
+        return self._evict(
+            module, keys, values, lambda: self._scores(module, hidden_states, keys, values, attentions, kwargs)
+        )
+
+    def compress_observed(
+        self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor, attn: torch.Tensor, observers: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`compress` with the observer attention computed elsewhere (e.g. the queries of a context-reconstruction
+        pass, :class:`presses.PageEntroKVReconstructionPress`): pooled, paged, protected and selected as
+        :meth:`compress` does (docs/methods.md §1 steps 2-9).
+
+        Args:
+            module: the attention layer (``layer_idx``).
+            keys, values: ``(B, G, T, d)`` the layer's cache.
+            attn: ``(B, H_Q, T)`` float observer attention (each row's non-sink mass is what the entropy normalises).
+            observers: the number of observer queries behind ``attn`` (statistics only).
+
+        Returns:
+            ``(keys, values)`` of shape ``(B, G, n_kept, d)``, positions ascending.
+
+        Raises:
+            ValueError: for ``pooling="snapkv"`` (SnapKV scores the layer's own queries), an ``attn`` whose shape is
+                not ``(B, H_Q, T)`` with ``G`` dividing ``H_Q``, or a budget conflict in ``"raise"`` mode.
+        """
+        if self.pooling == "snapkv":
+            raise ValueError("pooling='snapkv' scores the layer's own queries; compress_observed needs another pooling")
+        B, G, T, _ = keys.shape
+        if attn.dim() != 3 or attn.shape[0] != B or attn.shape[-1] != T or attn.shape[1] % G:
+            raise ValueError(
+                f"attn has shape {tuple(attn.shape)}; expected (B={B}, H_Q, T={T}) with G={G} dividing H_Q"
+            )
+        return self._evict(
+            module, keys, values, lambda: self._scores(module, None, keys, values, None, {}, (attn, observers))
+        )
+
+    def _evict(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor, scored) -> tuple:
+        """The selection of :meth:`compress` (steps 7-9) on the page scores ``scored()`` returns (see ``_scores``)."""
+        layer_idx = getattr(module, "layer_idx", 0)
+        Bsz, G, T, _ = keys.shape
         if self.compression_ratio == 0 or T == 0:
             bypass = "compression_ratio=0" if T else "T=0"
             self._stats.append(
@@ -490,7 +562,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         can_score = self.n_sink < T  # with n_sink >= T nothing is left to isolate: pages tie, lower ids win
         diag, fallback, selected, observers = None, None, None, 0
         if need_scores and can_score:
-            scores, diag, fallback, observers = self._scores(module, hidden_states, keys, values, attentions, kwargs)
+            scores, diag, fallback, observers = scored()
         else:
             scores = torch.zeros(Bsz, G, plan.num_pages, device=keys.device)
         pages = select_pages(scores, plan.protected, plan.num_selected).expand(Bsz, G, -1)  # "shared": one row
