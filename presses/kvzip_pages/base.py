@@ -24,5 +24,18 @@ class KVzipResearchPress(ResearchPress, KVzipPress):
         """None (see the class)."""
         return []
 
+    def selection(self):
+        """The press that made the last prefill's selection (the subclass's ``compress_post`` records it with
+        :meth:`record_selection`), for its statistics; None before the first prefill or after :meth:`reset`."""
+        return self.__dict__.get("_last")
+
+    def record_selection(self, press) -> None:
+        """Keep ``press`` as the last prefill's selection (outside the dataclass fields: not a setting)."""
+        self.__dict__["_last"] = press
+
+    def reset(self) -> None:
+        """Forget the last prefill's selection and its statistics."""
+        self.__dict__.pop("_last", None)
+
     def post_init_from_model(self, model):
         """Nothing to read from the model (KVzip's ``__call__`` reads the tokenizer); no hooks (see the class)."""

@@ -139,15 +139,11 @@ class KVzipSamplingPress(KVzipResearchPress):
         """Sample the kept pages from the reconstruction scores (see the class) instead of kvpress's masking."""
         self.check_cache(self._cache)  # the contract's refusal (presses.base.ResearchPress.check_cache)
         sampler = self.sampler()
-        self.__dict__["_last"] = sampler
+        self.record_selection(sampler)
         pi = reconstruction_proposals(self.score_val, self.n_sink, self.proposal_temperature, self.uniform_mix)
         sampler.evict_with_proposals(attention_modules(model), self._cache, list(pi))
 
-    def reset(self) -> None:
-        """Forget the last prefill's statistics."""
-        self.__dict__.pop("_last", None)
-
     def summary(self) -> dict[str, Any]:
         """The sampling's statistics of the last prefill (:meth:`presses.ProbabilisticEvictionPress.summary`)."""
-        last = self.__dict__.get("_last")
+        last = self.selection()
         return {**last.summary(), "proposal": "kvzip"} if last is not None else {}

@@ -161,7 +161,7 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
         all layers (kvpress's masking) or per layer (the cache cut to the kept pages); see the class."""
         self.check_cache(self._cache)
         pages = self.pages()
-        self.__dict__["_last"] = pages
+        self.record_selection(pages)
         modules = attention_modules(model)
         if not self.layerwise:
             G, T = self._cache.layers[0].keys.shape[1], self.score_val.shape[-1]
@@ -181,13 +181,9 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
                 module, layer.keys, layer.values, self.score_val[i], observers
             )
 
-    def reset(self) -> None:
-        """Forget the last prefill's statistics."""
-        self.__dict__.pop("_last", None)
-
     def summary(self) -> dict[str, Any]:
         """The selection's statistics of the last prefill (:meth:`presses.PageEntroKVPress.summary`)."""
-        last = self.__dict__.get("_last")
+        last = self.selection()
         if last is None:
             return {}
         if not self.layerwise:  # kvpress's masking: the harness counts the masked entries
