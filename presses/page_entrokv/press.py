@@ -407,12 +407,16 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         pages, _, _, _ = self._scores(None, None, keys, None, None, {}, (attn, 0))
         return self._token_scores(pages, B, num_groups, T)
 
+    def protected_positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """``(T,)`` bool: the positions of the pages :meth:`score` ranks first (the sink and window pages of
+        ``protect``; docs/methods.md §1 step 7, before any shrinking to fit the budget)."""
+        protected = protected_page_mask(seq_len, self.page_size, self.n_sink, self.window_size, self.protect)
+        return expand_pages(protected.to(device), self.page_size, seq_len)
+
     def _token_scores(self, pages: torch.Tensor, B: int, G: int, T: int) -> torch.Tensor:
         """Page scores spread over their tokens, protected pages first (:meth:`score`)."""
         tokens = expand_pages(pages, self.page_size, T).expand(B, G, T)
-        protected = protected_page_mask(T, self.page_size, self.n_sink, self.window_size, self.protect)
-        protected = expand_pages(protected.to(pages.device), self.page_size, T)
-        return tokens.masked_fill(protected, float(tokens.max()) + 1.0)
+        return tokens.masked_fill(self.protected_positions(T, pages.device), float(tokens.max()) + 1.0)
 
     # ------------------------------------------------------------------ selection
     def _plan(self, seq_len: int) -> PageBudget:

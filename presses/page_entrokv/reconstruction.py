@@ -12,7 +12,6 @@ from kvpress import KVzipPress
 from presses.base import Capabilities
 from presses.core.model import attention_modules
 from presses.core.observer import attention_logit_options, window_queries
-from presses.core.paging import expand_pages, protected_page_mask
 from presses.kernels import column_maxes
 from presses.kvzip_pages.base import KVzipResearchPress
 from presses.page_entrokv.press import PageEntroKVPress
@@ -166,8 +165,7 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
         if not self.layerwise:
             G, T = self._cache.layers[0].keys.shape[1], self.score_val.shape[-1]
             scores = torch.stack([pages.score_observed(self.score_val[int(m.layer_idx)], G) for m in modules])
-            protected = protected_page_mask(T, self.page_size, self.n_sink, self.window_size, self.protect)
-            protected = expand_pages(protected.to(scores.device), self.page_size, T)
+            protected = pages.protected_positions(T, scores.device)
             self.score_val = scores.masked_fill(protected, float(scores.amax()) + 1.0)  # above every layer's pages
             KVzipPress.compress_post(self, model)  # the sinks raised too, the lowest masked over all layers
             return
