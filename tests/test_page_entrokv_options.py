@@ -87,6 +87,25 @@ def test_group_selection_union_keeps_every_groups_pages(model):
     assert press.summary()["effective_compression"] <= per_group  # the union keeps at least as much
 
 
+def test_group_selection_union_decodes_with_a_length_per_layer(model, monkeypatch):
+    """The union's size differs from layer to layer, so the layers' cache lengths differ: the press says so
+    (``uneven_layers``, which the harness reads) and installs the attention wrapper that fits each layer's mask, so a
+    question forward after the prefill runs without the harness (with the mask transformers builds from layer 0's
+    length it raised a size mismatch: ``page_entrokv_paper000`` alone through ``evaluation.run``)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", getattr(sdpa, "__wrapped__", sdpa))  # as a fresh process
+    press = PageEntroKVPress(compression_ratio=0.75, window_size=16, page_size=8, group_selection="union")
+    assert press.capabilities.uneven_layers and not PageEntroKVPress(compression_ratio=0.75).capabilities.uneven_layers
+    cache = _prefill(model, press, T=160, seed=0)
+    assert len({layer.keys.shape[2] for layer in cache.layers}) > 1  # a prompt whose unions differ
+    question = torch.randint(4, 120, (1, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = model(input_ids=question, past_key_values=cache, position_ids=torch.arange(160, 165)[None]).logits
+    assert logits.shape[:2] == (1, 5) and torch.isfinite(logits).all()
+
+
 def test_max_fallback_pools_indistinguishable_groups_by_max():
     g = torch.Generator().manual_seed(3)
     sharp = torch.softmax(torch.randn(1, 2, 64, generator=g) * 4, dim=-1)

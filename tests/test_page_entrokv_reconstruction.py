@@ -130,6 +130,27 @@ def test_global_budget_masks_the_lowest_pages_over_all_layers(tiny, kept_scores)
     assert press.summary() == {"observers_from": "reconstruction", "budget_over": "layers"}
 
 
+def test_layerwise_union_cuts_layers_to_their_own_lengths_and_decodes(tiny, monkeypatch):  # noqa: F811
+    """``layerwise=True`` with ``group_selection="union"``: each layer keeps its own union, so the layers' lengths
+    differ; the press says so (``uneven_layers``; the masked global budget and the per-group selection keep one
+    length) and installs the attention wrapper that fits each layer's mask, so the question forward runs."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", getattr(sdpa, "__wrapped__", sdpa))  # as a fresh process
+    model, _ = tiny
+    press = PageEntroKVReconstructionPress(0.6, page_size=8, chunk_size=128, layerwise=True, group_selection="union")
+    assert press.capabilities.uneven_layers
+    assert not PageEntroKVReconstructionPress(0.6, group_selection="union").capabilities.uneven_layers
+    assert not PageEntroKVReconstructionPress(0.6, layerwise=True).capabilities.uneven_layers
+    cache = _prefill(model, press)
+    assert len({layer.keys.shape[2] for layer in cache.layers}) > 1  # a prompt whose unions differ
+    T = IDS.shape[1]
+    with torch.inference_mode():
+        logits = model(input_ids=IDS[:, :5], past_key_values=cache, position_ids=torch.arange(T, T + 5)[None]).logits
+    assert logits.shape[:2] == (1, 5) and torch.isfinite(logits).all()
+
+
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_triton_kernel_under_the_interpreter_matches_the_reference(tiny, monkeypatch, layerwise):  # noqa: F811
     """The scoring's column maxima through the Triton kernel (``KVPRESS_RESEARCH_KERNELS=triton``, the interpreter on

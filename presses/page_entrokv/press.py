@@ -5,13 +5,13 @@ token budget (paper 000; page policy paper 001 section 7; pooling paper 001 sect
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 from kvpress import ComposedPress, ScorerPress, SnapKVPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
+from presses import attention
 from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, cache_problem, kept_entries_text
 from presses.core.observer import attention_logit_options, rotary_embeddings, window_queries
 from presses.core.paging import (
@@ -134,7 +134,6 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     on_budget_conflict: str = "shrink"
     observer_block: int = 256
     record: bool = False
-    capabilities: ClassVar[Capabilities] = Capabilities()
     records: list = field(default_factory=list, init=False, repr=False)
     _stats: list = field(default_factory=list, init=False, repr=False)
     _plan_cache: dict = field(default_factory=dict, init=False, repr=False)
@@ -169,6 +168,21 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             raise ValueError(f"group_selection={self.group_selection!r} is not one of {GROUP_SELECTIONS}")
         if self.max_fallback is not None and not self.max_fallback >= 0:
             raise ValueError(f"max_fallback={self.max_fallback} must be None or a threshold >= 0 (nats)")
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The press contract (:mod:`presses.base`): it compresses in kvpress's forward hooks; with
+        ``group_selection="union"`` each layer keeps the union of its groups' pages, whose size differs from layer
+        to layer, so the layers' cache lengths differ (``uneven_layers``)."""
+        return Capabilities(uneven_layers=self.group_selection == "union")
+
+    def post_init_from_model(self, model):
+        """With ``group_selection="union"``, install the project's attention wrapper
+        (:func:`presses.attention.install`), which fits the attention mask to each layer's own cache length when
+        decoding; then the contract's hooks."""
+        if self.capabilities.uneven_layers:
+            attention.install()
+        super().post_init_from_model(model)
 
     def reset(self) -> None:
         """Forget the previous request's records, statistics and page plan."""

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from kvpress import KVzipPress
 
+from presses import attention
 from presses.base import Capabilities
 from presses.core.model import attention_modules
 from presses.core.observer import attention_logit_options, window_queries
@@ -102,15 +103,19 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
     max_fallback: float | None = _DEFAULTS.max_fallback
     on_budget_conflict: str = _DEFAULTS.on_budget_conflict
 
-    #: the contract (presses.base): a reconstruction pass after the prefill, scored once per example in a sweep
-    #: (evaluation/kvzip_path.py; its own scores, not KVzip's); a dense cache, masked (``layerwise=False``) or cut to
-    #: the same count per group (``layerwise=True``)
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        shares_prefill=False,
-        scores_once=True,
-        extra_forwards=True,
-        selection_fields=SELECTION_FIELDS,
-    )
+    @property
+    def capabilities(self) -> Capabilities:
+        """The press contract (:mod:`presses.base`): a reconstruction pass after the prefill, scored once per example
+        in a sweep (``evaluation/kvzip_path.py``; its own scores, not KVzip's); a dense cache, masked
+        (``layerwise=False``) or cut per layer (``layerwise=True``): to the same count in every layer, except with
+        ``group_selection="union"``, whose union differs from layer to layer (``uneven_layers``)."""
+        return Capabilities(
+            shares_prefill=False,
+            scores_once=True,
+            extra_forwards=True,
+            selection_fields=SELECTION_FIELDS,
+            uneven_layers=self.layerwise and self.group_selection == "union",
+        )
 
     def __post_init__(self):
         if self.kvzip_plus_normalization:
@@ -169,6 +174,8 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
             self.score_val = scores.masked_fill(protected, float(scores.amax()) + 1.0)  # above every layer's pages
             KVzipPress.compress_post(self, model)  # the sinks raised too, the lowest masked over all layers
             return
+        if self.capabilities.uneven_layers:  # the layers' lengths differ: one attention mask per layer when decoding
+            attention.install()
         # the statistics' observer count: the context positions the pass reconstructed (one copy query each; the
         # chat template's prefix, which it does not reconstruct, scores 0)
         observers = int((self.score_val[0, 0, 0, self.n_sink :] > 0).sum())
