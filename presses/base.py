@@ -337,7 +337,11 @@ class ResearchPress(BasePress):
 
     def post_init_from_model(self, model):
         """Read what the press needs from ``model`` and register :meth:`model_hooks` (kvpress calls this on
-        entering ``with press(model)``, and wrappers call it on their inner presses)."""
+        entering ``with press(model)``, and wrappers call it on their inner presses). A press whose capabilities say
+        ``uneven_layers`` gets the attention wrapper that fits each layer's mask to its own cache length
+        (:func:`presses.attention.install`), so it decodes through kvpress's pipeline too, not only the harness."""
+        if self.capabilities.uneven_layers:
+            attention.install()
         self._detach_model_hooks()
         handles = []
         for module, kind, fn in self.model_hooks(model):

@@ -36,6 +36,3 @@ class KVzipResearchPress(ResearchPress, KVzipPress):
     def reset(self) -> None:
         """Forget the last prefill's selection and its statistics."""
         self.__dict__.pop("_last", None)
-
-    def post_init_from_model(self, model):
-        """Nothing to read from the model (KVzip's ``__call__`` reads the tokenizer); no hooks (see the class)."""

@@ -11,7 +11,6 @@ from kvpress import ComposedPress, ScorerPress, SnapKVPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
-from presses import attention
 from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, cache_problem, kept_entries_text
 from presses.core.observer import attention_logit_options, rotary_embeddings, window_queries
 from presses.core.paging import (
@@ -175,14 +174,6 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         ``group_selection="union"`` each layer keeps the union of its groups' pages, whose size differs from layer
         to layer, so the layers' cache lengths differ (``uneven_layers``)."""
         return Capabilities(uneven_layers=self.group_selection == "union")
-
-    def post_init_from_model(self, model):
-        """With ``group_selection="union"``, install the project's attention wrapper
-        (:func:`presses.attention.install`), which fits the attention mask to each layer's own cache length when
-        decoding; then the contract's hooks."""
-        if self.capabilities.uneven_layers:
-            attention.install()
-        super().post_init_from_model(model)
 
     def reset(self) -> None:
         """Forget the previous request's records, statistics and page plan."""

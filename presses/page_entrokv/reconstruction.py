@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from kvpress import KVzipPress
 
-from presses import attention
 from presses.base import Capabilities
 from presses.core.model import attention_modules
 from presses.core.observer import attention_logit_options, window_queries
@@ -114,7 +113,7 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
             scores_once=True,
             extra_forwards=True,
             selection_fields=SELECTION_FIELDS,
-            uneven_layers=self.layerwise and self.group_selection == "union",
+            uneven_layers=self.layerwise and self.pages().capabilities.uneven_layers,
         )
 
     def __post_init__(self):
@@ -174,8 +173,6 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
             self.score_val = scores.masked_fill(protected, float(scores.amax()) + 1.0)  # above every layer's pages
             KVzipPress.compress_post(self, model)  # the sinks raised too, the lowest masked over all layers
             return
-        if self.capabilities.uneven_layers:  # the layers' lengths differ: one attention mask per layer when decoding
-            attention.install()
         # the statistics' observer count: the context positions the pass reconstructed (one copy query each; the
         # chat template's prefix, which it does not reconstruct, scores 0)
         observers = int((self.score_val[0, 0, 0, self.n_sink :] > 0).sum())
