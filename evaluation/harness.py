@@ -7,6 +7,8 @@ compressed context, ``query_aware=true``; the two protocols never share a direct
 config), ``commands.txt`` (the commands that wrote rows, :func:`note_command`) and ``metrics.json`` (written last,
 atomically). A run whose ``metrics.json`` exists is skipped; an
 interrupted run resumes after its last complete row, only with the settings saved in its ``config.yaml``.
+``grow=true`` is the one exception: a run may take a larger ``n_samples`` on a dataset whose examples nest
+(:func:`growth`), keeping its rows and running only the examples it lacks.
 
 One process at a time writes a run directory: :func:`claim_runs` holds a file lock (``.run.lock``, the
 ``filelock`` library) on it from the settings check to ``metrics.json``. Another process with other settings is
@@ -199,7 +201,7 @@ def cache_stats(cache, model, context_length: int, press=None) -> dict:
 
 
 # Keys a run may change between a start and its resume: they do not change its examples or predictions.
-RESUME_FREE_KEYS = ("overwrite", "output_dir", "device")
+RESUME_FREE_KEYS = ("overwrite", "grow", "output_dir", "device")
 
 
 def config_changes(saved, cfg, both_saved: bool = False) -> list[str]:
@@ -245,17 +247,67 @@ LOCK_NAME = ".run.lock"
 LOCK_POLL_S = 1.0
 
 
+def nests_samples(cfg: DictConfig) -> bool:
+    """Whether the dataset of ``cfg`` declares that its examples nest: for ``n_samples`` m < n, the m examples
+    (per the dataset's unit: task, length, depth) are, id for id and word for word, among the n (the class attribute
+    ``nested_samples``; each such dataset seeds example ``i`` by its own coordinates, never by the count)."""
+    from hydra.utils import get_class
+
+    target = OmegaConf.select(cfg, "dataset._target_")
+    try:
+        return bool(target) and bool(getattr(get_class(target), "nested_samples", False))
+    except Exception:  # an unknown target is refused elsewhere, with its own message
+        return False
+
+
+def growth(out: Path, cfg: DictConfig) -> tuple[int, int] | None:
+    """``(saved n_samples, new n_samples)`` when ``cfg`` asks to grow the run in ``out`` (``grow=true``): its saved
+    settings differ from ``cfg``'s in ``n_samples`` only, upwards, on a dataset whose examples nest
+    (:func:`nests_samples`), outside a shard. The rows already written are kept and only the missing examples run
+    (rows, resume and ``metrics.json`` are keyed by example id). None when ``grow`` is unset or nothing differs.
+
+    Raises:
+        ValueError: ``grow=true`` with other changes, a smaller or unset ``n_samples``, a shard, or a dataset whose
+            examples do not nest; the message names the value and the rule.
+    """
+    if not cfg.get("grow", False) or not (out / "config.yaml").exists():
+        return None
+    saved = OmegaConf.load(out / "config.yaml")
+    changed = config_changes(saved, cfg)
+    if not changed:
+        return None
+    old, new = saved.get("n_samples"), cfg.get("n_samples")
+    rule = "grow=true takes a run to a larger n_samples and changes nothing else"
+    if [c.split(":")[0] for c in changed] != ["n_samples"]:
+        raise ValueError(f"{out}: {rule}; other settings differ ({'; '.join(changed)})")
+    if not isinstance(old, int) or not isinstance(new, int) or new <= old:
+        raise ValueError(f"{out}: {rule}; n_samples={new!r} is not an integer above the saved n_samples={old!r}")
+    if parse_shard(cfg.get("shard")):
+        raise ValueError(
+            f"{out}: grow=true cannot grow a shard (shard={cfg.get('shard')!r}): growing moves examples "
+            "between shards; grow the unsharded run"
+        )
+    if not nests_samples(cfg):
+        raise ValueError(
+            f"{out}: grow=true needs a dataset whose examples nest (nested_samples); {cfg.dataset._target_} does not "
+            "say so: run the larger n_samples in another output_dir"
+        )
+    return old, new
+
+
 def _settings_problem(out: Path, cfg: DictConfig, why: str) -> str | None:
-    """Why ``cfg`` may not write ``out`` (its ``config.yaml`` holds other settings), or None."""
+    """Why ``cfg`` may not write ``out`` (its ``config.yaml`` holds other settings), or None; a permitted
+    :func:`growth` is no problem."""
     if not (out / "config.yaml").exists():
         return None
     changed = config_changes(OmegaConf.load(out / "config.yaml"), cfg)
-    if not changed:
+    if not changed or growth(out, cfg):
         return None
+    more = " (or grow=true to add the missing examples)" if [c.split(":")[0] for c in changed] == ["n_samples"] else ""
     return (
         f"{out} {why} other settings ({'; '.join(changed)}); writing it would mix them: choose another "
         "output_dir for these settings (the run directory names only dataset, model, press and ratio), or "
-        "pass overwrite=true to redo the run"
+        f"pass overwrite=true to redo the run{more}"
     )
 
 
@@ -284,6 +336,7 @@ def check_existing_run(cfg: DictConfig, names: dict[str, str]) -> dict | None:
         problem = _settings_problem(out, cfg, "holds a run made with")
         if problem:
             raise ValueError(problem)
+        finished = finished and not growth(out, cfg)
     if finished and not run_in_progress(out):
         logger.info("finished run found, skipping: %s", out)
         return json.loads((out / "metrics.json").read_text())
@@ -349,6 +402,11 @@ def _claim(cfg: DictConfig, names: dict[str, str], made: list[Path]):
             problem = _settings_problem(out, cfg, "holds a run made with")
             if problem:
                 raise ValueError(problem)
+            grown = growth(out, cfg)
+            if grown:  # the smaller run's metrics go before its config: a crash between leaves a plain resumable run
+                logger.info("growing %s from n_samples=%d to %d: its rows are kept", out, *grown)
+                (out / "metrics.json").unlink(missing_ok=True)
+                finished = False
         if finished and not overwrite:
             logger.info("finished run found, skipping: %s", out)
             metrics = json.loads((out / "metrics.json").read_text())

@@ -597,3 +597,35 @@ def test_fused_h2o_equals_separate_runs(tiny_eager, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="GiB of attention weights, above the limit"):
         fused.run_fused(_runs(["observed_attention"], [0.6], tmp_path / "limit"), "test")
     assert not (tmp_path / "limit").exists()  # refused before any run directory
+
+
+def test_grow_adds_only_the_missing_examples_and_equals_a_fresh_run(tiny, tmp_path):
+    """``grow=true`` takes finished runs from one example per task to two: the first rows stay byte for byte, only
+    the new examples run, and the grown runs hold what a fresh run of two gives (issue 31's cells of 50 -> 100)."""
+
+    def runs(out, n, *extra):
+        ruler = ["dataset=ruler_smoke", "dataset.context_lengths=[700]", "dataset.tasks=[niah_single_1]"]
+        return [
+            (
+                composed(f"press={p}", f"compression_ratio={r}", f"output_dir={out}", f"n_samples={n}", *ruler, *extra),
+                {"press": p, "dataset": "ruler_smoke", "model": "smollm2-135m"},
+            )
+            for p, r in (("no_press", 0.0), ("snapkv", 0.5), ("page_entrokv", 0.5))
+        ]
+
+    fused.run_fused(runs(tmp_path / "grown", 1), "small")
+    run = tmp_path / "grown/ruler_smoke/smollm2-135m/page_entrokv/cr0.5"
+    first = (run / "predictions.jsonl").read_text()
+    with pytest.raises(ValueError, match="grow=true"):
+        fused.run_fused(runs(tmp_path / "grown", 2), "refused")
+    metrics = fused.run_fused(runs(tmp_path / "grown", 2, "grow=true"), "grown")
+    fused.run_fused(runs(tmp_path / "fresh", 2), "fresh")
+    assert [m["n"] for m in metrics] == [2, 2, 2]
+    assert (run / "predictions.jsonl").read_text().startswith(first)
+    assert (run / harness.COMMANDS_NAME).read_text().splitlines() == ["small", "grown"]
+    for press, ratio in (("no_press", 0.0), ("snapkv", 0.5), ("page_entrokv", 0.5)):
+        grown = _rows(tmp_path / "grown", press, ratio, "ruler_smoke")
+        fresh = _rows(tmp_path / "fresh", press, ratio, "ruler_smoke")
+        assert sorted(grown) == sorted(fresh) and len(grown) == 2
+        assert all(grown[i]["prediction"] == fresh[i]["prediction"] for i in grown), press
+    assert fused.run_fused(runs(tmp_path / "grown", 2, "grow=true"), "again") == metrics  # finished: nothing to do

@@ -177,6 +177,74 @@ def test_resume_refuses_other_settings(tmp_path):
     assert not (out / "predictions.jsonl").exists()
 
 
+def test_grow_takes_a_finished_run_to_a_larger_n_samples_and_refuses_anything_else(tmp_path):
+    """``grow=true`` (issue 31: cells of 50 to 100) reopens a finished run for a larger ``n_samples`` on a dataset
+    whose examples nest, keeping its rows and dropping its stale metrics; every other use is one clear error."""
+    names = {"press": "snapkv", "dataset": "ruler_smoke", "model": "smollm2-135m"}
+    base = ["press=snapkv", "dataset=ruler_smoke", "compression_ratio=0.5", f"output_dir={tmp_path}"]
+    out, _ = harness.start_run(composed(*base, "n_samples=1"), names)
+    harness.append_row(out / "predictions.jsonl", {"id": "niah_single_1_1024_0", "score": 1.0})
+    (out / "metrics.json").write_text(json.dumps({"score": 1.0, "n": 1}))
+    rows = (out / "predictions.jsonl").read_text()
+    with pytest.raises(ValueError, match=r"n_samples: 1 -> 3.*grow=true"):  # the refusal names the way out
+        harness.start_run(composed(*base, "n_samples=3"), names)
+    with pytest.raises(ValueError, match=r"changes nothing else; other settings differ \(seed: 42 -> 43\)"):
+        harness.start_run(composed(*base, "n_samples=1", "seed=43", "grow=true"), names)
+    with pytest.raises(ValueError, match=r"n_samples=None is not an integer above the saved n_samples=1"):
+        harness.start_run(composed(*base, "grow=true"), names)
+    with pytest.raises(ValueError, match=r"other settings differ \(n_samples: 1 -> 3; seed: 42 -> 43\)"):
+        harness.start_run(composed(*base, "n_samples=3", "seed=43", "grow=true"), names)
+    assert (out / "metrics.json").exists()  # nothing changed by a refusal
+    assert harness.check_existing_run(composed(*base, "n_samples=3", "grow=true"), names) is None  # work to do
+    assert harness.start_run(composed(*base, "n_samples=3", "grow=true"), names)[1] is None
+    assert not (out / "metrics.json").exists() and (out / "predictions.jsonl").read_text() == rows
+    assert "n_samples: 3" in (out / "config.yaml").read_text()
+    with pytest.raises(ValueError, match=r"n_samples: 3 -> 1"):  # no way back down
+        harness.start_run(composed(*base, "n_samples=1"), names)
+    assert harness.start_run(composed(*base, "n_samples=3", "grow=true"), names)[1] is None  # same settings now
+
+    needle = {"press": "snapkv", "dataset": "needle", "model": "smollm2-135m"}
+    nbase = ["press=snapkv", "dataset=needle", "compression_ratio=0.5", f"output_dir={tmp_path}"]
+    nout, _ = harness.start_run(composed(*nbase, "n_samples=2"), needle)
+    harness.append_row(nout / "predictions.jsonl", {"id": "x", "score": 1.0})
+    with pytest.raises(ValueError, match=r"needs a dataset whose examples nest.*NeedleDataset"):
+        harness.start_run(composed(*nbase, "n_samples=4", "grow=true"), needle)
+    shard = ["shard=0/2", "grow=true"]
+    sout, _ = harness.start_run(composed(*base, "n_samples=2", "shard=0/2"), names)
+    harness.append_row(sout / "predictions.jsonl", {"id": "niah_single_1_1024_0", "score": 1.0})
+    with pytest.raises(ValueError, match=r"cannot grow a shard"):
+        harness.start_run(composed(*base, "n_samples=4", *shard), names)
+
+
+def test_every_dataset_that_says_its_examples_nest_does():
+    """``nested_samples`` is what lets ``grow=true`` keep a run's rows: for each dataset that declares it, the
+    examples of a smaller ``n_samples`` are those of a larger one, id for id and field for field."""
+    from dataclasses import asdict
+
+    from _tiny_tokenizer import char_tokenizer
+    from hydra.utils import get_class, instantiate
+
+    tok = char_tokenizer()
+    settings = {  # small enough for a character tokenizer
+        "ruler_smoke": ["dataset.context_lengths=[1300]", "dataset.tasks=[niah_single_1,niah_multikey_1]"],
+        "keyfacts": ["dataset.context_lengths=[1500]", "dataset.passage_tokens=200"],
+        "stdlib_docs": ["dataset.context_lengths=[1500]"],
+        "stdlib_code": ["dataset.context_lengths=[1500]"],
+        "continuation_loss": ["dataset.context_lengths=[1500]"],
+    }
+    nested = [n for n in harness.config_choices("dataset") if n != "no_press"]
+    nested = [n for n in nested if getattr(get_class(composed(f"dataset={n}").dataset._target_), "nested_samples", 0)]
+    assert set(settings) <= set(nested) and "needle" not in nested
+    for name in nested:
+        if name not in settings:
+            continue  # another config of a class checked here (e.g. ruler at other lengths)
+        dataset = instantiate(composed(f"dataset={name}", *settings[name]).dataset)
+        small, large = (dataset.examples(tok, n, 3, False) for n in (1, 2))
+        by_id = {e.id: asdict(e) for e in large}
+        assert len(large) == 2 * len(small) and len(by_id) == len(large)
+        assert all(by_id[e.id] == asdict(e) for e in small), name
+
+
 def test_a_run_is_identified_by_the_press_it_builds():
     """The same press stated two ways (a module path, a default left out or restated) is one run; another class or
     a changed field is a change; a press class that no longer exists is one clear error."""

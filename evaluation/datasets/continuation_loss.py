@@ -26,6 +26,7 @@ import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from evaluation.datasets.base import Example
 from evaluation.datasets.stdlib import (
@@ -74,6 +75,9 @@ class ContinuationLossDataset:
     Raises:
         ValueError: an unknown task or split, a length below 128 tokens, or ``continuation_tokens < 1``.
     """
+
+    #: a smaller n_samples gives a subset of a larger one (ids and contents): grow=true may extend a run
+    nested_samples: ClassVar[bool] = True
 
     tasks: Sequence[str] = TASKS
     context_lengths: list[int] = field(default_factory=lambda: [2048, 4096, 7680])

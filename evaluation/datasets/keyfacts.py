@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from evaluation.datasets.base import Example
 from evaluation.datasets.prose import check_passage_count, check_passage_lengths, fill_body, prose_sentences
@@ -88,6 +89,9 @@ class KeyFactsDataset:
         ValueError: for an unknown ``distractor_facts``, ``passage_tokens < 32``, or a context length that
             cannot hold two passages.
     """
+
+    #: a smaller n_samples gives a subset of a larger one (ids and contents): grow=true may extend a run
+    nested_samples: ClassVar[bool] = True
 
     context_lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8000])
     passage_tokens: int = 96

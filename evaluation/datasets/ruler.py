@@ -585,6 +585,9 @@ class RulerDataset:
         ValueError: unknown task, a context length < 64, or ``num_samples < 1``.
     """
 
+    #: a smaller n_samples gives a subset of a larger one (ids and contents): grow=true may extend a run
+    nested_samples: ClassVar[bool] = True
+
     name: ClassVar[str] = "ruler"
 
     tasks: Sequence[str] = SYNTHETIC_TASKS

@@ -30,6 +30,7 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from evaluation.datasets.base import Example
 from evaluation.datasets.longbench import DATASET2MAXLEN, split_prompt
@@ -143,6 +144,9 @@ class StdlibCodeDataset:
         ValueError: an unknown task or split, a length below 256 tokens, or (``repobench-p``) ``in_file_tokens``
             outside ``[32, length / 2]``.
     """
+
+    #: a smaller n_samples gives a subset of a larger one (ids and contents): grow=true may extend a run
+    nested_samples: ClassVar[bool] = True
 
     tasks: Sequence[str] = TASKS
     context_lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8000])

@@ -40,6 +40,7 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from evaluation.datasets.base import Example
 from evaluation.datasets.stdlib import (
@@ -206,6 +207,9 @@ class StdlibDocsDataset:
     Raises:
         ValueError: an unknown task or split, ``window_tokens < 64``, or a length below ``2 * window_tokens``.
     """
+
+    #: a smaller n_samples gives a subset of a larger one (ids and contents): grow=true may extend a run
+    nested_samples: ClassVar[bool] = True
 
     tasks: Sequence[str] = DEFAULT_TASKS
     context_lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8000])
