@@ -15,12 +15,22 @@ Two changes, both idempotent and written atomically:
    ``physical_compression`` also holds; their press reported the kept one as ``press_stats.logical_compression``,
    which is copied over; only a row whose ``effective_compression`` equals its ``physical_compression`` (the
    padded figure) is such a row. Nothing else in a row changes.
+
+A third, on request: ``--rename-press OLD NEW`` gives the runs of press config ``OLD`` the name ``NEW`` when a
+class's defaults move and another config now states the settings they ran with (the committed
+``page_entrokv_reconstruction`` runs became ``page_entrokv_reconstruction_entropy``, and
+``page_entrokv_reconstruction_max_unprotected``'s became ``page_entrokv_reconstruction``). Every run directory of
+``OLD`` moves (a ``NEW`` one in its place is refused), its ``metrics.json`` names ``NEW`` and the command that now
+rebuilds it (the command as run is kept as ``command_as_run``), ``commands.txt`` likewise; the rows and settings
+are untouched, and each moved run is checked against config ``NEW`` (the harness's settings check), so a rename
+that would change what the name means is refused before anything moves.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -28,7 +38,7 @@ from omegaconf import OmegaConf
 from evaluation.harness import write_atomic
 from evaluation.settings import saved_run_settings
 
-__all__ = ["migrate"]
+__all__ = ["migrate", "rename_press"]
 
 
 def _migrated_row(row: dict) -> dict:
@@ -69,11 +79,57 @@ def migrate(root: Path) -> dict[str, int]:
     return changed
 
 
+def rename_press(root: Path, old: str, new: str) -> list[Path]:
+    """Move every run of press config ``old`` under ``root`` (``<dataset>/<model>/<old>/``) to ``new`` (see the
+    module docstring); returns the new press directories.
+
+    Raises:
+        ValueError: ``new`` is not a press config, a ``new`` directory exists already, or a run's saved settings
+            differ from what config ``new`` builds (naming the run and the changes); nothing has moved then.
+    """
+    from evaluation import harness
+
+    if new not in harness.config_choices("press"):
+        raise ValueError(f"unknown press config {new!r}; valid: {', '.join(harness.config_choices('press'))}")
+    press = harness.compose_config([f"press={new}"]).press
+    sources = sorted(d for d in Path(root).glob(f"*/*/{old}") if d.is_dir())
+    for src in sources:
+        if (src.parent / new).exists():
+            raise ValueError(f"{src.parent / new} exists: renaming {src} would mix two presses' runs")
+        for run in sorted(src.glob("cr*")):
+            saved = OmegaConf.load(run / "config.yaml")
+            cfg = saved.copy()
+            cfg.press = press  # the run's own settings with the press config `new` builds at its ratio
+            changes = harness.config_changes(saved, cfg)
+            if changes:
+                raise ValueError(f"{run} ran with other settings than config {new!r} builds: {'; '.join(changes)}")
+    word = re.compile(rf"(?<![\w]){re.escape(old)}(?![\w])")
+    moved = []
+    for src in sources:
+        dst = src.parent / new
+        src.rename(dst)
+        moved.append(dst)
+        for run in sorted(dst.glob("cr*")):
+            log = run / harness.COMMANDS_NAME
+            if log.exists():
+                write_atomic(log, word.sub(new, log.read_text()))
+            if (run / "metrics.json").exists():
+                metrics = json.loads((run / "metrics.json").read_text())
+                command = metrics.get("command") or ""
+                metrics.update(press=new, command=word.sub(new, command), command_as_run=command, renamed_from=old)
+                write_atomic(run / "metrics.json", json.dumps(metrics, indent=2))
+    return moved
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("root", type=Path, help="a results or output directory")
+    parser.add_argument("--rename-press", nargs=2, metavar=("OLD", "NEW"), help="rename a press config's runs")
     args = parser.parse_args(argv)
-    print(json.dumps(migrate(args.root)))
+    if args.rename_press:
+        print(json.dumps([str(p) for p in rename_press(args.root, *args.rename_press)]))
+    else:
+        print(json.dumps(migrate(args.root)))
 
 
 if __name__ == "__main__":

@@ -260,3 +260,47 @@ def test_a_run_is_identified_by_the_press_it_builds():
     moved = {"press": {"_target_": "presses.snis_press.ProbabilisticEvictionPress", "tau": 1.0}}
     with pytest.raises(ValueError, match="presses.snis_press.ProbabilisticEvictionPress.*evaluation.migrate"):
         harness.config_changes(moved, built)
+
+
+def test_rename_press_moves_runs_whose_settings_the_new_config_states(tmp_path, monkeypatch):
+    """``python -m evaluation.migrate <dir> --rename-press OLD NEW`` (a class's defaults moved): the runs of ``OLD``
+    become ``NEW``'s only when config ``NEW`` builds the press they ran with; the rows and settings stay, the
+    metrics and command log name ``NEW``, and the harness then finds the run finished under its new name."""
+    import shutil
+
+    from evaluation.migrate import rename_press
+
+    configs = tmp_path / "configs"  # the configs plus NEW: the unprotected variant stated another way
+    shutil.copytree(harness.CONFIG_DIR, configs)
+    (configs / "press/page_entrokv_reconstruction_unprotected_copy.yaml").write_text(
+        "defaults:\n  - page_entrokv_reconstruction_entropy@_here_\n  - _self_\nprotect: none\n"
+    )
+    monkeypatch.setattr(harness, "CONFIG_DIR", configs)
+    tmp_path = tmp_path / "runs"
+    base = ["dataset=needle", "compression_ratio=0.5", "n_samples=1", f"output_dir={tmp_path}"]
+    old = {"press": "page_entrokv_reconstruction_unprotected", "dataset": "needle", "model": "smollm2-135m"}
+    out, _ = harness.start_run(composed("press=page_entrokv_reconstruction_unprotected", *base), old)
+    harness.append_row(out / "predictions.jsonl", {"id": "needle-2048-d0-0", "score": 1.0})
+    command = "python -m evaluation.fused presses=[snapkv,page_entrokv_reconstruction_unprotected] ratios=[0.5]"
+    harness.note_command(out, command)
+    (out / "metrics.json").write_text(json.dumps({"score": 1.0, "press": old["press"], "command": command}))
+    rows, settings = (out / "predictions.jsonl").read_text(), (out / "config.yaml").read_text()
+    with pytest.raises(ValueError, match=r"other settings than config 'page_entrokv_reconstruction' builds: "):
+        rename_press(tmp_path, old["press"], "page_entrokv_reconstruction")  # pooling entropy -> max
+    with pytest.raises(ValueError, match="unknown press config 'nope'"):
+        rename_press(tmp_path, old["press"], "nope")
+    assert out.exists()  # nothing moved
+    (tmp_path / "needle/smollm2-135m/snapkv").mkdir(parents=True)
+    with pytest.raises(ValueError, match="exists: renaming"):
+        rename_press(tmp_path, old["press"], "snapkv")
+    new_dirs = rename_press(tmp_path, old["press"], "page_entrokv_reconstruction_unprotected_copy")
+    moved = tmp_path / "needle/smollm2-135m/page_entrokv_reconstruction_unprotected_copy/cr0.5"
+    assert new_dirs == [moved.parent] and not out.exists()
+    assert (moved / "predictions.jsonl").read_text() == rows and (moved / "config.yaml").read_text() == settings
+    metrics = json.loads((moved / "metrics.json").read_text())
+    assert metrics["press"] == "page_entrokv_reconstruction_unprotected_copy" and metrics["command_as_run"] == command
+    assert metrics["command"] == command.replace("_unprotected]", "_unprotected_copy]")
+    assert (moved / harness.COMMANDS_NAME).read_text().strip() == metrics["command"]
+    names = {**old, "press": "page_entrokv_reconstruction_unprotected_copy"}
+    cfg = harness.compose_config([f"press={names['press']}", *base])
+    assert harness.check_existing_run(cfg, names)["score"] == 1.0

@@ -81,7 +81,9 @@ def test_layerwise_scores_are_the_reconstruction_attention_and_the_selection_pag
     pooling, paging and selection (``compress_observed``) on an uncompressed cache; the cache keeps whole pages, the
     sinks and the last window, and the strict budget in every layer and group."""
     model, _ = tiny
-    press = PageEntroKVReconstructionPress(0.6, page_size=16, chunk_size=128, layerwise=True)  # three chunks
+    press = PageEntroKVReconstructionPress(  # three chunks; Page-EntroKV's pooling and protection
+        0.6, page_size=16, chunk_size=128, layerwise=True, pooling="entropy", protect="sink_window"
+    )
     cache = _prefill(model, press)
     rows, uncompressed = _observed(model)
     torch.testing.assert_close(kept_scores[0], rows, atol=1e-6, rtol=1e-5)
@@ -103,11 +105,13 @@ def test_layerwise_scores_are_the_reconstruction_attention_and_the_selection_pag
     assert summary["budget_over"] == "layer" and 0.55 < summary["effective_compression"] < 0.7
 
 
-def test_global_budget_masks_the_lowest_pages_over_all_layers(tiny, kept_scores):  # noqa: F811
+@pytest.mark.parametrize("pooling, protect", [("entropy", "sink_window"), ("max", "none")])
+def test_global_budget_masks_the_lowest_pages_over_all_layers(tiny, kept_scores, pooling, protect):  # noqa: F811
     """Default (``layerwise=False``, KVzip's budget): the ``int(L G T ratio)`` lowest entries of Page-EntroKV's page
-    scores over all layers are masked, never a sink or a protected window page, and the cache stays dense."""
+    scores over all layers are masked, never a sink (nor a protected window page, with ``protect="sink_window"``),
+    and the cache stays dense; for the class's pooling and protection (``max``, ``none``) and Page-EntroKV's."""
     model, _ = tiny
-    press = PageEntroKVReconstructionPress(0.6, page_size=16, chunk_size=128)
+    press = PageEntroKVReconstructionPress(0.6, page_size=16, chunk_size=128, pooling=pooling, protect=protect)
     cache = _prefill(model, press)
     masks = kvzip_path.take_masked_keys(model)
     rows, _ = _observed(model)
@@ -116,9 +120,11 @@ def test_global_budget_masks_the_lowest_pages_over_all_layers(tiny, kept_scores)
     assert all(layer.keys.shape[2] == T for layer in cache.layers)  # masked, not cut
     scores = torch.stack([press.pages().score_observed(rows[i], G) for i in range(L)])  # (L, 1, G, T)
     protected = torch.zeros(T, dtype=torch.bool)
-    protected[:16] = True  # the sink page
-    protected[T - 64 :] = True  # the window's pages: 300 = 18 * 16 + 12, the last 64 positions touch 5 pages
-    protected[16 * ((T - 64) // 16) :] = True
+    protected[:4] = True  # the sinks (KVzip never masks them)
+    if protect == "sink_window":
+        protected[:16] = True  # the sink page
+        protected[T - 64 :] = True  # the window's pages: 300 = 18 * 16 + 12, the last 64 positions touch 5 pages
+        protected[16 * ((T - 64) // 16) :] = True
     order = scores.masked_fill(protected, float("inf")).flatten().argsort(stable=True)
     expected = set(order[: int(L * G * T * 0.6)].tolist())
     masked = set()
@@ -183,8 +189,20 @@ def test_compress_observed_refuses_bad_input(tiny):  # noqa: F811
 def test_config_capabilities_and_refusals():
     press = instantiate(composed("press=page_entrokv_reconstruction", "compression_ratio=0.5").press)
     assert isinstance(press, PageEntroKVReconstructionPress) and press.compression_ratio == 0.5
-    for name in ("page_size", "tau", "alpha", "window_size", "pooling", "protect", "n_sink"):
+    for name in ("page_size", "tau", "alpha", "window_size", "n_sink"):
         assert getattr(press, name) == getattr(PageEntroKVPress, name)  # one source: Page-EntroKV's defaults
+    assert (press.pooling, press.protect) == ("max", "none")  # but these two, tuned on the development split
+    entropy = instantiate(composed("press=page_entrokv_reconstruction_entropy", "compression_ratio=0.5").press)
+    assert (entropy.pooling, entropy.protect) == (PageEntroKVPress.pooling, PageEntroKVPress.protect)
+    for variant, fields in {  # the variants tried on the development split keep their meaning
+        "layerwise": {"layerwise": True},
+        "max_pool": {"pooling": "max"},
+        "mean_pool": {"pooling": "mean"},
+        "unprotected": {"protect": "none"},
+    }.items():
+        built = instantiate(composed(f"press=page_entrokv_reconstruction_{variant}", "compression_ratio=0.5").press)
+        first = {"pooling": "entropy", "protect": "sink_window"}  # the first defaults, Page-EntroKV's
+        assert built == PageEntroKVReconstructionPress(0.5, **{**first, **fields})
     caps = capabilities(press)
     assert caps.scores_once and caps.extra_forwards and not caps.shares_prefill and caps.scores_as is None
     with pytest.raises(ValueError, match="cannot share a prefill"):  # only KVzip's path (evaluation.kvzip_path)

@@ -46,11 +46,12 @@ def _restated(node: dict) -> list[str]:
 def test_a_press_yaml_states_only_what_differs_from_its_class(path):
     node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     node.pop("defaults", None)
-    if "_target_" not in node:  # a variant: check it against the class of the config it extends (defaults' names)
-        extends = {str(entry).split("@")[0] for entry in OmegaConf.load(path).get("defaults") if entry != "_self_"}
+    base = path
+    while "_target_" not in OmegaConf.load(base):  # a variant: the class of the config it extends, at any depth
+        extends = {str(entry).split("@")[0] for entry in OmegaConf.load(base).get("defaults") if entry != "_self_"}
         press_dir = ROOT / "configs" / "press"
         (base,) = [p for p in PRESS_CONFIGS if p.relative_to(press_dir).with_suffix("").as_posix() in extends]
-        node["_target_"] = OmegaConf.load(base)["_target_"]
+    node["_target_"] = OmegaConf.load(base)["_target_"]
     assert _restated(node) == []
 
 

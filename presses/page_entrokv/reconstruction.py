@@ -18,7 +18,7 @@ from presses.page_entrokv.press import PageEntroKVPress
 
 __all__ = ["PageEntroKVReconstructionPress", "SELECTION_FIELDS"]
 
-_DEFAULTS = PageEntroKVPress  # the page fields' defaults are Page-EntroKV's
+_DEFAULTS = PageEntroKVPress  # the page fields' defaults are Page-EntroKV's, but pooling and protect (tuned here)
 
 #: The fields of :class:`PageEntroKVReconstructionPress` only the selection reads (its :meth:`pages`): one
 #: reconstruction pass serves every value of them (``evaluation.kvzip_path``).
@@ -52,9 +52,12 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
     attention a reconstruction query of its chunk pays it (each chunk's queries see the sinks, their chunk and
     themselves, as KVzip's scoring does; KVzip then also takes the max over the group's heads), computed through the
     column-max kernel (:func:`presses.kernels.column_maxes`: Triton on CUDA, the torch reference elsewhere); the
-    sinks take their max over the chunks. Those rows then go through Page-EntroKV's pooling unchanged: sink-isolated
-    Rényi weights inside each GQA group, block-max page scores, protected sink and window pages
-    (:meth:`presses.PageEntroKVPress.score_observed`). The budget:
+    sinks take their max over the chunks. Those rows then go through Page-EntroKV's pooling and paging
+    (:meth:`presses.PageEntroKVPress.score_observed`): by default the max over each GQA group's heads (KVzip's
+    reduction) and no protected pages, the development split's choice over Page-EntroKV's own sink-isolated Rényi
+    weights and protected sink and window pages (``results/tuning/page_entrokv_reconstruction/``: 14 / 13 of 20 at
+    0.75 / 0.9 against 9 / 6; config ``page_entrokv_reconstruction_entropy`` keeps Page-EntroKV's), then block-max
+    page scores. The budget:
 
     - ``layerwise=False`` (default, KVzip's): the ``int(L G T ratio)`` lowest-scored entries over all layers and
       groups are masked (kvpress's ``KVzipPress.compress_post`` on the page scores; the cache stays dense, as
@@ -79,9 +82,11 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
         n_sink: leading sink positions, isolated from the entropy and protected (Page-EntroKV) and never evicted
             (KVzip); kvpress's default 4, Page-EntroKV's too.
         chunk_size: tokens reconstructed per forward of the pass (kvpress's ``KVzipPress``).
-        window_size, page_size, alpha, tau, pooling, page_score, budget, protect, group_selection, max_fallback,
-            on_budget_conflict: :class:`presses.PageEntroKVPress`'s, with its defaults (``pooling="snapkv"`` is
-            refused: SnapKV scores the prompt's own queries).
+        window_size, page_size, alpha, tau, page_score, budget, group_selection, max_fallback, on_budget_conflict:
+            :class:`presses.PageEntroKVPress`'s, with its defaults.
+        pooling: :class:`presses.PageEntroKVPress`'s field, default ``"max"`` here (tuned, see above;
+            ``"snapkv"`` is refused: SnapKV scores the prompt's own queries).
+        protect: :class:`presses.PageEntroKVPress`'s field, default ``"none"`` here (tuned, see above).
         layerwise: the budget (see above): ``False`` over all layers (KVzip's default), ``True`` per layer.
         kvzip_plus_normalization: kvpress's field; must stay ``False`` (the scores are attention, not KVzip+'s).
 
@@ -94,10 +99,10 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
     page_size: int = _DEFAULTS.page_size
     alpha: float = _DEFAULTS.alpha
     tau: float = _DEFAULTS.tau
-    pooling: str = _DEFAULTS.pooling
+    pooling: str = "max"  # tuned on the development split (results/tuning/page_entrokv_reconstruction/)
     page_score: str = _DEFAULTS.page_score
     budget: str = _DEFAULTS.budget
-    protect: str = _DEFAULTS.protect
+    protect: str = "none"  # tuned with pooling
     group_selection: str = _DEFAULTS.group_selection
     max_fallback: float | None = _DEFAULTS.max_fallback
     on_budget_conflict: str = _DEFAULTS.on_budget_conflict
