@@ -17,9 +17,8 @@ Two changes, both idempotent and written atomically:
    padded figure) is such a row. Nothing else in a row changes.
 
 A third, on request: ``--rename-press OLD NEW`` gives the runs of press config ``OLD`` the name ``NEW`` when a
-class's defaults move and another config now states the settings they ran with (the committed
-``page_entrokv_reconstruction`` runs became ``page_entrokv_reconstruction_entropy``, and
-``page_entrokv_reconstruction_max_unprotected``'s became ``page_entrokv_reconstruction``). Every run directory of
+class's defaults move and another config now states the settings they ran with (the committed runs of the
+reconstruction press were renamed so: results/tuning/page_entrokv_reconstruction/README.md). Every run directory of
 ``OLD`` moves (a ``NEW`` one in its place is refused), its ``metrics.json`` names ``NEW`` and the command that now
 rebuilds it (the command as run is kept as ``command_as_run``), ``commands.txt`` likewise; the rows and settings
 are untouched, and each moved run is checked against config ``NEW`` (the harness's settings check), so a rename
