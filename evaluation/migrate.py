@@ -78,6 +78,12 @@ def migrate(root: Path) -> dict[str, int]:
     return changed
 
 
+def _run_pieces(press_dir: Path) -> list[Path]:
+    """The directories under one press directory that hold a run's settings: ``cr<ratio>/`` and, for a sharded run,
+    each ``cr<ratio>/shard_i_of_n/``."""
+    return sorted(config.parent for config in press_dir.rglob("config.yaml"))
+
+
 def rename_press(root: Path, old: str, new: str) -> list[Path]:
     """Move every run of press config ``old`` under ``root`` (``<dataset>/<model>/<old>/``) to ``new`` (see the
     module docstring); returns the new press directories.
@@ -95,7 +101,7 @@ def rename_press(root: Path, old: str, new: str) -> list[Path]:
     for src in sources:
         if (src.parent / new).exists():
             raise ValueError(f"{src.parent / new} exists: renaming {src} would mix two presses' runs")
-        for run in sorted(src.glob("cr*")):
+        for run in _run_pieces(src):
             saved = OmegaConf.load(run / "config.yaml")
             cfg = saved.copy()
             cfg.press = press  # the run's own settings with the press config `new` builds at its ratio
@@ -108,7 +114,7 @@ def rename_press(root: Path, old: str, new: str) -> list[Path]:
         dst = src.parent / new
         src.rename(dst)
         moved.append(dst)
-        for run in sorted(dst.glob("cr*")):
+        for run in _run_pieces(dst):
             log = run / harness.COMMANDS_NAME
             if log.exists():
                 write_atomic(log, word.sub(new, log.read_text()))

@@ -285,6 +285,11 @@ def test_rename_press_moves_runs_whose_settings_the_new_config_states(tmp_path, 
     harness.note_command(out, command)
     (out / "metrics.json").write_text(json.dumps({"score": 1.0, "press": old["press"], "command": command}))
     rows, settings = (out / "predictions.jsonl").read_text(), (out / "config.yaml").read_text()
+    shard, _ = harness.start_run(
+        composed(f"press={old['press']}", *base[:-1], "shard=1/2", f"output_dir={tmp_path}", "compression_ratio=0.75"),
+        old,
+    )  # a sharded run moves with its shards
+    harness.note_command(shard, command)
     with pytest.raises(ValueError, match=r"other settings than config 'page_entrokv_reconstruction' builds: "):
         rename_press(tmp_path, old["press"], "page_entrokv_reconstruction")  # pooling entropy -> max
     with pytest.raises(ValueError, match="unknown press config 'nope'"):
@@ -301,6 +306,8 @@ def test_rename_press_moves_runs_whose_settings_the_new_config_states(tmp_path, 
     assert metrics["press"] == "page_entrokv_reconstruction_unprotected_copy" and metrics["command_as_run"] == command
     assert metrics["command"] == command.replace("_unprotected]", "_unprotected_copy]")
     assert (moved / harness.COMMANDS_NAME).read_text().strip() == metrics["command"]
+    moved_shard = moved.parent / "cr0.75/shard_1_of_2"
+    assert (moved_shard / harness.COMMANDS_NAME).read_text().strip() == metrics["command"]
     names = {**old, "press": "page_entrokv_reconstruction_unprotected_copy"}
     cfg = harness.compose_config([f"press={names['press']}", *base])
     assert harness.check_existing_run(cfg, names)["score"] == 1.0
