@@ -1,0 +1,181 @@
+"""Paired comparisons of one press against others, example by example, from committed runs.
+
+Usage::
+
+    python -m evaluation.studies.paired RESULTS_DIR --press A --against B [C ...] [--dataset ruler ruler-qa]
+        [--model smollm2-135m] [--ratios 0.5 0.75] [--partial] [--out results/paired]
+    python scripts/paired.py ...            # the same
+
+For each dataset, model and ratio where ``A`` and a press ``B`` both have a run (:func:`evaluation.report.scan`:
+shards merged, rows de-duplicated by example ``id``), the two runs' rows are matched by ``id`` and compared on the
+examples both scored:
+
+- ``better`` / ``worse`` / ``tied``: examples where ``A``'s score is above / below / equal to ``B``'s;
+- ``sign_p``: the two-sided exact sign test on the untied examples (``scipy.stats.binomtest(better, better +
+  worse)``; 1.0 when every example is tied);
+- ``diff`` with ``diff_low`` / ``diff_high``: the mean of ``score_A - score_B`` and its Student-t interval
+  (:func:`evaluation.metrics.t_interval`), the paired analogue of the report's per-press intervals.
+
+Unfinished runs (no ``metrics.json``, missing shards) are skipped unless ``--partial`` is given; their rows then
+say ``complete = False``. Writes ``<out>/<A>.csv`` (one row per dataset, model, ratio and ``B``) and
+``<out>/<A>.md`` (the same as a table, with the command), both atomically. Regenerated, never hand-edited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from evaluation.harness import write_atomic
+from evaluation.metrics import t_interval
+from evaluation.report import Run, _csv, _markdown, scan
+
+__all__ = ["paired_rows", "compare", "main"]
+
+
+def compare(a: Run, b: Run, confidence: float = 0.95) -> dict:
+    """One paired comparison of run ``a`` against run ``b`` on the examples both scored.
+
+    Args:
+        a, b: runs of the same dataset, model and ratio (rows with ``id`` and ``score``).
+        confidence: level of the interval of the mean difference, in (0, 1).
+
+    Returns:
+        A flat record: ``n`` (common examples), ``mean_a``, ``mean_b``, ``diff``, ``diff_low``, ``diff_high``,
+        ``better``, ``worse``, ``tied``, ``sign_p``, ``complete`` (both runs finished).
+
+    Raises:
+        ValueError: the runs share no example id, or their dataset, model or ratio differ.
+    """
+    from scipy.stats import binomtest
+
+    if (a.dataset, a.model, a.ratio) != (b.dataset, b.model, b.ratio):
+        raise ValueError(
+            f"paired runs must share dataset, model and ratio, got {(a.dataset, a.model, a.ratio)} and "
+            f"{(b.dataset, b.model, b.ratio)}"
+        )
+    sa = {r["id"]: float(r["score"]) for r in a.rows}
+    sb = {r["id"]: float(r["score"]) for r in b.rows}
+    common = sorted(set(sa) & set(sb))
+    if not common:
+        raise ValueError(f"{a.press} and {b.press} share no example id in {a.dataset} at ratio {a.ratio}")
+    diffs = [sa[i] - sb[i] for i in common]
+    better = sum(d > 0 for d in diffs)
+    worse = sum(d < 0 for d in diffs)
+    low, high = t_interval(diffs, confidence)
+    return {
+        "dataset": a.dataset,
+        "model": a.model,
+        "ratio": a.ratio,
+        "press": a.press,
+        "against": b.press,
+        "n": len(common),
+        "mean_a": sum(sa[i] for i in common) / len(common),
+        "mean_b": sum(sb[i] for i in common) / len(common),
+        "diff": sum(diffs) / len(diffs),
+        "diff_low": low,
+        "diff_high": high,
+        "better": better,
+        "worse": worse,
+        "tied": len(common) - better - worse,
+        "sign_p": float(binomtest(better, better + worse).pvalue) if better + worse else 1.0,
+        "complete": a.complete and b.complete,
+    }
+
+
+def paired_rows(
+    runs: list[Run],
+    press: str,
+    against: list[str],
+    ratios: list[float] | None = None,
+    partial: bool = False,
+    confidence: float = 0.95,
+) -> list[dict]:
+    """Every comparison of ``press`` against each of ``against`` among ``runs`` (:func:`compare`).
+
+    Args:
+        runs: runs from :func:`evaluation.report.scan`.
+        press: the press compared (``A``).
+        against: the presses it is compared with, each ``!= press``.
+        ratios: keep these compression ratios only (``None``: all).
+        partial: include unfinished runs (``False``: finished runs only).
+        confidence: level of the interval of the mean difference.
+
+    Raises:
+        ValueError: ``against`` is empty or names ``press`` itself.
+    """
+    if not against or press in against:
+        raise ValueError(f"against={against} must name at least one press other than press={press!r}")
+    keyed = {
+        (r.dataset, r.model, r.ratio, r.press): r
+        for r in runs
+        if r.rows and (partial or r.complete) and (ratios is None or r.ratio in ratios)
+    }
+    out = []
+    for (dataset, model, ratio, name), run in sorted(keyed.items()):
+        if name != press:
+            continue
+        for other in against:
+            peer = keyed.get((dataset, model, ratio, other))
+            if peer is not None:
+                out.append(compare(run, peer, confidence))
+    return out
+
+
+def _table(rows: list[dict]) -> str:
+    header = ["dataset", "ratio", "against", "n", "A", "B", "A - B [interval]", "better / worse / tied", "sign p"]
+    body = [
+        [
+            r["dataset"] + ("" if r["complete"] else " (partial)"),
+            f"{r['ratio']:g}",
+            r["against"],
+            r["n"],
+            f"{r['mean_a']:.3f}",
+            f"{r['mean_b']:.3f}",
+            f"{r['diff']:+.3f} [{r['diff_low']:+.3f}, {r['diff_high']:+.3f}]",
+            f"{r['better']} / {r['worse']} / {r['tied']}",
+            f"{r['sign_p']:.3g}",
+        ]
+        for r in rows
+    ]
+    return _markdown(header, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line (the module docstring). Returns 0, or 1 when no pair of runs was found."""
+    parser = argparse.ArgumentParser(prog="python -m evaluation.studies.paired", description=__doc__.split("\n")[0])
+    parser.add_argument("results_dir", type=Path)
+    parser.add_argument("--press", required=True)
+    parser.add_argument("--against", nargs="+", required=True)
+    parser.add_argument("--dataset", nargs="+", default=None, help="datasets to read (default: all)")
+    parser.add_argument("--model", default=None, help="keep this model only (default: all)")
+    parser.add_argument("--ratios", nargs="+", type=float, default=None)
+    parser.add_argument("--partial", action="store_true", help="include unfinished runs")
+    parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--out", type=Path, default=Path("results/paired"))
+    args = parser.parse_args(argv)
+    runs = [r for d in args.dataset or [None] for r in scan(args.results_dir, d)]
+    if args.model is not None:
+        runs = [r for r in runs if r.model == args.model]
+    rows = paired_rows(runs, args.press, args.against, args.ratios, args.partial, args.confidence)
+    if not rows:
+        print(f"no run of {args.press} shares a dataset, model and ratio with {args.against}", file=sys.stderr)
+        return 1
+    command = "python -m evaluation.studies.paired " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / f"{args.press}.csv", _csv(rows))
+    text = (
+        f"# {args.press}, paired against {', '.join(args.against)}\n\n"
+        "Examples matched by `id`; A is the first press, B the other; the interval is Student-t over the\n"
+        "per-example differences, the sign test two-sided on the untied examples (`evaluation/studies/paired.py`).\n"
+        f"Regenerated, never hand-edited:\n\n    {command}\n\n{_table(rows)}\n"
+    )
+    write_atomic(args.out / f"{args.press}.md", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""evaluation.studies.paired on a hand-made results tree: matching by id, counts, sign test, interval, files."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from scipy.stats import binomtest
+from test_report import _write_run
+
+from evaluation.metrics import t_interval
+from evaluation.report import scan
+from evaluation.studies.paired import compare, main, paired_rows
+
+
+@pytest.fixture
+def root(tmp_path):
+    root = tmp_path / "runs"
+    # ours: e1..e6 split over two shards; peer: e2..e7 (e1 and e7 are unmatched)
+    _write_run(root, "ours", "0.5", [("e1", "A", 1), ("e2", "A", 1), ("e3", "A", 1)], shard="shard_0_of_2")
+    _write_run(root, "ours", "0.5", [("e4", "B", 0), ("e5", "B", 0.5), ("e6", "B", 1)], shard="shard_1_of_2")
+    _write_run(root, "peer", "0.5", [("e2", "A", 0), ("e3", "A", 1), ("e4", "B", 1), ("e5", "B", 0)])
+    _write_run(root, "peer", "0.5", [("e6", "B", 0), ("e7", "B", 1)], shard="extra", finished=True)
+    _write_run(root, "ours", "0.75", [("e1", "A", 1)])
+    _write_run(root, "peer", "0.75", [("e1", "A", 0)], finished=False)
+    return root
+
+
+def test_compare_matches_by_id_and_counts(root):
+    runs = {(r.press, r.ratio): r for r in scan(root)}
+    row = compare(runs[("ours", 0.5)], runs[("peer", 0.5)])
+    # common ids e2..e5 (e6 of "peer" sits in a directory that is not a shard, so scan skips it)
+    diffs = [1 - 0, 1 - 1, 0 - 1, 0.5 - 0]
+    assert row["n"] == 4
+    assert (row["better"], row["worse"], row["tied"]) == (2, 1, 1)
+    assert row["diff"] == pytest.approx(sum(diffs) / 4)
+    assert (row["diff_low"], row["diff_high"]) == pytest.approx(t_interval(diffs))
+    assert row["sign_p"] == pytest.approx(binomtest(2, 3).pvalue)
+    assert row["mean_a"] == pytest.approx(2.5 / 4) and row["mean_b"] == pytest.approx(2 / 4)
+    assert row["complete"]
+
+
+def test_unfinished_runs_need_partial(root):
+    runs = scan(root)
+    finished = paired_rows(runs, "ours", ["peer"])
+    assert [r["ratio"] for r in finished] == [0.5]
+    partial = paired_rows(runs, "ours", ["peer"], partial=True)
+    assert [(r["ratio"], r["complete"]) for r in partial] == [(0.5, True), (0.75, False)]
+    assert partial[1]["sign_p"] == pytest.approx(binomtest(1, 1).pvalue)
+    assert paired_rows(runs, "ours", ["peer"], ratios=[0.75], partial=True)[0]["better"] == 1
+
+
+def test_all_tied_has_sign_p_one(tmp_path):
+    _write_run(tmp_path, "ours", "0.5", [("e1", "A", 1), ("e2", "A", 0)])
+    _write_run(tmp_path, "peer", "0.5", [("e1", "A", 1), ("e2", "A", 0)])
+    (row,) = paired_rows(scan(tmp_path), "ours", ["peer"])
+    assert row["sign_p"] == 1.0 and row["diff"] == 0.0 and row["tied"] == 2
+
+
+def test_bad_input_is_refused(root):
+    runs = {(r.press, r.ratio): r for r in scan(root)}
+    with pytest.raises(ValueError, match="ratio"):
+        compare(runs[("ours", 0.5)], runs[("peer", 0.75)])
+    with pytest.raises(ValueError, match="against"):
+        paired_rows(list(runs.values()), "ours", ["ours"])
+    with pytest.raises(ValueError, match="against"):
+        paired_rows(list(runs.values()), "ours", [])
+
+
+def test_cli_writes_csv_and_markdown(root, tmp_path):
+    out = tmp_path / "paired"
+    assert main([str(root), "--press", "ours", "--against", "peer", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "ours.csv")))
+    assert [(r["ratio"], r["better"], r["worse"]) for r in rows] == [("0.5", "2", "1")]
+    text = (out / "ours.md").read_text()
+    assert "python -m evaluation.studies.paired" in text and "2 / 1 / 1" in text
+    assert main([str(root), "--press", "ours", "--against", "nobody", "--out", str(out)]) == 1
