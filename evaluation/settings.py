@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import logging
 import math
 
 from omegaconf import DictConfig, OmegaConf
@@ -59,7 +60,15 @@ def press_settings(value):
 def _built_settings(press_json: str) -> str:
     from hydra.utils import instantiate
 
-    return json.dumps(press_settings(instantiate(json.loads(press_json))))  # the fields in their class order
+    # The press is built only to read its fields: kvpress's construction warnings (KVzip's "multiple forward
+    # passes", ...) concern running it, so they are held back here.
+    kvpress_log = logging.getLogger("kvpress")
+    level = kvpress_log.level
+    kvpress_log.setLevel(logging.ERROR)
+    try:
+        return json.dumps(press_settings(instantiate(json.loads(press_json))))  # the fields in their class order
+    finally:
+        kvpress_log.setLevel(level)
 
 
 def run_settings(cfg) -> dict:

@@ -123,3 +123,18 @@ def test_settings_are_the_built_press_not_the_yaml():
     assert nested["press"]["press"]["window_size"] == 8 and "kernel_size" in nested["press"]["press"]
     with pytest.raises(ValueError, match="cannot build the press kvpress.NoSuchPress"):
         run_settings({"press": {"_target_": "kvpress.NoSuchPress"}})
+
+
+def test_reading_settings_holds_back_kvpress_construction_warnings(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):  # 0.317: a press no other test builds (the settings are cached)
+        settings = run_settings({"press": {"_target_": "kvpress.KVzipPress", "compression_ratio": 0.317}})
+    assert settings["press"]["compression_ratio"] == 0.317
+    assert not [r for r in caplog.records if r.name.startswith("kvpress")]
+    assert logging.getLogger("kvpress").level == logging.NOTSET  # restored
+    with caplog.at_level(logging.WARNING):
+        from kvpress import KVzipPress
+
+        KVzipPress(0.3)  # built to run it: kvpress's warning is not held back
+    assert [r for r in caplog.records if r.name.startswith("kvpress")]
