@@ -21,12 +21,13 @@ Why sharing is exact:
 kvpress's code does the work: the first press of each pass runs its own ``__call__`` with the shared cache as the
 cache its prefill recorded, so kvpress's tokenizer reload, chunking, reconstruction forwards and hooks run
 unchanged; a hook registered before its hooks calls ``score_kvzip`` of the presses with other scoring fields (KVzip+
-next to KVzip) on the same inputs, and presses with one ``n_sink`` compute the reconstruction attention once per
-layer (:func:`_shared_cross_attention`); a hook on the language model copies the first press's scores after each
-forward (its ``compress_post`` then raises the sinks' scores in place). Each run then gets ``compress_post`` on a
-copy of its scores and decodes alone with its masks on the modules, through the pipeline's ``generate_answer`` as
-``evaluation.run`` does: the masks are kvpress's, and so are the keys it decodes with (``tests/test_kvzip_path.py``:
-equal masks and predictions).
+next to KVzip), or with scores of their own from the same pass (capability ``pass_as``: Page-EntroKV's
+reconstruction observers, ``presses/page_entrokv/reconstruction.py``), on the same inputs, and presses with one
+``n_sink`` compute the reconstruction attention once per layer (:func:`_shared_cross_attention`); a hook on the
+language model copies the first press's scores after each forward (its ``compress_post`` then raises the sinks'
+scores in place). Each run then gets ``compress_post`` on a copy of its scores and decodes alone with its masks on
+the modules, through the pipeline's ``generate_answer`` as ``evaluation.run`` does: the masks are kvpress's, and so
+are the keys it decodes with (``tests/test_kvzip_path.py``: equal masks and predictions).
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ SELECTION_FIELDS = frozenset({"compression_ratio", "layerwise"})
 SCORING_FIELDS = frozenset({"n_sink", "kvzip_plus_normalization"})
 
 
-def _key(press, drop: frozenset) -> tuple:
-    """The press's dataclass fields outside ``drop``, as a hashable key (an unknown new field counts as different).
+def _key(press, drop: frozenset, cls: type | None = None) -> tuple:
+    """The press's dataclass fields outside ``drop``, as a hashable key (an unknown new field counts as different),
+    after ``cls`` (default: the class whose scores the press computes).
 
     A subclass that changes only kvpress's selection (``compress_post``) says so in its capabilities
     (:class:`presses.base.Capabilities`: ``scores_as``, the class whose scores it computes, and ``selection_fields``,
@@ -71,7 +73,7 @@ def _key(press, drop: frozenset) -> tuple:
     sampling variants, presses/kvzip_pages/)."""
     caps = capabilities(press)
     drop = drop | frozenset(caps.selection_fields)
-    cls = caps.scores_as or type(press)
+    cls = cls or caps.scores_as or type(press)
     return (cls, *((f.name, getattr(press, f.name)) for f in dataclasses.fields(press) if f.name not in drop))
 
 
@@ -120,7 +122,7 @@ def score(presses: list, model, capture, context_ids: torch.Tensor) -> dict[tupl
         keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)  # before the cut
         for _, press in others:
             if press.score_val is None:
-                press.score_val = torch.zeros_like(lead.score_val)
+                press.score_val = _empty_scores(press, model, lead.score_val)
             press.context_length, press.prefix_length = lead.context_length, lead.prefix_length
             press.start_idx, press.end_idx = lead.start_idx, lead.end_idx
             press.score_kvzip(module, kwargs["hidden_states"], keys, values, output[1], kwargs)
@@ -142,6 +144,17 @@ def score(presses: list, model, capture, context_ids: torch.Tensor) -> dict[tupl
             press._reset_internal_parameters()
         take_masked_keys(model)  # the lead's own compress_post: each run selects below
     return kept
+
+
+def _empty_scores(press, model, lead_scores: torch.Tensor) -> torch.Tensor:
+    """Zero scores for ``press`` in a pass that another press leads (``lead_scores`` ``(L, 1, *, T)``): the press's
+    own (its ``empty_scores(model, T, device)``, for scores of another shape than kvpress's) or kvpress's
+    ``(L, 1, G, T)`` in the model's dtype, as kvpress's own ``prepare`` makes them."""
+    L, T, device = lead_scores.shape[0], lead_scores.shape[-1], lead_scores.device
+    own = getattr(press, "empty_scores", None)
+    if own is not None:
+        return own(model, T, device)
+    return torch.zeros(L, 1, model.config.num_key_value_heads, T, dtype=model.dtype, device=device)
 
 
 @contextlib.contextmanager
@@ -187,9 +200,10 @@ def scores_key(press) -> tuple:
 
 
 def pass_key(press) -> tuple:
-    """What a press's reconstruction pass depends on (``chunk_size``): its fields outside :data:`SELECTION_FIELDS`
-    and :data:`SCORING_FIELDS`."""
-    return _key(press, SELECTION_FIELDS | SCORING_FIELDS)
+    """What a press's reconstruction pass depends on (``chunk_size``): the class whose pass it runs (its capabilities'
+    ``pass_as``, else ``scores_as``, else its own) and its fields outside :data:`SELECTION_FIELDS` and
+    :data:`SCORING_FIELDS`."""
+    return _key(press, SELECTION_FIELDS | SCORING_FIELDS, capabilities(press).pass_as)
 
 
 def select(press, scores: torch.Tensor, model, cache) -> tuple:

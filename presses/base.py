@@ -96,6 +96,9 @@ class Capabilities:
             class's (KVzip's, for this project's KVzip subclasses): a sweep scores both from one pass; None: its own.
         selection_fields: with ``scores_once``, the press's fields that only its selection reads (besides the
             ratio): presses differing only in them share one score tensor (``evaluation.kvzip_path``).
+        pass_as: with ``scores_once``, the class whose reconstruction pass (its chunks and forwards) the press runs
+            when it is another class's though its scores are its own (KVzip's, for Page-EntroKV's reconstruction
+            observers): a sweep runs one pass for both and each scores it; None: ``scores_as``, else its own class.
     """
 
     shares_prefill: bool = True
@@ -110,6 +113,7 @@ class Capabilities:
     extra_forwards: bool = False
     scores_as: type | None = None
     selection_fields: tuple[str, ...] = ()
+    pass_as: type | None = None
 
 
 def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:

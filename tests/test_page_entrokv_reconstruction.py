@@ -210,6 +210,8 @@ def test_config_capabilities_and_refusals():
     other = PageEntroKVReconstructionPress(0.75, page_size=16, tau=2.0, protect="none")
     assert kvzip_path.scores_key(press) == kvzip_path.scores_key(other)  # one score tensor for the page options
     assert kvzip_path.scores_key(press) != kvzip_path.scores_key(KVzipPress(0.5))  # its own scores
+    assert kvzip_path.pass_key(press) == kvzip_path.pass_key(KVzipPress(0.5))  # from KVzip's pass (caps.pass_as)
+    assert kvzip_path.pass_key(press) != kvzip_path.pass_key(KVzipPress(0.5, chunk_size=128))
     assert kvzip_path.pass_key(press) == kvzip_path.pass_key(PageEntroKVReconstructionPress(0.5, n_sink=8))
     assert kvzip_path.scores_key(press) != kvzip_path.scores_key(PageEntroKVReconstructionPress(0.5, n_sink=8))
     with pytest.raises(ValueError, match="page_size=0 must be an integer >= 1"):
@@ -220,17 +222,55 @@ def test_config_capabilities_and_refusals():
         PageEntroKVReconstructionPress(0.5, kvzip_plus_normalization=True)
 
 
-def test_fused_equals_separate_runs(tiny, tmp_path, passes):  # noqa: F811 (fixtures)
-    """``evaluation.fused`` scores both budgets at two ratios from one reconstruction pass per example and gives the
-    predictions, compression and statistics of separate ``evaluation.run`` runs; the global budget masks, the
-    per-layer one evicts."""
-    presses, ratios = ["page_entrokv_reconstruction", "page_entrokv_reconstruction_layerwise"], [0.5, 0.75]
-    for cfg, names in _runs(presses, ratios, tmp_path / "separate"):
-        entry.run(cfg, names)
-    assert len(passes) == 2 * 4  # two examples, four runs
+@pytest.mark.parametrize("lead", ["kvzip", "reconstruction"])
+def test_one_pass_scores_kvzip_and_the_reconstruction_observers_exactly(tiny, passes, lead):  # noqa: F811
+    """KVzip, KVzip+ and this press (one ``chunk_size``) share one reconstruction pass, whichever leads it: each run's
+    masks equal those of the press's own prefill, tensor for tensor."""
+    model, _ = tiny
+    kvzip_press = KVzipPress(0.6, chunk_size=128)
+    ours_press = PageEntroKVReconstructionPress(0.6, page_size=16, chunk_size=128)
+    presses = [
+        kvzip_press,
+        KVzipPress(0.5, chunk_size=128, kvzip_plus_normalization=True),
+        ours_press,
+        PageEntroKVReconstructionPress(0.75, page_size=8, chunk_size=128, pooling="entropy"),
+    ]
+    if lead == "reconstruction":
+        presses = presses[2:] + presses[:2]
+    own = []
+    for press in presses:
+        _prefill(model, press)
+        own.append(kvzip_path.take_masked_keys(model))
     passes.clear()
-    fused.run_fused(_runs(presses, ratios, tmp_path / "fused"), "test")
-    assert len(passes) == 2  # one per example for both budgets and both ratios
+    with torch.inference_mode(), replay.PrefillCapture(model) as capture:
+        model.model(input_ids=IDS, past_key_values=DynamicCache())
+    runs = [type("Run", (), {"press": press})() for press in presses]
+    shared = list(kvzip_path.selected_runs(runs, model, capture, IDS))
+    assert len(passes) == 1
+    for press, mine, (_, _, _, masks, _) in zip(presses, own, shared):
+        assert sum(len(m[0]) for m in masks) == int(3 * 2 * IDS.shape[1] * press.compression_ratio)
+        for a, b in zip(mine, masks):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), press
+    masks = {id(press): item[3] for press, item in zip(presses, shared)}
+    kvzip, ours = masks[id(kvzip_press)], masks[id(ours_press)]
+    assert any(not torch.equal(a[2], b[2]) for a, b in zip(kvzip, ours))  # not trivial: other scores, other masks
+
+
+def test_fused_equals_separate_runs(tiny, tmp_path, passes):  # noqa: F811 (fixtures)
+    """``evaluation.fused`` scores both budgets at two ratios, and KVzip beside them, from one reconstruction pass
+    per example and gives the predictions, compression and statistics of separate ``evaluation.run`` runs; the
+    global budget masks, the per-layer one evicts."""
+    presses, ratios = ["page_entrokv_reconstruction", "page_entrokv_reconstruction_layerwise"], [0.5, 0.75]
+    for cfg, names in _runs([*presses, "kvzip"], ratios, tmp_path / "separate"):
+        entry.run(cfg, names)
+    assert len(passes) == 2 * 6  # two examples, six runs
+    passes.clear()
+    fused.run_fused(_runs([*presses, "kvzip"], ratios, tmp_path / "fused"), "test")
+    assert len(passes) == 2  # one per example for both budgets, both ratios and KVzip
+    for ratio in ratios:
+        sep, fus = _rows(tmp_path / "separate", "kvzip", ratio), _rows(tmp_path / "fused", "kvzip", ratio)
+        assert sorted(sep) == sorted(fus) and sep
+        assert all(fus[i]["prediction"] == sep[i]["prediction"] for i in sep)
     for press in presses:
         for ratio in ratios:
             sep, fus = _rows(tmp_path / "separate", press, ratio), _rows(tmp_path / "fused", press, ratio)

@@ -118,6 +118,7 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
             scores_once=True,
             extra_forwards=True,
             selection_fields=SELECTION_FIELDS,
+            pass_as=KVzipPress,  # kvpress's pass, unchanged: a sweep shares it with KVzip and KVzip+
             uneven_layers=self.layerwise and self.pages().capabilities.uneven_layers,
         )
 
@@ -135,11 +136,17 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
         return PageEntroKVPress(n_sink=self.n_sink, **fields)
 
     def prepare(self, model, tokenizer, prev_postfix_size=8):
-        """kvpress's chunks, with the scores kept per query head: ``score_val`` ``(L, 1, H_Q, T)`` float32."""
+        """kvpress's chunks, with the scores kept per query head (:meth:`empty_scores`)."""
         chunks = super().prepare(model, tokenizer, prev_postfix_size)
-        L, _, _, T = self.score_val.shape
-        self.score_val = torch.zeros(L, 1, model.config.num_attention_heads, T, device=self.score_val.device)
+        self.score_val = self.empty_scores(model, self.score_val.shape[-1], self.score_val.device)
         return chunks
+
+    @staticmethod
+    def empty_scores(model, context_length: int, device) -> torch.Tensor:
+        """Zero scores, one per layer, query head and context position: ``(L, 1, H_Q, T)`` float32 (kvpress's are
+        per KV head; ``evaluation.kvzip_path`` asks for these when another press leads the pass)."""
+        L, H = model.config.num_hidden_layers, model.config.num_attention_heads
+        return torch.zeros(L, 1, H, context_length, device=device)
 
     def score_kvzip(self, module, hidden_states, keys, values, attentions, kwargs):
         """The observer attention of one chunk's reconstruction queries (see the class), into ``score_val``.
