@@ -266,8 +266,9 @@ def test_embedded_model_tokenizer_is_local():
 
 @pytest.mark.slow
 def test_embedded_model_fused_equals_run(tmp_path, passes):
-    """On the embedded SmolLM2 (offline): KVzip and KVzip+ at two ratios, one 512-token needle, fused == run."""
-    presses, ratios = ["kvzip", "kvzip_plus"], [0.5, 0.75]
+    """On the embedded SmolLM2 (offline): KVzip, KVzip+ and Page-EntroKV's reconstruction observers (its scores
+    from their pass) at two ratios, one 512-token needle, fused == run."""
+    presses, ratios = ["kvzip", "kvzip_plus", "page_entrokv_reconstruction"], [0.5, 0.75]
     settings = ["n_samples=1", "dataset.context_length=512", "dataset.depths=[50]"]
     try:
         model, _ = harness.get_model(composed().model, "cpu", "sdpa")
