@@ -1,6 +1,7 @@
 """Seconds per example of KVzip on the embedded model, one thread: what ``evaluation.run`` pays per ratio against
 what ``evaluation.fused`` pays for several ratios and both variants (one reconstruction pass,
-``evaluation.kvzip_path``).
+``evaluation.kvzip_path``), and the same for Page-EntroKV with reconstruction observers
+(``page_entrokv_reconstruction``, docs/methods.md §1.16), alone and sharing KVzip's pass.
 
 Usage::
 
@@ -14,10 +15,12 @@ seconds:
 - ``prefill``: the uncompressed prefill alone (``model.model``);
 - ``run kvzip@r``: kvpress's pipeline with ``KVzipPress(r)``, prefill, reconstruction, selection and decode, as
   ``evaluation.run`` runs it, once per ratio;
+- ``run page_entrokv_reconstruction@r``: the same with ``PageEntroKVReconstructionPress(r)`` (its own pass);
 - ``fused ...``: one recorded prefill, :func:`evaluation.kvzip_path.selected_runs` (one pass, a selection per run)
   and each run's decode with its masks, as ``evaluation.fused`` runs them.
 
-The fused predictions are checked against the pipeline's (they must be equal). Writes ``<output>/README.md``.
+The fused predictions of KVzip and of the reconstruction press are checked against the pipeline's (they must be
+equal). Writes ``<output>/README.md``.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ RATIOS = (0.25, 0.5, 0.75)
 
 
 class _Run:
-    def __init__(self, press):
-        self.press = press
+    def __init__(self, press, name: str):
+        self.press, self.name = press, name
 
 
 def _timed(fn):
@@ -52,6 +55,11 @@ def main(n_examples: int = 2, context_length: int = 2048, output: str = "results
     from evaluation.models import load_model
     from evaluation.pipeline import TextGenerationPipeline
     from evaluation.replay import PrefillCapture, generate_answers
+    from presses import PageEntroKVReconstructionPress
+
+    makers = {"kvzip": lambda r: KVzipPress(compression_ratio=r)}
+    makers["page_entrokv_reconstruction"] = lambda r: PageEntroKVReconstructionPress(compression_ratio=r)
+    fresh = {**makers, "kvzip_plus": lambda r: KVzipPress(compression_ratio=r, kvzip_plus_normalization=True)}
 
     torch.set_num_threads(1)
     model, tok = load_model("smollm2-135m")
@@ -72,23 +80,27 @@ def main(n_examples: int = 2, context_length: int = 2048, output: str = "results
             _, cpu, wall = _timed(lambda: model.model(input_ids=context_ids, past_key_values=DynamicCache()))
             add("prefill (no_press)", cpu, wall)
             alone = {}
-            for ratio in RATIOS:
-                press = KVzipPress(compression_ratio=ratio)
-                answer, cpu, wall = _timed(
-                    lambda p=press: pipe(
-                        ex.context,
-                        question=ex.question,
-                        answer_prefix=ex.answer_prefix,
-                        press=p,
-                        max_new_tokens=max_new,
-                    )["answer"]
-                )
-                alone[ratio] = answer
-                add(f"run kvzip@{ratio:g} (prefill + pass + decode)", cpu, wall)
-            for label, variants in (("kvzip", (False,)), ("kvzip + kvzip_plus", (False, True))):
-                runs = [
-                    _Run(KVzipPress(compression_ratio=r, kvzip_plus_normalization=v)) for v in variants for r in RATIOS
-                ]
+            for name, make in makers.items():
+                for ratio in RATIOS:
+                    press = make(ratio)
+                    answer, cpu, wall = _timed(
+                        lambda p=press: pipe(
+                            ex.context,
+                            question=ex.question,
+                            answer_prefix=ex.answer_prefix,
+                            press=p,
+                            max_new_tokens=max_new,
+                        )["answer"]
+                    )
+                    alone[(name, ratio)] = answer
+                    add(f"run {name}@{ratio:g} (prefill + pass + decode)", cpu, wall)
+            for names in (
+                ("kvzip",),
+                ("kvzip", "kvzip_plus"),
+                ("page_entrokv_reconstruction",),
+                ("kvzip", "page_entrokv_reconstruction"),
+            ):
+                label, runs = " + ".join(names), [_Run(fresh[n](r), n) for n in names for r in RATIOS]
 
                 def fused(runs=runs):
                     answers = []
@@ -102,15 +114,14 @@ def main(n_examples: int = 2, context_length: int = 2048, output: str = "results
                 answers, cpu, wall = _timed(fused)
                 add(f"fused {label}, {len(RATIOS)} ratios ({len(runs)} runs)", cpu, wall)
                 for run, answer in zip(runs, answers):
-                    if not run.press.kvzip_plus_normalization and answer != alone[run.press.compression_ratio]:
-                        mismatches.append(
-                            (ex.id, run.press.compression_ratio, answer, alone[run.press.compression_ratio])
-                        )
+                    expected = alone.get((run.name, run.press.compression_ratio))
+                    if run.name in makers and answer != expected:
+                        mismatches.append((ex.id, run.name, run.press.compression_ratio, answer, expected))
         print(ex.id, {k: round(v[-1][0], 1) for k, v in rows.items()}, flush=True)
 
     prefill_cpu = statistics.mean(c for c, _ in rows["prefill (no_press)"])
     lines = [
-        "# KVzip cost on the embedded model (one thread)",
+        "# KVzip's cost on the embedded model, and Page-EntroKV's with reconstruction observers (one thread)",
         "",
         f"Command: `python scripts/kvzip_cost.py {n_examples} {context_length} {output}` (torch "
         f"{torch.__version__}, {torch.get_num_threads()} thread). Needle examples of {context_length} tokens, "
@@ -125,7 +136,7 @@ def main(n_examples: int = 2, context_length: int = 2048, output: str = "results
         lines.append(f"| {name} | {cpu:.1f} | {cpu / prefill_cpu:.1f} | {wall:.1f} |")
     lines += [
         "",
-        "Fused predictions equal the pipeline's for every kvzip run: "
+        "Fused predictions equal the pipeline's for every kvzip and page_entrokv_reconstruction run: "
         + ("yes" if not mismatches else f"NO, {len(mismatches)} differ: {mismatches}"),
         "",
     ]
