@@ -58,10 +58,15 @@ def column_sums(
     scaling = d**-0.5 if scaling is None else scaling
     end = int(rows.max()) + 1 if rows.numel() else 0  # keys beyond the last row are never visible
     q = queries.float().reshape(B, G, r * n, d)
-    logits = torch.matmul(q, keys[:, :, :end].float().transpose(-1, -2)) * scaling  # (B, G, r*n, end)
+    logits = torch.matmul(q, keys[:, :, :end].float().transpose(-1, -2)).mul_(scaling)  # (B, G, r*n, end)
     logits = softcap_logits(logits, softcap).view(B, G, r, n, end)
-    future = torch.arange(end, device=keys.device).view(1, end) > rows.view(n, 1)
-    probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+    # in place and only where some row cannot see (the keys before the first row's are seen by every row): the
+    # (B, G, r, n, end) logits are the bulk of the memory and time, so no masked copy of them is made
+    seen = int(rows.min()) + 1 if rows.numel() else end
+    if seen < end:
+        future = torch.arange(seen, end, device=keys.device).view(1, end - seen) > rows.view(n, 1)
+        logits[..., seen:].masked_fill_(future, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
     if row_weights is not None:
         probs = probs * row_weights.float().view(n, 1)
     out = (probs.sum(dim=-2) if reduce == "sum" else probs.amax(dim=-2)).reshape(B, HQ, end)
