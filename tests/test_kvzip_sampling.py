@@ -122,7 +122,7 @@ def test_samples_pages_from_kvzips_scores(tiny):  # noqa: F811
         with scorer(model):
             model.model(input_ids=IDS, past_key_values=cache)
         uncompressed = [layer.keys.clone() for layer in cache.layers]
-        pi = reconstruction_proposals(scorer.kept, KVzipPress.n_sink)
+        pi = reconstruction_proposals(scorer.kept, KVzipPress.n_sink, press.proposal_temperature, press.uniform_mix)
         press.sampler().evict_with_proposals(attention_modules(model), cache, list(pi))
     _assert_same(own, _state(cache))
     summary = press.summary()
@@ -144,6 +144,10 @@ def test_config_capabilities_and_refusals():
     press = instantiate(composed("press=snis_kvzip_page", "compression_ratio=0.5", "seed=7").press)
     assert isinstance(press, KVzipSamplingPress) and press.unit == "page" and press.seed == 7
     assert press.page_size == ProbabilisticEvictionPress.page_size and press.tau == ProbabilisticEvictionPress.tau
+    assert press.proposal_temperature == 0.25 != ProbabilisticEvictionPress.proposal_temperature  # tuned here
+    for variant in ("snis_kvzip_page_t1", "snis_kvzip_page_uncorrected", "snis_kvzip_token"):  # as they were tried
+        built = instantiate(composed(f"press={variant}", "compression_ratio=0.5").press)
+        assert built.proposal_temperature == 1.0, variant
     caps = capabilities(press)
     assert caps.decode_state and caps.extra_forwards and caps.scores_once and not caps.shares_prefill
     with pytest.raises(ValueError, match="cannot share a prefill"):  # only KVzip's path (evaluation.kvzip_path)
