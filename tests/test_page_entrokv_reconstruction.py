@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -244,7 +246,7 @@ def test_one_pass_scores_kvzip_and_the_reconstruction_observers_exactly(tiny, pa
     passes.clear()
     with torch.inference_mode(), replay.PrefillCapture(model) as capture:
         model.model(input_ids=IDS, past_key_values=DynamicCache())
-    runs = [type("Run", (), {"press": press})() for press in presses]
+    runs = [SimpleNamespace(press=press) for press in presses]
     shared = list(kvzip_path.selected_runs(runs, model, capture, IDS))
     assert len(passes) == 1
     for press, mine, (_, _, _, masks, _) in zip(presses, own, shared):
