@@ -30,7 +30,8 @@ from pathlib import Path
 
 from evaluation.harness import write_atomic
 from evaluation.metrics import t_interval
-from evaluation.report import Run, _csv, _markdown, scan
+from evaluation.report import Run, scan
+from evaluation.studies.tables import markdown_table, write_rows
 
 __all__ = ["paired_rows", "compare", "main"]
 
@@ -140,7 +141,7 @@ def _table(rows: list[dict]) -> str:
         ]
         for r in rows
     ]
-    return _markdown(header, body)
+    return "\n".join(markdown_table(header, body))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     command = "python -m evaluation.studies.paired " + shlex.join(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / f"{args.press}.csv", _csv(rows))
+    write_rows(args.out / f"{args.press}.csv", rows)
     text = (
         f"# {args.press}, paired against {', '.join(args.against)}\n\n"
         "Examples matched by `id`; A is the first press, B the other; the interval is Student-t over the\n"
