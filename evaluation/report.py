@@ -343,9 +343,17 @@ def win_table(runs: list[Run], provisional: bool = False) -> list[dict]:
     for run in runs:
         if run.press != BASELINE and run.rows and (run.complete or provisional):
             by_ratio[run.ratio].append(run)
+    if provisional:
+        by_ratio = {ratio: group for ratio, group in by_ratio.items() if not all(run.complete for run in group)}
+    return _wins_by_ratio(by_ratio)
+
+
+def _wins_by_ratio(by_ratio: dict[float, list[Run]]) -> list[dict]:
+    """The rows of :func:`win_table` for runs already chosen and grouped by ratio; a ratio with fewer than two
+    runs is skipped, and each ratio is scored on the examples all its runs hold."""
     out = []
     for ratio, group in sorted(by_ratio.items()):
-        if len(group) < 2 or (provisional and all(run.complete for run in group)):
+        if len(group) < 2:
             continue
         scored = {
             run.press: {r["id"]: (r.get("task") or run.dataset, float(r["score"])) for r in run.rows} for run in group
@@ -386,7 +394,8 @@ def protocol_table(after: list[Run], inside: list[Run], confidence: float) -> li
     the compressed context (``<dataset>-qa/``). The win scores are recomputed among the presses present in both
     protocols at that ratio (so that the two columns compare the same set of presses), and every cell uses only
     the examples that every such run at that ratio holds in both protocols (so that a protocol still running,
-    or a run with fewer examples, compares the same examples' contexts).
+    or a run with fewer examples, compares the same examples' contexts). A run still running (some shards
+    missing) counts in the win scores too, on those examples, as it does in the scores.
 
     Returns:
         Records with ``press, ratio, n_after, score_after, low_after, high_after, n_inside, score_inside, ...,
@@ -413,8 +422,16 @@ def protocol_table(after: list[Run], inside: list[Run], confidence: float) -> li
         name: {(s["press"], s["ratio"]): s for s in summary_table(keep(runs), confidence)}
         for name, runs in (("after", after), ("inside", inside))
     }
+
+    def grouped(runs):  # every kept run, complete or not: the examples are already the common ones
+        by_ratio: dict[float, list[Run]] = defaultdict(list)
+        for run in keep(runs):
+            if run.press != BASELINE:
+                by_ratio[run.ratio].append(run)
+        return by_ratio
+
     wins = {
-        name: {(w["press"], w["ratio"]): w["win_score"] for w in win_table(keep(runs))}
+        name: {(w["press"], w["ratio"]): w["win_score"] for w in _wins_by_ratio(grouped(runs))}
         for name, runs in (("after", after), ("inside", inside))
     }
     out = []

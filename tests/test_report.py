@@ -355,6 +355,19 @@ def test_protocols_side_by_side_compare_the_same_presses(tmp_path):
     assert {r["n_after"] for r in rows.values()} == {r["n_inside"] for r in rows.values()} == {"1"}
     assert float(rows["snapkv"]["score_after"]) == 1.0 and float(rows["tova"]["score_after"]) == 0.0
     assert float(rows["snapkv"]["score_inside"]) == 0.0 and float(rows["tova"]["score_inside"]) == 1.0
+    # the win scores count the same runs and examples as the scores, complete or not (e1: snapkv wins after,
+    # tova inside)
+    assert (float(rows["snapkv"]["win_after"]), float(rows["tova"]["win_after"])) == (1.0, 0.0)
+    assert (float(rows["snapkv"]["win_inside"]), float(rows["tova"]["win_inside"])) == (0.0, 1.0)
+    # a run with a shard missing (incomplete) still gets its win score beside the complete ones
+    root3 = tmp_path / "sharded"
+    for proto, (s1, s2) in (("needle", (1, 1)), ("needle-qa", (1, 0))):
+        _write_run(root3, "snapkv", "0.5", [("e1", "needle", s1), ("e2", "needle", s2)], dataset=proto)
+        _write_run(root3, "tova", "0.5", [("e1", "needle", 0)], shard="shard_0_of_2", dataset=proto)
+    build_report(root3, tmp_path / "r4", plots=False)
+    rows = {r["press"]: r for r in _csv(tmp_path / "r4" / "tables" / "needle__tiny__protocols.csv")}
+    assert rows["tova"]["n_after"] == "1" and float(rows["tova"]["win_after"]) == 0.0
+    assert float(rows["snapkv"]["win_after"]) == float(rows["snapkv"]["win_inside"]) == 1.0
     only_after = tmp_path / "one"
     _write_run(only_after, "snapkv", "0.5", [("e1", "needle", 1)], dataset="needle")
     assert "side by side" not in build_report(only_after, tmp_path / "r2", plots=False).read_text()
