@@ -39,8 +39,6 @@ did not write are removed from ``tables/`` and ``plots/``. The output is regener
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import logging
 import math
@@ -62,6 +60,7 @@ from evaluation.harness import (
     write_atomic,
 )
 from evaluation.metrics import score_interval, t_interval, win_scores
+from evaluation.studies.tables import csv_text, markdown_table
 
 logger = logging.getLogger("evaluation.report")
 
@@ -451,20 +450,13 @@ def protocol_table(after: list[Run], inside: list[Run], confidence: float) -> li
 
 
 def _csv(records: list[dict]) -> str:
-    """CSV text of flat records (floats with 6 significant digits)."""
-    buf = io.StringIO()
-    fields = list(dict.fromkeys(k for r in records for k in r))
-    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
-    writer.writeheader()
-    for r in records:
-        writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()})
-    return buf.getvalue()
+    """CSV text of flat records, floats with 6 significant digits (:func:`evaluation.studies.tables.csv_text`)."""
+    return csv_text(records, float_spec=".6g")
 
 
-def _markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+def _markdown(header: list[str], rows: list[list]) -> str:
+    """A Markdown table as one string (:func:`evaluation.studies.tables.markdown_table`)."""
+    return "\n".join(markdown_table(header, rows))
 
 
 def _pivot(records: list[dict], row_key, col_key, cell, row_order=None, col_order=None):

@@ -11,7 +11,7 @@ import math
 import shlex
 from pathlib import Path
 
-__all__ = ["read_rows", "write_rows", "num", "fmt", "markdown_table", "command"]
+__all__ = ["read_rows", "csv_text", "write_rows", "num", "fmt", "markdown_table", "command"]
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -51,15 +51,24 @@ def command(script: str, argv: list[str]) -> str:
     return shlex.join(["python", f"scripts/{script}.py", *argv])
 
 
-def write_rows(path: Path, rows: list[dict], columns: list[str] | None = None) -> None:
-    """Write ``rows`` as a CSV file with the header ``columns`` (default: every key of ``rows``, in first-seen
-    order); a missing cell is empty and a key outside ``columns`` is left out. Atomic
-    (:func:`evaluation.harness.write_atomic`): an interrupted write leaves the previous file."""
-    from evaluation.harness import write_atomic
-
+def csv_text(rows: list[dict], columns: list[str] | None = None, float_spec: str | None = None) -> str:
+    """The text of a CSV file of ``rows`` with the header ``columns`` (default: every key of ``rows``, in first-seen
+    order); a missing cell is empty and a key outside ``columns`` is left out; lines end in ``\n``. ``float_spec``
+    (e.g. ``".6g"``) formats every float cell with ``format(value, float_spec)``; ``None`` writes ``str(value)``."""
     columns = list(columns) if columns is not None else list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore")
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
-    write_atomic(Path(path), buf.getvalue())
+    for row in rows:
+        if float_spec is not None:
+            row = {k: format(v, float_spec) if isinstance(v, float) else v for k, v in row.items()}
+        writer.writerow(row)
+    return buf.getvalue()
+
+
+def write_rows(path: Path, rows: list[dict], columns: list[str] | None = None, float_spec: str | None = None) -> None:
+    """Write :func:`csv_text` of ``rows`` to ``path``. Atomic (:func:`evaluation.harness.write_atomic`): an
+    interrupted write leaves the previous file."""
+    from evaluation.harness import write_atomic
+
+    write_atomic(Path(path), csv_text(rows, columns, float_spec))
