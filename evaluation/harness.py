@@ -249,8 +249,9 @@ LOCK_POLL_S = 1.0
 
 def nests_samples(cfg: DictConfig) -> bool:
     """Whether the dataset of ``cfg`` declares that its examples nest: for ``n_samples`` m < n, the m examples
-    (per the dataset's unit: task, length, depth) are, id for id and word for word, among the n (the class attribute
-    ``nested_samples``; each such dataset seeds example ``i`` by its own coordinates, never by the count)."""
+    (per the dataset's unit: task, length, depth) are, id for id and word for word, among the n, and the examples
+    of one length are the same whichever other lengths are asked (the class attribute ``nested_samples``; each such
+    dataset seeds example ``i`` by its own coordinates, never by the count or the other lengths)."""
     from hydra.utils import get_class
 
     target = OmegaConf.select(cfg, "dataset._target_")
@@ -260,15 +261,20 @@ def nests_samples(cfg: DictConfig) -> bool:
         return False
 
 
-def growth(out: Path, cfg: DictConfig) -> tuple[int, int] | None:
-    """``(saved n_samples, new n_samples)`` when ``cfg`` asks to grow the run in ``out`` (``grow=true``): its saved
-    settings differ from ``cfg``'s in ``n_samples`` only, upwards, on a dataset whose examples nest
-    (:func:`nests_samples`), outside a shard. The rows already written are kept and only the missing examples run
-    (rows, resume and ``metrics.json`` are keyed by example id). None when ``grow`` is unset or nothing differs.
+#: the settings grow=true may change, and how: n_samples upwards, dataset.context_lengths to a superset
+GROWABLE = ("n_samples", "dataset.context_lengths")
+
+
+def growth(out: Path, cfg: DictConfig) -> list[str] | None:
+    """The changes (``key: old -> new``) by which ``cfg`` grows the run in ``out`` (``grow=true``): its saved settings
+    differ from ``cfg``'s only in a larger ``n_samples`` and / or more ``dataset.context_lengths`` (every saved
+    length kept), on a dataset whose examples nest (:func:`nests_samples`), outside a shard. The rows already
+    written are kept and only the missing examples run (rows, resume and ``metrics.json`` are keyed by example
+    id). None when ``grow`` is unset or nothing differs.
 
     Raises:
-        ValueError: ``grow=true`` with other changes, a smaller or unset ``n_samples``, a shard, or a dataset whose
-            examples do not nest; the message names the value and the rule.
+        ValueError: ``grow=true`` with other changes, a smaller or unset ``n_samples``, a saved length left out, a
+            shard, or a dataset whose examples do not nest; the message names the value and the rule.
     """
     if not cfg.get("grow", False) or not (out / "config.yaml").exists():
         return None
@@ -276,12 +282,21 @@ def growth(out: Path, cfg: DictConfig) -> tuple[int, int] | None:
     changed = config_changes(saved, cfg)
     if not changed:
         return None
-    old, new = saved.get("n_samples"), cfg.get("n_samples")
-    rule = "grow=true takes a run to a larger n_samples and changes nothing else"
-    if [c.split(":")[0] for c in changed] != ["n_samples"]:
+    rule = "grow=true takes a run to a larger n_samples and / or more dataset.context_lengths and changes nothing else"
+    keys = [c.split(":")[0] for c in changed]
+    if not set(keys) <= set(GROWABLE):
         raise ValueError(f"{out}: {rule}; other settings differ ({'; '.join(changed)})")
-    if not isinstance(old, int) or not isinstance(new, int) or new <= old:
-        raise ValueError(f"{out}: {rule}; n_samples={new!r} is not an integer above the saved n_samples={old!r}")
+    if "n_samples" in keys:
+        old, new = saved.get("n_samples"), cfg.get("n_samples")
+        if not isinstance(old, int) or not isinstance(new, int) or new <= old:
+            raise ValueError(f"{out}: {rule}; n_samples={new!r} is not an integer above the saved n_samples={old!r}")
+    if "dataset.context_lengths" in keys:
+        old, new = (OmegaConf.select(c, "dataset.context_lengths") or [] for c in (saved, cfg))
+        left_out = sorted({int(x) for x in old} - {int(x) for x in new})
+        if left_out:
+            raise ValueError(
+                f"{out}: {rule}; dataset.context_lengths={list(new)} leaves out the saved length(s) {left_out}"
+            )
     if parse_shard(cfg.get("shard")):
         raise ValueError(
             f"{out}: grow=true cannot grow a shard (shard={cfg.get('shard')!r}): growing moves examples "
@@ -292,7 +307,7 @@ def growth(out: Path, cfg: DictConfig) -> tuple[int, int] | None:
             f"{out}: grow=true needs a dataset whose examples nest (nested_samples); {cfg.dataset._target_} does not "
             "say so: run the larger n_samples in another output_dir"
         )
-    return old, new
+    return changed
 
 
 def _settings_problem(out: Path, cfg: DictConfig, why: str) -> str | None:
@@ -303,7 +318,7 @@ def _settings_problem(out: Path, cfg: DictConfig, why: str) -> str | None:
     changed = config_changes(OmegaConf.load(out / "config.yaml"), cfg)
     if not changed or growth(out, cfg):
         return None
-    more = " (or grow=true to add the missing examples)" if [c.split(":")[0] for c in changed] == ["n_samples"] else ""
+    more = " (or grow=true to add the missing examples)" if {c.split(":")[0] for c in changed} <= set(GROWABLE) else ""
     return (
         f"{out} {why} other settings ({'; '.join(changed)}); writing it would mix them: choose another "
         "output_dir for these settings (the run directory names only dataset, model, press and ratio), or "
@@ -404,7 +419,7 @@ def _claim(cfg: DictConfig, names: dict[str, str], made: list[Path]):
                 raise ValueError(problem)
             grown = growth(out, cfg)
             if grown:  # the smaller run's metrics go before its config: a crash between leaves a plain resumable run
-                logger.info("growing %s from n_samples=%d to %d: its rows are kept", out, *grown)
+                logger.info("growing %s (%s): its rows are kept", out, "; ".join(grown))
                 (out / "metrics.json").unlink(missing_ok=True)
                 finished = False
         if finished and not overwrite:

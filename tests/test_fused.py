@@ -603,8 +603,8 @@ def test_grow_adds_only_the_missing_examples_and_equals_a_fresh_run(tiny, tmp_pa
     """``grow=true`` takes finished runs from one example per task to two: the first rows stay byte for byte, only
     the new examples run, and the grown runs hold what a fresh run of two gives (issue 31's cells of 50 -> 100)."""
 
-    def runs(out, n, *extra):
-        ruler = ["dataset=ruler_smoke", "dataset.context_lengths=[700]", "dataset.tasks=[niah_single_1]"]
+    def runs(out, n, *extra, lengths="[700]"):
+        ruler = ["dataset=ruler_smoke", f"dataset.context_lengths={lengths}", "dataset.tasks=[niah_single_1]"]
         return [
             (
                 composed(f"press={p}", f"compression_ratio={r}", f"output_dir={out}", f"n_samples={n}", *ruler, *extra),
@@ -629,3 +629,14 @@ def test_grow_adds_only_the_missing_examples_and_equals_a_fresh_run(tiny, tmp_pa
         assert sorted(grown) == sorted(fresh) and len(grown) == 2
         assert all(grown[i]["prediction"] == fresh[i]["prediction"] for i in grown), press
     assert fused.run_fused(runs(tmp_path / "grown", 2, "grow=true"), "again") == metrics  # finished: nothing to do
+    # another length: the 700-token rows stay, the 800-token ones run and equal a fresh run of both lengths
+    grown_rows = (run / "predictions.jsonl").read_text()
+    longer = fused.run_fused(runs(tmp_path / "grown", 2, "grow=true", lengths="[700,800]"), "longer")
+    fused.run_fused(runs(tmp_path / "fresh2", 2, lengths="[700,800]"), "fresh")
+    assert [m["n"] for m in longer] == [4, 4, 4]
+    assert (run / "predictions.jsonl").read_text().startswith(grown_rows)
+    for press, ratio in (("no_press", 0.0), ("snapkv", 0.5), ("page_entrokv", 0.5)):
+        grown = _rows(tmp_path / "grown", press, ratio, "ruler_smoke")
+        fresh = _rows(tmp_path / "fresh2", press, ratio, "ruler_smoke")
+        assert sorted(grown) == sorted(fresh) and len(grown) == 4
+        assert all(grown[i]["prediction"] == fresh[i]["prediction"] for i in grown), press

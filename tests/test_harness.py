@@ -9,6 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from evaluation import harness
 from evaluation import run as entry
@@ -216,6 +217,32 @@ def test_grow_takes_a_finished_run_to_a_larger_n_samples_and_refuses_anything_el
         harness.start_run(composed(*base, "n_samples=4", *shard), names)
 
 
+def test_grow_adds_context_lengths_and_never_drops_one(tmp_path):
+    """``grow=true`` also takes a finished run to more ``dataset.context_lengths`` (issue 31: the 2k grids grown to
+    4k for the per-length tables), keeping its rows; leaving a saved length out is one clear error."""
+    names = {"press": "snapkv", "dataset": "ruler_smoke", "model": "smollm2-135m"}
+    base = ["press=snapkv", "dataset=ruler_smoke", "compression_ratio=0.5", f"output_dir={tmp_path}", "n_samples=1"]
+    out, _ = harness.start_run(composed(*base, "dataset.context_lengths=[1024]"), names)
+    harness.append_row(out / "predictions.jsonl", {"id": "niah_single_1_1024_0", "score": 1.0})
+    (out / "metrics.json").write_text(json.dumps({"score": 1.0, "n": 1}))
+    rows = (out / "predictions.jsonl").read_text()
+    more = [*base, "dataset.context_lengths=[1024,2048]"]
+    with pytest.raises(ValueError, match=r"dataset.context_lengths: \[1024\] -> \[1024, 2048\].*grow=true"):
+        harness.start_run(composed(*more), names)
+    with pytest.raises(ValueError, match=r"leaves out the saved length\(s\) \[1024\]"):
+        harness.start_run(composed(*base, "dataset.context_lengths=[2048]", "grow=true"), names)
+    with pytest.raises(ValueError, match=r"other settings differ \(dataset.context_lengths: .*; seed: 42 -> 43\)"):
+        harness.start_run(composed(*more, "seed=43", "grow=true"), names)
+    assert (out / "metrics.json").exists()  # nothing changed by a refusal
+    assert harness.check_existing_run(composed(*more, "grow=true"), names) is None  # work to do
+    assert harness.start_run(composed(*more, "grow=true"), names)[1] is None
+    assert not (out / "metrics.json").exists() and (out / "predictions.jsonl").read_text() == rows
+    assert OmegaConf.load(out / "config.yaml").dataset.context_lengths == [1024, 2048]
+    both = [*base[:-1], "n_samples=2", "dataset.context_lengths=[1024,2048,4096]", "grow=true"]  # both at once
+    assert harness.start_run(composed(*both), names)[1] is None
+    assert (out / "predictions.jsonl").read_text() == rows
+
+
 def test_every_dataset_that_says_its_examples_nest_does():
     """``nested_samples`` is what lets ``grow=true`` keep a run's rows: for each dataset that declares it, the
     examples of a smaller ``n_samples`` are those of a larger one, id for id and field for field."""
@@ -243,6 +270,11 @@ def test_every_dataset_that_says_its_examples_nest_does():
         by_id = {e.id: asdict(e) for e in large}
         assert len(large) == 2 * len(small) and len(by_id) == len(large)
         assert all(by_id[e.id] == asdict(e) for e in small), name
+        # another length asked beside it changes none of its examples (grow=true may add lengths)
+        (length,) = dataset.context_lengths
+        dataset.context_lengths = [length + 100, length]
+        wider = {e.id: asdict(e) for e in dataset.examples(tok, 1, 3, False)}
+        assert len(wider) == 2 * len(small) and all(wider[e.id] == asdict(e) for e in small), name
 
 
 def test_a_run_is_identified_by_the_press_it_builds():
