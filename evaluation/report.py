@@ -338,13 +338,20 @@ def win_table(runs: list[Run], provisional: bool = False) -> list[dict]:
             read). ``True``: only the ratios where some run is incomplete, every run with rows counted, on
             the examples all of them hold so far (a sweep in progress; ``n_examples`` says how many).
     """
-    by_ratio: dict[float, list[Run]] = defaultdict(list)
-    for run in runs:
-        if run.press != BASELINE and run.rows and (run.complete or provisional):
-            by_ratio[run.ratio].append(run)
+    by_ratio = _scored_by_ratio(runs, incomplete=provisional)
     if provisional:
         by_ratio = {ratio: group for ratio, group in by_ratio.items() if not all(run.complete for run in group)}
     return _wins_by_ratio(by_ratio)
+
+
+def _scored_by_ratio(runs: list[Run], incomplete: bool) -> dict[float, list[Run]]:
+    """The runs a win score compares, by ratio: every run with rows but the ``no_press`` baseline; with
+    ``incomplete=False`` only complete runs."""
+    by_ratio: dict[float, list[Run]] = defaultdict(list)
+    for run in runs:
+        if run.press != BASELINE and run.rows and (run.complete or incomplete):
+            by_ratio[run.ratio].append(run)
+    return by_ratio
 
 
 def _wins_by_ratio(by_ratio: dict[float, list[Run]]) -> list[dict]:
@@ -421,16 +428,11 @@ def protocol_table(after: list[Run], inside: list[Run], confidence: float) -> li
         name: {(s["press"], s["ratio"]): s for s in summary_table(keep(runs), confidence)}
         for name, runs in (("after", after), ("inside", inside))
     }
-
-    def grouped(runs):  # every kept run, complete or not: the examples are already the common ones
-        by_ratio: dict[float, list[Run]] = defaultdict(list)
-        for run in keep(runs):
-            if run.press != BASELINE:
-                by_ratio[run.ratio].append(run)
-        return by_ratio
-
-    wins = {
-        name: {(w["press"], w["ratio"]): w["win_score"] for w in _wins_by_ratio(grouped(runs))}
+    wins = {  # every kept run, complete or not: the examples are already the common ones
+        name: {
+            (w["press"], w["ratio"]): w["win_score"]
+            for w in _wins_by_ratio(_scored_by_ratio(keep(runs), incomplete=True))
+        }
         for name, runs in (("after", after), ("inside", inside))
     }
     out = []
