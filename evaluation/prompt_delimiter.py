@@ -11,7 +11,8 @@ drops the delimiter again, and the tokens after it are SnapKV's observation wind
   is refused;
 - the delimiter goes where the dataset says the question part starts (:attr:`evaluation.datasets.base.Example.
   question_start`: needle before its ``"\\n\\n" + question``, RULER before the task's question marker, keyfacts,
-  multidoc and LongBench before their closing instruction or question); an example that cannot say is refused;
+  multidoc, LongBench, stdlib_docs and stdlib_code before their closing instruction or question); an example that
+  cannot say, or whose question part is empty (LongBench's and stdlib_code's ``lcc``), is refused;
 - the rows count the context the press compresses, without the delimiter (:func:`strip`).
 """
 
@@ -77,9 +78,9 @@ def delimited(ex, token: str, press: str):
     if at is None or not 0 < at < len(ex.context):
         raise ValueError(
             f"example {ex.id!r}: press {press} needs a delimiter between the document and the "
-            f"question, and the dataset does not say where the question starts inside the context "
-            f"(question_start={at}); set query_aware=true, or use a dataset that sets it (needle, ruler, "
-            "keyfacts, multidoc, longbench)"
+            f"question, and the dataset does not say where a non-empty question starts inside the context "
+            f"(question_start={at}, context of {len(ex.context)} characters); set query_aware=true, or use a dataset "
+            "that sets it (needle, ruler, keyfacts, multidoc, longbench, stdlib_docs, stdlib_code)"
         )
     return dataclasses.replace(ex, context=ex.context[:at] + token + ex.context[at:], question_start=None)
 

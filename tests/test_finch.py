@@ -35,6 +35,8 @@ DATASETS = {
     "keyfacts": ["dataset.context_lengths=[1024]"],
     "multidoc": ["dataset.context_lengths=[1024]", "dataset.fact_kinds=[city]"],
     "longbench": [f"dataset.source={FIXTURES}", "dataset.tasks=[hotpotqa,gov_report,trec]"],
+    "stdlib_docs": ["dataset.context_lengths=[1024]"],
+    "stdlib_code": ["dataset.context_lengths=[1024]", "dataset.tasks=[repobench-p]"],  # lcc asks nothing after
 }
 
 
@@ -54,6 +56,17 @@ def test_question_start_is_the_boundary_of_each_dataset(name):
         at = q.question_start
         assert q.context[:at] == a.context
         assert q.context[at:].strip() == a.question.strip() != ""
+
+
+def test_an_example_with_nothing_asked_after_its_document_is_refused():
+    """LongBench's ``lcc`` prompt ends in its answer cue: inside the context the question part is empty, so there is
+    nowhere for Finch's delimiter and observation window; the example is refused by name."""
+    tok = word_tokenizer()
+    lcc = ["dataset.context_lengths=[1024]", "dataset.tasks=[lcc]"]
+    (ex,) = instantiate(composed("dataset=stdlib_code", *lcc).dataset).examples(tok, 1, 42, True)
+    assert ex.question_start == len(ex.context) > 0
+    with pytest.raises(ValueError, match=rf"example {ex.id!r}: press finch .* non-empty question .* stdlib_code"):
+        prompt_delimiter.delimited(ex, "<d>", "finch")
 
 
 def _runs(*presses):
@@ -83,7 +96,7 @@ def test_setup_inserts_the_delimiter_and_refuses_what_it_cannot_place():
         assert torch.equal(stripped[ex.id]["context_ids"], tok.encode(ex.context, return_tensors="pt"))
     with pytest.raises(ValueError, match="holds the delimiter token 0 times"):
         prompt_delimiter.strip(stripped, token_id)
-    with pytest.raises(ValueError, match=r"does not say where the question starts inside the context"):
+    with pytest.raises(ValueError, match=r"does not say where a non-empty question starts inside the context"):
         prompt_delimiter.setup(runs, model, tok, _examples("needle", tok, False), 0)
     with pytest.raises(ValueError, match=r"press finch adds a delimiter token .* run it apart from the other presses"):
         prompt_delimiter.setup(_runs(FinchPress(0.5), instantiate(composed("press=snapkv").press)), model, tok, [], 0)

@@ -40,6 +40,25 @@ class Example:
     continuation: str = ""
 
 
+def place_question(context: str, question: str, query_aware: bool, separator: str = "") -> tuple[str, str, int | None]:
+    """Put the question where the protocol asks it (docs/methods.md §5).
+
+    Args:
+        context: the document, without the question.
+        question: what is asked after it (instruction, question, cue).
+        query_aware: ask it inside the compressed context instead of after compression.
+        separator: text between the document and the question when the question goes inside (e.g. ``"\\n\\n"``).
+
+    Returns:
+        ``(context, question, question_start)``: after compression ``(context, question, None)``; inside,
+        ``(context + separator + question, "", len(context))``, so ``context[:question_start]`` is the document
+        (:attr:`Example.question_start`, where a press that needs a delimiter puts it).
+    """
+    if not query_aware:
+        return context, question, None
+    return context + separator + question, "", len(context)
+
+
 class DataUnavailableError(RuntimeError):
     """A dataset's files could not be found or fetched (e.g. the hub is unreachable and they are not cached);
     the message says how to provide them."""

@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from evaluation.datasets.base import Example
+from evaluation.datasets.base import Example, place_question
 from evaluation.datasets.prose import check_passage_count, check_passage_lengths, fill_body, prose_sentences
 from presses.entroprefill.chunking import passage_marker
 
@@ -169,9 +169,7 @@ class KeyFactsDataset:
             answer_idx, key = with_fact[asked_fact], keys[asked_fact]
             context = HEADER + "\n\n".join(passages)
             asked = "\n\n" + INSTRUCTION + "\n\nQuestion: " + QUESTION_TEMPLATE.format(key=key) + "\nAnswer:"
-            question_start = len(context) if query_aware else None
-            if query_aware:
-                context, asked = context + asked, ""
+            context, asked, question_start = place_question(context, asked, query_aware)
             out.append(
                 Example(
                     id=f"keyfacts-{length}-{i}",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from evaluation.datasets.base import DataUnavailableError, Example
+from evaluation.datasets.base import DataUnavailableError, Example, place_question
 from evaluation.datasets.tokens import count_tokens, truncate_middle
 from evaluation.metrics import LONGBENCH_METRICS, longbench_score
 
@@ -337,9 +337,7 @@ class LongBenchDataset:
                 )
             context, truncated = truncate_middle(tokenizer, context, budget), True
         length = count_tokens(tokenizer, context + question + prefix) if truncated else full
-        question_start = len(context) if query_aware else None
-        if query_aware:
-            context, question = context + question, ""
+        context, question, question_start = place_question(context, question, query_aware)
         row_id = row.get("_id", index)
         meta = {
             "prompt_tokens": length,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from evaluation.datasets.base import Example
+from evaluation.datasets.base import Example, place_question
 from evaluation.datasets.prose import check_passage_count, check_passage_lengths, fill_body, prose_sentences
 from presses.entroprefill.chunking import passage_marker
 
@@ -217,9 +217,7 @@ class MultiDocQADataset:
             question = question_t.format(name=names[answer_idx])
             asked = "\n\n" + INSTRUCTION + "\n\nQuestion: " + question + "\nAnswer:"
             answer = values[answer_idx]
-            question_start = len(context) if query_aware else None
-            if query_aware:
-                context, asked = context + asked, ""
+            context, asked, question_start = place_question(context, asked, query_aware)
             out.append(
                 Example(
                     id=f"multidoc-{kind}-{length}-{i}",

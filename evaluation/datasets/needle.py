@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from evaluation.datasets.base import Example
+from evaluation.datasets.base import Example, place_question
 from evaluation.datasets.prose import prose_sentences
 
 __all__ = ["NeedleDataset", "NEEDLE_TEMPLATE", "QUESTION_TEMPLATE", "ANSWER_PREFIX"]
@@ -127,9 +127,7 @@ class NeedleDataset:
             prefix = " ".join(parts[:at])  # the needle's leading space merges into its first token
             needle_start = len(tokenizer.encode(prefix, add_special_tokens=False)) if at else 0
             n_tokens = len(tokenizer.encode(context, add_special_tokens=False))
-            question_start = len(context) if query_aware else None
-            if query_aware:
-                context, question = context + "\n\n" + question, ""
+            context, question, question_start = place_question(context, question, query_aware, separator="\n\n")
             out.append(
                 Example(
                     id=f"needle-{self.context_length}-d{depth:g}-{i}",

@@ -33,7 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import ClassVar
 
-from evaluation.datasets.base import DataUnavailableError, Example
+from evaluation.datasets.base import DataUnavailableError, Example, place_question
 from evaluation.datasets.prose import prose_sentences
 from evaluation.datasets.tokens import count_tokens
 from evaluation.metrics import ruler_postprocess, string_match_all, string_match_part
@@ -723,10 +723,7 @@ class RulerDataset:
 
     def _example(self, name: str, length: int, index: int, r: _Rendered, tokens: int, query_aware: bool) -> Example:
         task = RULER_TASKS[name]
-        context, question = r.context, r.question
-        question_start = len(context) if query_aware else None
-        if query_aware:
-            context, question = context + question, ""
+        context, question, question_start = place_question(r.context, r.question, query_aware)
         meta = {"context_length": length, "prompt_tokens": tokens, "index": index, **r.metadata}
         return Example(
             id=f"{name}_{length}_{index}",

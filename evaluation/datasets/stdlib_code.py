@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from evaluation.datasets.base import Example
+from evaluation.datasets.base import Example, place_question
 from evaluation.datasets.longbench import DATASET2MAXLEN, split_prompt
 from evaluation.datasets.stdlib import (
     MIN_FILL,
@@ -199,8 +199,7 @@ class StdlibCodeDataset:
         """The example of ``task`` whose answer is ``lines[j]`` of ``relpath``."""
         ctx, question, prefix = split_prompt(task, context, inp)
         tokens = count_tokens(tokenizer, ctx + question + prefix)
-        if query_aware:
-            ctx, question = ctx + question, ""
+        ctx, question, question_start = place_question(ctx, question, query_aware)
         return Example(
             id="",
             context=ctx,
@@ -209,6 +208,7 @@ class StdlibCodeDataset:
             answer_prefix=prefix,
             max_new_tokens=DATASET2MAXLEN[task],
             task=task,
+            question_start=question_start,
             metadata={
                 "context_length": length,
                 "prompt_tokens": tokens,

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from evaluation.datasets.base import Example
+from evaluation.datasets.base import Example, place_question
 from evaluation.datasets.stdlib import (
     check_set,
     examples_per_cell,
@@ -266,8 +266,7 @@ class StdlibDocsDataset:
             if unique_problem(fact, context + asked, asked):
                 continue
             tokens = count_tokens(tokenizer, context + asked)
-            if query_aware:
-                context, asked = context + asked, ""
+            context, asked, question_start = place_question(context, asked, query_aware)
             return Example(
                 id=f"{task}-{length}-{i}",
                 context=context,
@@ -276,6 +275,7 @@ class StdlibDocsDataset:
                 answer_prefix=prefix,
                 max_new_tokens=self.max_new_tokens,
                 task=task,
+                question_start=question_start,
                 metadata={
                     "context_length": length,
                     "prompt_tokens": tokens,
