@@ -469,6 +469,18 @@ def _pivot(records: list[dict], row_key, col_key, cell, row_order=None, col_orde
     return cols, [[rk] + [cells.get((rk, c), "–") for c in cols] for rk in rows_]
 
 
+def _press_by_ratio(records: list[dict], cell, row_order: list, col_order=None) -> str:
+    """``records`` (rows with ``press`` and ``ratio``) as a Markdown press x ratio table, ``cell(record)`` per cell."""
+    hdr, rows = _pivot(records, lambda r: r["press"], lambda r: r["ratio"], cell, row_order, col_order)
+    return _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows)
+
+
+def _win_table_markdown(wins: list[dict], presses: list[str]) -> str:
+    """The win scores (:func:`win_table`'s rows) as a press x ratio Markdown table, the baseline left out."""
+    order = [p for p in presses if p != BASELINE]
+    return _press_by_ratio(wins, lambda r: f"{r['win_score']:.3f}", order, sorted({r["ratio"] for r in wins}))
+
+
 class _Writer:
     """Writes report files atomically and remembers them (to prune stale ones)."""
 
@@ -805,38 +817,19 @@ def build_report(
             "size; interval: Wilson when every score is 0 or 1, Student t otherwise. `*`: incomplete run.",
             "",
         ]
-        hdr, rows = _pivot(
-            summary,
-            lambda r: r["press"],
-            lambda r: r["ratio"],
-            lambda r: f"{r['score']:.3f} [{r['low']:.3f}, {r['high']:.3f}]" + ("" if r["complete"] else " *"),
-            row_order=presses,
-            col_order=ratios,
-        )
-        md += [_markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), ""]
-        hdr, rows = _pivot(
-            summary,
-            lambda r: r["press"],
-            lambda r: r["ratio"],
-            lambda r: f"{r['task_average']:.3f}",
-            row_order=presses,
-            col_order=ratios,
-        )
+
+        def scored(r):
+            return f"{r['score']:.3f} [{r['low']:.3f}, {r['high']:.3f}]" + ("" if r["complete"] else " *")
+
+        md += [_press_by_ratio(summary, scored, presses, ratios), ""]
         md += [
             "Task average (every task weighs the same):",
             "",
-            _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows),
+            _press_by_ratio(summary, lambda r: f"{r['task_average']:.3f}", presses, ratios),
             "",
         ]
-        hdr, rows = _pivot(
-            summary,
-            lambda r: r["press"],
-            lambda r: r["ratio"],
-            lambda r: f"{r['effective_compression']:.3f}",
-            row_order=presses,
-            col_order=ratios,
-        )
-        md += ["Measured effective compression:", "", _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), ""]
+        compression = _press_by_ratio(summary, lambda r: f"{r['effective_compression']:.3f}", presses, ratios)
+        md += ["Measured effective compression:", "", compression, ""]
         md += [
             f"Table: [{links['summary']}]({links['summary']})"
             + (f" · plot:\n\n![score vs ratio]({plots['score']})" if "score" in plots else ""),
@@ -854,29 +847,17 @@ def build_report(
                 "",
             ]
             for key, label in (("nll_increase", "NLL increase"), ("kl", "KL")):
-                hdr, rows = _pivot(
-                    every,
-                    lambda r: r["press"],
-                    lambda r: r["ratio"],
-                    lambda r, k=key: f"{r[k]:.4f} [{r[f'{k}_low']:.4f}, {r[f'{k}_high']:.4f}]",
-                    row_order=presses,
-                    col_order=ratios,
-                )
-                md += [f"{label}:", "", _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows), ""]
+
+                def loss(r, k=key):
+                    return f"{r[k]:.4f} [{r[f'{k}_low']:.4f}, {r[f'{k}_high']:.4f}]"
+
+                md += [f"{label}:", "", _press_by_ratio(every, loss, presses, ratios), ""]
             md += [
                 f"Table (per task too): [{links['continuation']}]({links['continuation']})"
                 + (f" · plot:\n\n![loss vs ratio]({plots['loss']})" if "loss" in plots else ""),
                 "",
             ]
         if wins:
-            hdr, rows = _pivot(
-                wins,
-                lambda r: r["press"],
-                lambda r: r["ratio"],
-                lambda r: f"{r['win_score']:.3f}",
-                row_order=[p for p in presses if p != BASELINE],
-                col_order=sorted({r["ratio"] for r in wins}),
-            )
             md += [
                 "### Win score (paper 003 section 7)",
                 "",
@@ -884,7 +865,7 @@ def build_report(
                 "divided by (presses - 1) and averaged over tasks; compared at each ratio on the examples "
                 f"every press scored (`{BASELINE}` and incomplete runs left out).",
                 "",
-                _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows),
+                _win_table_markdown(wins, presses),
                 "",
                 f"Table: [{links['win']}]({links['win']})"
                 + (f" · plot:\n\n![win score vs ratio]({plots['win']})" if "win" in plots else ""),
@@ -893,14 +874,6 @@ def build_report(
         if costed:
             md += _cost_section(costed, links["cost"], plots.get("cost"), costs)
         if provisional:
-            hdr, rows = _pivot(
-                provisional,
-                lambda r: r["press"],
-                lambda r: r["ratio"],
-                lambda r: f"{r['win_score']:.3f}",
-                row_order=[p for p in presses if p != BASELINE],
-                col_order=sorted({r["ratio"] for r in provisional}),
-            )
             n = {r["ratio"]: r["n_examples"] for r in provisional}
             md += [
                 "### Win score on the examples every run holds (some runs incomplete)",
@@ -910,7 +883,7 @@ def build_report(
                 + ", ".join(f"cr {x:g}: n = {n[x]}" for x in sorted(n))
                 + "). These change as those runs grow; no other table or the claims ledger reads them.",
                 "",
-                _markdown(["press"] + [f"cr {c:g}" for c in hdr], rows),
+                _win_table_markdown(provisional, presses),
                 "",
                 f"Table: [{links['win_provisional']}]({links['win_provisional']})",
                 "",

@@ -426,7 +426,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     # ------------------------------------------------------------------ selection
     def _plan(self, seq_len: int) -> PageBudget:
         """The page plan for ``T`` (computed once per prefill, so a conflict is logged once)."""
-        key = (
+        args = (
             seq_len,
             self.compression_ratio,
             self.page_size,
@@ -436,20 +436,9 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             self.protect,
             self.budget,
         )
-        if key not in self._plan_cache:
-            self._plan_cache = {
-                key: page_budget(
-                    seq_len,
-                    self.compression_ratio,
-                    self.page_size,
-                    self.n_sink,
-                    self.window_size,
-                    self.on_budget_conflict,
-                    self.protect,
-                    self.budget,
-                )
-            }
-        return self._plan_cache[key]
+        if args not in self._plan_cache:
+            self._plan_cache = {args: page_budget(*args)}
+        return self._plan_cache[args]
 
     @staticmethod
     def _union(pages: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
