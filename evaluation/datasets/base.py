@@ -41,7 +41,7 @@ class Example:
 
 
 def place_question(context: str, question: str, query_aware: bool, separator: str = "") -> tuple[str, str, int | None]:
-    """Put the question where the protocol asks it (docs/methods.md §5).
+    """Put the question where the protocol asks it (docs/methods.md §5.5).
 
     Args:
         context: the document, without the question.
