@@ -230,13 +230,13 @@ def test_pooled_page_scores_match_reference(alpha, pooling, page_size, page_scor
 def test_pooled_page_scores_bad_input():
     attn = torch.softmax(torch.randn(1, 4, 10), -1).to(DEVICE)
     with pytest.raises(ValueError, match="pooling='median' is not one of"):
-        pooled_page_scores_triton(attn, 2, pooling="median")
+        pooled_page_scores_triton(attn, 2, 4, 2.0, 0.5, "median", 16, "block_max")
     with pytest.raises(ValueError, match="n_sink=10 must satisfy 0 <= n_sink < T=10"):
-        pooled_page_scores_triton(attn, 2, n_sink=10)
+        pooled_page_scores_triton(attn, 2, 10, 2.0, 0.5, "entropy", 16, "block_max")
     with pytest.raises(ValueError, match="num_groups=3 must divide"):
-        pooled_page_scores_triton(attn, 3)
+        pooled_page_scores_triton(attn, 3, 4, 2.0, 0.5, "entropy", 16, "block_max")
     with pytest.raises(ValueError, match="page_size=0 must be >= 1"):
-        pooled_page_scores_triton(attn, 2, page_size=0)
+        pooled_page_scores_triton(attn, 2, 4, 2.0, 0.5, "entropy", 0, "block_max")
 
 
 # ------------------------------------------------------------------------------ E[J(m)]
@@ -369,8 +369,9 @@ def test_dispatch_functions_route_by_mode(monkeypatch):
     assert torch.equal(attn, observer_attention_reference(q, k))
     assert torch.equal(column_sums(q, k), column_sums_reference(q, k))
     assert torch.equal(column_maxes(q, k), column_maxes_reference(q, k))
-    pooled_ref = pooled_page_scores(attn, 1, page_size=8)
-    assert torch.equal(pooled_ref[1], pooled_page_scores_reference(attn, 1, page_size=8)[1])
+    args = (1, 4, 2.0, 0.5, "entropy", 8, "block_max")
+    pooled_ref = pooled_page_scores(attn, *args)
+    assert torch.equal(pooled_ref[1], pooled_page_scores_reference(attn, *args)[1])
     pi = torch.softmax(torch.randn(2, 40, generator=_gen(1)), -1).to(DEVICE)
     m = torch.tensor([3.0, 90.0], device=DEVICE)
     assert torch.equal(expected_unique_many(pi, m), expected_unique_many_reference(pi, m))
@@ -380,7 +381,7 @@ def test_dispatch_functions_route_by_mode(monkeypatch):
 
     monkeypatch.setenv("KVPRESS_RESEARCH_KERNELS", "triton")
     torch.testing.assert_close(window_attention(q, k), attn, atol=1e-6, rtol=1e-4)
-    torch.testing.assert_close(pooled_page_scores(attn, 1, page_size=8)[1], pooled_ref[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(pooled_page_scores(attn, *args)[1], pooled_ref[1], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(biased_decode_attention(q[:, :, -1:], k, v, bias), dec_ref, atol=1e-5, rtol=1e-4)
 
 

@@ -59,14 +59,16 @@ def test_tau_limit_and_monotone_sharpness(r):
     taus = [0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 100.0, 1e4]
     maxw = []
     for tau in taus:
-        _, diag = pooled_group_scores(attn, 2, n_sink=4, tau=tau, diagnostics=True)
+        _, diag = pooled_group_scores(attn, 2, n_sink=4, alpha=2.0, tau=tau, pooling="entropy", diagnostics=True)
         maxw.append(diag["weights"].amax(-1))  # (1, G)
     maxw = torch.stack(maxw)  # (n_tau, 1, G)
     assert bool((maxw[1:] < maxw[:-1] + 1e-7).all()), maxw.squeeze(1).T  # Table 5a: monotone in tau
     assert bool((maxw[0] > 1.0 / r + 0.05).all())  # sharp at small tau
     assert torch.allclose(maxw[-1], torch.full_like(maxw[-1], 1.0 / r), atol=1e-3)  # toward 1/r
-    pooled_inf, diag_inf = pooled_group_scores(attn, 2, n_sink=4, tau=math.inf, diagnostics=True)
-    pooled_mean, _ = pooled_group_scores(attn, 2, n_sink=4, pooling="mean")
+    pooled_inf, diag_inf = pooled_group_scores(
+        attn, 2, n_sink=4, alpha=2.0, tau=math.inf, pooling="entropy", diagnostics=True
+    )
+    pooled_mean, _ = pooled_group_scores(attn, 2, n_sink=4, alpha=2.0, tau=0.5, pooling="mean")
     assert torch.equal(diag_inf["weights"], torch.full_like(diag_inf["weights"], 1.0 / r))
     assert torch.allclose(pooled_inf, pooled_mean, atol=1e-7)
     assert torch.allclose(pooled_mean, attn.reshape(1, 2, r, -1).mean(2), atol=1e-7)
@@ -76,7 +78,7 @@ def test_alpha2_weights_are_collision_powers():
     """docs/methods.md §1 step 4: for alpha = 2, w_h = C_h^(1/tau) / sum C^(1/tau) with C_h = sum a~^2."""
     attn = real_ish_attention(heads=6)
     tau = 0.7
-    _, diag = pooled_group_scores(attn, 2, n_sink=4, alpha=2.0, tau=tau, diagnostics=True)
+    _, diag = pooled_group_scores(attn, 2, n_sink=4, alpha=2.0, tau=tau, pooling="entropy", diagnostics=True)
     a = attn.double()[..., 4:]
     a = a / a.sum(-1, keepdim=True)
     c = (a * a).sum(-1).reshape(1, 2, 3) ** (1 / tau)
@@ -96,8 +98,8 @@ def test_sink_masquerade():
     attn[0, 1, S + 100] = 0.3
     attn[0, 2:] = torch.softmax(torch.randn(2, T, generator=g, dtype=torch.float64) * 0.3, -1)  # diffuse
     attn = attn.float()
-    _, raw = pooled_group_scores(attn, 1, n_sink=S, pooling="raw_entropy", diagnostics=True)
-    _, iso = pooled_group_scores(attn, 1, n_sink=S, pooling="entropy", diagnostics=True)
+    _, raw = pooled_group_scores(attn, 1, n_sink=S, alpha=2.0, tau=0.5, pooling="raw_entropy", diagnostics=True)
+    _, iso = pooled_group_scores(attn, 1, n_sink=S, alpha=2.0, tau=0.5, pooling="entropy", diagnostics=True)
     w_raw, w_iso = raw["weights"][0, 0], iso["weights"][0, 0]
     assert w_raw.argmax().item() == 0  # the masquerade: raw entropy favours the sink head
     assert w_iso[0] < w_raw[0]
@@ -141,17 +143,17 @@ def test_entropy_range_after_isolation(alpha):
 def test_group_layout_and_errors():
     """Query head h belongs to group h // r; weights sum to 1 per group; bad inputs raise."""
     attn = real_ish_attention(heads=6)
-    pooled, diag = pooled_group_scores(attn, 3, n_sink=4, diagnostics=True)
+    pooled, diag = pooled_group_scores(attn, 3, n_sink=4, alpha=2.0, tau=0.5, pooling="entropy", diagnostics=True)
     w = diag["weights"]
     assert w.shape == (1, 3, 2)
     assert torch.allclose(w.sum(-1), torch.ones(1, 3))
     manual = w[0, 1, 0] * attn[0, 2] + w[0, 1, 1] * attn[0, 3]
     assert torch.allclose(pooled[0, 1], manual, atol=1e-7)
-    mx, _ = pooled_group_scores(attn, 3, pooling="max")
+    mx, _ = pooled_group_scores(attn, 3, n_sink=4, alpha=2.0, tau=0.5, pooling="max")
     assert torch.equal(mx[0, 2], torch.maximum(attn[0, 4], attn[0, 5]))
     with pytest.raises(ValueError, match="pooling='median'"):
-        pooled_group_scores(attn, 3, pooling="median")
+        pooled_group_scores(attn, 3, n_sink=4, alpha=2.0, tau=0.5, pooling="median")
     with pytest.raises(ValueError, match="num_groups=4"):
-        pooled_group_scores(attn, 4)
+        pooled_group_scores(attn, 4, n_sink=4, alpha=2.0, tau=0.5, pooling="entropy")
     with pytest.raises(ValueError, match="tau=0"):
         group_weights(torch.zeros(1, 4), 2, tau=0)

@@ -4,12 +4,14 @@
   second source of that default; an interpolation such as ``${seed}`` links a run setting and is allowed);
 - the committed run directories resume under today's configs: for each, the press today's ``press=<name>`` builds
   at its ratio has the settings its ``config.yaml`` holds;
-- the class defaults are the tuned values the benchmark runs (``PageEntroKVPress().page_size``).
+- the class defaults are the tuned values the benchmark runs (``PageEntroKVPress().page_size``);
+- the scoring math and its kernels restate none of the press's defaults (they take every value from the press).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from pathlib import Path
 
@@ -60,6 +62,31 @@ def test_the_class_defaults_are_the_tuned_values():
     press = PageEntroKVPress()
     assert {key: getattr(press, key) for key in chosen} == chosen  # the dev split's choice, page_size 32
     assert ProbabilisticEvictionPress().seed == composed().seed  # the harness's default run seed
+
+
+def _scoring_functions():
+    from presses.core import pooling, renyi
+    from presses.kernels import pooled_page_scores, references, renyi_pages
+
+    return [
+        pooled_page_scores,
+        references.pooled_page_scores_reference,
+        renyi_pages.pooled_page_scores_triton,
+        renyi_pages.row_entropies_triton,
+        pooling.pooled_group_scores,
+        renyi.renyi_entropy,
+        renyi.group_weights,
+    ]
+
+
+@pytest.mark.parametrize("function", _scoring_functions(), ids=lambda f: f"{f.__module__}.{f.__name__}")
+def test_the_scoring_math_states_no_default_of_a_press_field(function):
+    """The press's fields are the one source of ``n_sink``, ``alpha``, ``tau``, ``pooling``, ``page_size`` and
+    ``page_score``: the kernels and the math they call take them, they do not restate them."""
+    fields = {f.name for f in dataclasses.fields(PageEntroKVPress)}
+    parameters = inspect.signature(function).parameters.values()
+    restated = [f"{p.name}={p.default!r}" for p in parameters if p.name in fields and p.default is not p.empty]
+    assert restated == []
 
 
 def _committed_runs():

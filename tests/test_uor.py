@@ -193,7 +193,7 @@ def test_pooled_row_is_exactly_one(k):
     from presses.core.pooling import pooled_group_scores
 
     attn = torch.softmax(torch.randn(4, 9, 300, generator=torch.Generator().manual_seed(1)) * 3, -1)
-    pooled, _ = pooled_group_scores(attn, num_groups=3)
+    pooled, _ = pooled_group_scores(attn, 3, n_sink=4, alpha=2.0, tau=0.5, pooling="entropy")
     out = pooled_replay(pooled, r=3, k_over_t=k)
     assert bool((out["uor"] == 1.0).all()) and bool((out["j_bar"] == 1.0).all())
     row = summarize_cells([out])
@@ -328,7 +328,8 @@ def test_capture_on_tiny_llama(tiny_llama):
     # the snapkv scorer is the press's observer attention: same entropies as the press recorded
     from presses.core.pooling import pooled_group_scores
 
-    _, diag = pooled_group_scores(cap.scores["snapkv"], 2, diagnostics=True)
+    p = presses["entropy"]
+    _, diag = pooled_group_scores(cap.scores["snapkv"], 2, p.n_sink, p.alpha, p.tau, p.pooling, diagnostics=True)
     rec = torch.stack([r["entropy"] for r in cap.records["entropy"]])
     assert torch.allclose(diag["entropy"], rec, atol=1e-5)
 

@@ -19,10 +19,10 @@ POOLINGS = ("entropy", "raw_entropy", "mean", "max")
 def pooled_group_scores(
     attn: torch.Tensor,
     num_groups: int,
-    n_sink: int = 4,
-    alpha: float = 2.0,
-    tau: float = 0.5,
-    pooling: str = "entropy",
+    n_sink: int,
+    alpha: float,
+    tau: float,
+    pooling: str,
     diagnostics: bool = False,
 ) -> tuple[torch.Tensor, dict | None]:
     """Group scores ``p_g[j]`` from observer attention (docs/methods.md §1 steps 2-5; paper 000 sec. 3, paper 001 eqs.
@@ -34,6 +34,8 @@ def pooled_group_scores(
       - ``"mean"``: ``w_h = 1/r``;
       - ``"max"``: ``p_g[j] = max_{h in g} a^h[j]`` (no weights).
     The weighted poolings sum the ORIGINAL rows: ``p_g[j] = sum_h w_h a^h[j]``.
+    No tuning value has a default here: :class:`presses.page_entrokv.PageEntroKVPress`'s fields are their one
+    source, and the press passes every one of them.
 
     Args:
         attn: ``(B, H_Q, T)`` observer attention (rows sum to 1).

@@ -42,7 +42,7 @@ def sink_isolate(attn: torch.Tensor, n_sink: int) -> tuple[torch.Tensor, torch.T
     return a_tilde, z
 
 
-def renyi_entropy(p: torch.Tensor, alpha: float = 2.0) -> torch.Tensor:
+def renyi_entropy(p: torch.Tensor, alpha: float) -> torch.Tensor:
     """Rényi entropy of order ``alpha`` of distributions on the last axis, in nats (docs/methods.md §1 step 3).
 
     ``alpha == 2``: collision entropy ``-ln sum p^2`` (one dot product); ``alpha == 1``: Shannon
@@ -76,7 +76,7 @@ def renyi_entropy(p: torch.Tensor, alpha: float = 2.0) -> torch.Tensor:
     return h.clamp(0.0, math.log(n))
 
 
-def group_weights(entropy: torch.Tensor, num_groups: int, tau: float = 0.5) -> torch.Tensor:
+def group_weights(entropy: torch.Tensor, num_groups: int, tau: float) -> torch.Tensor:
     """Entropy-softmax head weights inside each GQA group (docs/methods.md §1 step 4, paper 000 eq. for ``w_h``).
 
     ``w_h = softmax_{h in group}(-H_h / tau)``. ``tau -> inf`` gives mean pooling ``1/r``;

@@ -160,12 +160,12 @@ def column_maxes(
 def pooled_page_scores(
     attn: torch.Tensor,
     num_groups: int,
-    n_sink: int = 4,
-    alpha: float = 2.0,
-    tau: float = 0.5,
-    pooling: str = "entropy",
-    page_size: int = 16,
-    page_score: str = "block_max",
+    n_sink: int,
+    alpha: float,
+    tau: float,
+    pooling: str,
+    page_size: int,
+    page_score: str,
     diagnostics: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
     """Dispatch for Page-EntroKV's scoring after the observer attention (docs/methods.md §1 steps 2-6): sink-isolated

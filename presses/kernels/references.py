@@ -48,12 +48,12 @@ def check_pooling_args(attn: torch.Tensor, num_groups: int, pooling: str, page_s
 def pooled_page_scores_reference(
     attn: torch.Tensor,
     num_groups: int,
-    n_sink: int = 4,
-    alpha: float = 2.0,
-    tau: float = 0.5,
-    pooling: str = "entropy",
-    page_size: int = 16,
-    page_score: str = "block_max",
+    n_sink: int,
+    alpha: float,
+    tau: float,
+    pooling: str,
+    page_size: int,
+    page_score: str,
     diagnostics: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
     """Torch reference: :func:`presses.core.pooling.pooled_group_scores` then :func:`presses.core.paging.page_scores`.

@@ -153,7 +153,7 @@ def _alpha_mode(alpha: float) -> int:
     return 3
 
 
-def row_entropies_triton(attn: torch.Tensor, n_sink: int, alpha: float = 2.0) -> dict[str, torch.Tensor]:
+def row_entropies_triton(attn: torch.Tensor, n_sink: int, alpha: float) -> dict[str, torch.Tensor]:
     """Per-row sink-isolated and raw Rényi entropies (docs/methods.md §1 steps 2-3) with Triton.
 
     Args:
@@ -203,12 +203,12 @@ def row_entropies_triton(attn: torch.Tensor, n_sink: int, alpha: float = 2.0) ->
 def pooled_page_scores_triton(
     attn: torch.Tensor,
     num_groups: int,
-    n_sink: int = 4,
-    alpha: float = 2.0,
-    tau: float = 0.5,
-    pooling: str = "entropy",
-    page_size: int = 16,
-    page_score: str = "block_max",
+    n_sink: int,
+    alpha: float,
+    tau: float,
+    pooling: str,
+    page_size: int,
+    page_score: str,
     diagnostics: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
     """Triton version of :func:`presses.kernels.references.pooled_page_scores_reference` (same arguments, returns and
