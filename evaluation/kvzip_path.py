@@ -148,10 +148,10 @@ def score(presses: list, model, capture, context_ids: torch.Tensor) -> dict[tupl
 
 def _empty_scores(press, model, lead_scores: torch.Tensor) -> torch.Tensor:
     """Zero scores for ``press`` in a pass that another press leads (``lead_scores`` ``(L, 1, *, T)``): the press's
-    own (its ``empty_scores(model, T, device)``, for scores of another shape than kvpress's) or kvpress's
-    ``(L, 1, G, T)`` in the model's dtype, as kvpress's own ``prepare`` makes them."""
+    own (its capability ``empty_scores(model, T, device)``, for scores of another shape than kvpress's) or
+    kvpress's ``(L, 1, G, T)`` in the model's dtype, as kvpress's own ``prepare`` makes them."""
     L, T, device = lead_scores.shape[0], lead_scores.shape[-1], lead_scores.device
-    own = getattr(press, "empty_scores", None)
+    own = capabilities(press).empty_scores
     if own is not None:
         return own(model, T, device)
     return torch.zeros(L, 1, model.config.num_key_value_heads, T, dtype=model.dtype, device=device)

@@ -99,6 +99,9 @@ class Capabilities:
         pass_as: with ``scores_once``, the class whose reconstruction pass (its chunks and forwards) the press runs
             when it is another class's though its scores are its own (KVzip's, for Page-EntroKV's reconstruction
             observers): a sweep runs one pass for both and each scores it; None: ``scores_as``, else its own class.
+        empty_scores: with ``pass_as``, the press's zero scores ``(model, T, device) -> tensor`` when they have another
+            shape than kvpress's ``(L, 1, G, T)`` (a pass another press leads starts the press's scores from them);
+            None: kvpress's shape.
     """
 
     shares_prefill: bool = True
@@ -114,6 +117,7 @@ class Capabilities:
     scores_as: type | None = None
     selection_fields: tuple[str, ...] = ()
     pass_as: type | None = None
+    empty_scores: Callable[..., Any] | None = None
 
 
 def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:

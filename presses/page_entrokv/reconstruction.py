@@ -119,6 +119,7 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
             extra_forwards=True,
             selection_fields=SELECTION_FIELDS,
             pass_as=KVzipPress,  # kvpress's pass, unchanged: a sweep shares it with KVzip and KVzip+
+            empty_scores=self.empty_scores,  # per query head
             uneven_layers=self.layerwise and self.pages().capabilities.uneven_layers,
         )
 
@@ -144,7 +145,7 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
     @staticmethod
     def empty_scores(model, context_length: int, device) -> torch.Tensor:
         """Zero scores, one per layer, query head and context position: ``(L, 1, H_Q, T)`` float32 (kvpress's are
-        per KV head; ``evaluation.kvzip_path`` asks for these when another press leads the pass)."""
+        per KV head; ``evaluation.kvzip_path`` takes these from the capabilities when another press leads the pass)."""
         L, H = model.config.num_hidden_layers, model.config.num_attention_heads
         return torch.zeros(L, 1, H, context_length, device=device)
 
