@@ -221,8 +221,8 @@ def build_cases(torch, device, lengths, dry, only):
                 3 * attn.numel() * 4 + B * G * (T + P) * 4,
                 20.0 * attn.numel(),  # a few elementwise passes (powers, logs, pooling, page max)
                 "memory",  # ~1.5 FLOP/byte
-                lambda a=attn: pooled_page_scores_reference(a, G, 4, 2.0, 0.5, "entropy", page)[1],
-                lambda a=attn: pooled_page_scores_triton(a, G, 4, 2.0, 0.5, "entropy", page)[1],
+                lambda a=attn: pooled_page_scores_reference(a, G, 4, 2.0, 0.5, "entropy", page, "block_max")[1],
+                lambda a=attn: pooled_page_scores_triton(a, G, 4, 2.0, 0.5, "entropy", page, "block_max")[1],
                 1.0,
             )
         if want("expected_unique_many"):
