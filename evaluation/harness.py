@@ -32,6 +32,8 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from evaluation.atomic import write_atomic
+
 logger = logging.getLogger("evaluation.harness")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -103,16 +105,6 @@ def run_dir(cfg: DictConfig, names: dict[str, str]) -> Path:
     out = Path(cfg.output_dir) / dataset / names["model"] / run_label(names) / f"cr{ratio:g}"
     shard = parse_shard(cfg.get("shard"))
     return out / f"shard_{shard[0]}_of_{shard[1]}" if shard else out
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace`` (never half-written)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_predictions(path: Path, repair: bool = False) -> list[dict]:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from evaluation.harness import write_atomic
+from evaluation.atomic import write_atomic
 from evaluation.settings import saved_run_settings
 
 __all__ = ["migrate", "rename_press"]

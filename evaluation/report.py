@@ -42,13 +42,13 @@ import argparse
 import json
 import logging
 import math
-import os
 import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from evaluation.atomic import save_figure, write_atomic
 from evaluation.frontier import cost_table, read_costs
 from evaluation.harness import (
     COMMANDS_NAME,
@@ -57,7 +57,6 @@ from evaluation.harness import (
     config_changes,
     read_predictions,
     run_in_progress,
-    write_atomic,
 )
 from evaluation.metrics import score_interval, t_interval, win_scores
 from evaluation.studies.tables import csv_text, markdown_table
@@ -496,14 +495,9 @@ class _Writer:
         return rel
 
     def figure(self, rel: str, fig) -> str:
-        import matplotlib.pyplot as plt
-
         path = self.out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        fig.savefig(tmp, format="png", dpi=100)
-        plt.close(fig)
-        os.replace(tmp, path)
+        save_figure(fig, path, dpi=100)
         self.written.add(path.resolve())
         return rel
 

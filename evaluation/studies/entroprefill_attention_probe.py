@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from evaluation.atomic import write_atomic
 from evaluation.studies import tables
 from evaluation.studies.entroprefill_bench import reverse_passages, spearman
 
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
         lines.append(f"| {li} | " + " | ".join(cells) + " |")
     cmd = tables.command("entroprefill_attention_probe", argv if argv is not None else sys.argv[1:])
     lines += ["", f"Command: `{cmd}`", "", f"Total wall time: {time.perf_counter() - t0:.0f} s.", ""]
-    (out / "README.md").write_text("\n".join(lines))
+    write_atomic(out / "README.md", "\n".join(lines))
     print("\n".join(lines))
     return 0
 

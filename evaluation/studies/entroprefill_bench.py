@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from evaluation.atomic import write_atomic
 from evaluation.studies import tables
 
 
@@ -656,7 +657,7 @@ def write_tables(
         f"Wall time: {seconds:.0f} s. Per-example rows: `examples.csv`.",
         "",
     ]
-    (out / "README.md").write_text("\n".join(lines))
+    write_atomic(out / "README.md", "\n".join(lines))
     if echo:
         print("\n".join(lines))
 

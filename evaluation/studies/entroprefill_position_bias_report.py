@@ -21,6 +21,7 @@ import re
 import shlex
 from pathlib import Path
 
+from evaluation.atomic import write_atomic
 from evaluation.studies import REPO as ROOT
 from evaluation.studies.tables import fmt, num, read_rows
 
@@ -256,7 +257,7 @@ def main(argv=None) -> int:
         ]
     )
     out = ROOT / args.out
-    out.write_text(text)
+    write_atomic(out, text)
     print(text)
     return 0
 

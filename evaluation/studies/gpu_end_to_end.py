@@ -66,6 +66,7 @@ import sys
 import time
 from pathlib import Path
 
+from evaluation.atomic import write_atomic
 from evaluation.studies import REPO
 from evaluation.studies.bench_speed_memory.rows import COLUMNS
 from evaluation.studies.tables import write_rows
@@ -560,7 +561,7 @@ def main(argv=None) -> int:
 
     def save_meta():
         meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        (out / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        write_atomic(out / "meta.json", json.dumps(meta, indent=2, default=str) + "\n")
 
     save_meta()
     # ------------------------------------------------------------------ 1. timing (bfloat16 on the GPU)

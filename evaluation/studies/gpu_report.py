@@ -26,6 +26,7 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from evaluation.atomic import write_atomic
 from evaluation.studies.tables import fmt, markdown_table, num, read_rows
 
 #: The issue's goals (issue 19): kernel tests, kernel speed and bandwidth at the largest T, agreement.
@@ -350,7 +351,7 @@ def write_readme(out: Path, mode: str, command: str) -> str:
         "",
     ]
     text = "\n".join(lines)
-    (out / "README.md").write_text(text)
+    write_atomic(out / "README.md", text)
     return text
 
 

@@ -28,7 +28,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from evaluation.harness import write_atomic
+from evaluation.atomic import write_atomic
 from evaluation.metrics import t_interval
 from evaluation.report import Run, scan
 from evaluation.studies.tables import markdown_table, write_rows

@@ -43,6 +43,7 @@ from kvpress.utils import compute_n_kept
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from evaluation.atomic import save_figure, write_atomic
 from evaluation.studies import tables
 from presses.probabilistic.budget import sample_counts, search_num_samples
 from presses.probabilistic.correction import snis_bias
@@ -253,7 +254,7 @@ def plot(rows, path):
     ax.set_title("Bias vs variance of eviction estimators (paper 003 Fig. 2)")
     ax.legend(fontsize=7, ncol=2 if len(names) > 8 else 1)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv=None):
@@ -329,7 +330,7 @@ def write_readme(rows, path: Path, args, t: int, n_layers: int, seconds: float, 
         lines.append(f"| {label} | " + " | ".join(f"{kept.get((name, r), float('nan')):.3f}" for r in ratios) + " |")
     if missing:
         lines += ["", f"Stopped by the time limit: ratios {', '.join(f'{r:g}' for r in missing)} not run."]
-    path.write_text("\n".join(lines) + "\n")
+    write_atomic(path, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ from hydra.utils import instantiate
 from kvpress import KVPressTextGenerationPipeline
 from transformers import DynamicCache
 
+from evaluation.atomic import save_figure, write_atomic
 from evaluation.datasets.needle import NeedleDataset
-from evaluation.harness import compose_config, write_atomic
+from evaluation.harness import compose_config
 from evaluation.memo import ReplayMemo
 from evaluation.models import load_model
 from evaluation.registry import sharing
@@ -379,8 +380,7 @@ def plot_fig9b(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("mean-pooled needle mass")
     axes[0].set_ylabel("entropy-pooled needle mass")
     fig.colorbar(sc, ax=axes, label="best head's needle mass")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,6 @@
 """The studies' tables: the rows of a CSV file in and out, numbers for Markdown cells, a Markdown table, and the
-command a study records beside its artifacts. Its imports are the standard library's (writing a CSV file imports
-:mod:`evaluation.harness` when called): the GPU check's report imports it on a machine that may lack the project's
+command a study records beside its artifacts. Its imports are the standard library's and :mod:`evaluation.atomic`
+(itself standard library only): the GPU check's report imports it on a machine that may lack the project's
 dependencies (``scripts/gpu_check.sh``)."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import io
 import math
 import shlex
 from pathlib import Path
+
+from evaluation.atomic import write_atomic
 
 __all__ = ["read_rows", "csv_text", "write_rows", "num", "fmt", "markdown_table", "command"]
 
@@ -67,8 +69,6 @@ def csv_text(rows: list[dict], columns: list[str] | None = None, float_spec: str
 
 
 def write_rows(path: Path, rows: list[dict], columns: list[str] | None = None, float_spec: str | None = None) -> None:
-    """Write :func:`csv_text` of ``rows`` to ``path``. Atomic (:func:`evaluation.harness.write_atomic`): an
+    """Write :func:`csv_text` of ``rows`` to ``path``. Atomic (:func:`evaluation.atomic.write_atomic`): an
     interrupted write leaves the previous file."""
-    from evaluation.harness import write_atomic
-
     write_atomic(Path(path), csv_text(rows, columns, float_spec))

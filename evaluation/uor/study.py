@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from kvpress.presses.base_press import BasePress
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from evaluation.atomic import save_figure, write_atomic
 from evaluation.harness import CONFIG_DIR, command_line
 from evaluation.uor.pages import allocation_bytes, page_union, union_bytes
 from evaluation.uor.replay import (
@@ -718,12 +718,10 @@ def md_table(rows: list[dict], cols: list[str], nd: int = 3, headers: list[str] 
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
+    """``rows`` as a CSV at ``path``, atomically (:func:`evaluation.atomic.write_atomic`)."""
     import pandas as pd
 
-    df = pd.DataFrame(rows)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    df.to_csv(tmp, index=False, float_format="%.6g")
-    os.replace(tmp, path)
+    write_atomic(path, pd.DataFrame(rows).to_csv(index=False, float_format="%.6g"))
 
 
 def plot_fig4(cells: list[dict], r: int, path: Path, k_values: list[float]) -> None:
@@ -770,8 +768,7 @@ def plot_fig4(cells: list[dict], r: int, path: Path, k_values: list[float]) -> N
     axes.flat[0].legend(fontsize=7, loc="upper right")
     fig.suptitle("Union overhead of head-independent selection vs intra-group agreement (paper 000 Fig. 4)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_census(rows: list[dict], ln_ceiling: float, fig7: Path, fig8: Path) -> None:
@@ -798,8 +795,7 @@ def plot_census(rows: list[dict], ln_ceiling: float, fig7: Path, fig8: Path) -> 
         ax.legend(fontsize=8)
     axes[0].set_ylabel("density")
     fig.tight_layout()
-    fig.savefig(fig7, dpi=110)
-    plt.close(fig)
+    save_figure(fig, fig7, dpi=110)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = range(len(HEAD_CLASSES))
@@ -819,8 +815,7 @@ def plot_census(rows: list[dict], ln_ceiling: float, fig7: Path, fig8: Path) -> 
     ax.set_title("Pooling weight per head class (paper 000 Fig. 8)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(fig8, dpi=110)
-    plt.close(fig)
+    save_figure(fig, fig8, dpi=110)
 
 
 def plot_retention_layers(layer_rows: list[dict], path: Path) -> None:
@@ -840,8 +835,7 @@ def plot_retention_layers(layer_rows: list[dict], path: Path) -> None:
     ax.legend()
     ax.set_title("Needle retention per layer at a 20% budget")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def _mean(xs):
@@ -1039,9 +1033,7 @@ def run(cfg: DictConfig) -> dict:
         out, cfg, info, t4, acc, tau_rows, tau_check, alpha_rows, card, census_sum, retention, layer_rows, slots
     )
     info["total_s"] = time.perf_counter() - t0
-    tmp = out / f".run.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(info, indent=2, default=str))
-    os.replace(tmp, out / "run.json")
+    write_atomic(out / "run.json", json.dumps(info, indent=2, default=str))
     logger.info("wrote %s in %.0fs", out, info["total_s"])
     return info
 
@@ -1122,8 +1114,8 @@ def write_report(
         "group's heads; `page_entrokv_press_pages`: the press's own page decisions at compression_ratio = "
         f"{cfg.compression_ratio} from its records (k/T column = kept fraction)."
     )
-    (out / "table4.md").write_text(
-        "# Table 4: head-independent replay vs pooled selection\n\n" + t4md + "\n\n" + t4_note + "\n"
+    write_atomic(
+        out / "table4.md", "# Table 4: head-independent replay vs pooled selection\n\n" + t4md + "\n\n" + t4_note + "\n"
     )
     lines += [
         "## Table 4: head-independent replay vs pooled selection",
@@ -1277,7 +1269,7 @@ def write_report(
     ]
     # Table 6
     t6 = table6(retention, list(cfg.retention.presses), int(cfg.presses.page_entrokv.page_size))
-    (out / "table6.md").write_text("# Table 6: needle retention at a 20% budget\n\n" + t6 + "\n")
+    write_atomic(out / "table6.md", "# Table 6: needle retention at a 20% budget\n\n" + t6 + "\n")
     lines += [
         "## Table 6: needle retention",
         "",
@@ -1296,7 +1288,7 @@ def write_report(
         f"Model load and prompt generation: {info['load_s']:.0f} s; threads: {info['threads']}.",
         "",
     ]
-    (out / "report.md").write_text("\n".join(lines))
+    write_atomic(out / "report.md", "\n".join(lines))
 
 
 def table6(retention: list[dict], presses: list[str], page_size: int) -> str:

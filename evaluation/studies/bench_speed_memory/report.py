@@ -3,15 +3,13 @@ rows after every sweep."""
 
 from __future__ import annotations
 
-import io
 import math
-import os
 import platform
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from evaluation.harness import write_atomic
+from evaluation.atomic import save_figure, write_atomic
 from evaluation.studies.bench_speed_memory.rows import CSV_NAME, NO_PRESS, REFERENCE, row_key
 from evaluation.studies.tables import fmt, markdown_table, num, read_rows
 
@@ -256,9 +254,4 @@ def write_plots(out: Path, rows: list[dict]) -> None:
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize=7, loc="best")
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-        plt.close(fig)
-        tmp = out / f".{fname}.tmp{os.getpid()}"
-        tmp.write_bytes(buf.getvalue())
-        os.replace(tmp, out / fname)
+        save_figure(fig, out / fname, dpi=110)

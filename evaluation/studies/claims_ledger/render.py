@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from evaluation.atomic import write_atomic
 from evaluation.studies import REPO
 from evaluation.studies.claims_ledger.analytic import ANALYTIC
 from evaluation.studies.claims_ledger.derived import DERIVED
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> Path:
     claims, outcomes = build(root / args.claims, root)
     out = root / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(claims, outcomes, args.claims) + "\n")
+    write_atomic(out, render(claims, outcomes, args.claims) + "\n")
     counts = {s: sum(o.status == s for o in outcomes) for s in STATUSES}
     print(f"{len(claims)} claims -> {out}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     return out
