@@ -79,19 +79,22 @@ def main(argv: list[str] | None = None) -> int:
 
     page_size = args.page_size or PageEntroKVPress().page_size
     scores: dict[str, dict[str, float]] = {}
-    configs = []
+    configs = {}  # one per distinct example set (dataset, n_samples, seed, shard, protocol)
     for press in args.presses:
         scores[press] = {}
         for run in _runs(args.runs, press, args.ratio):
-            configs.append(OmegaConf.load(run / "config.yaml"))
+            cfg = OmegaConf.load(run / "config.yaml")
+            key = (OmegaConf.to_yaml(cfg.dataset), cfg.n_samples, cfg.seed, cfg.get("shard"), cfg.query_aware)
+            configs.setdefault(key, cfg)
             scores[press].update(
                 {row["id"]: row["score"] for row in harness.read_predictions(run / "predictions.jsonl")}
             )
-    model, tok = load_model(configs[0].model.name, path=configs[0].model.path)
+    first = next(iter(configs.values()))
+    model, tok = load_model(first.model.name, path=first.model.path)
     pipe = TextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
 
     rows, seen = [], set()
-    for cfg in configs:  # every shard's examples, as the runs built them
+    for cfg in configs.values():  # every shard's examples, as the runs built them
         for ex in harness.run_examples(cfg, instantiate(cfg.dataset), tok):
             if ex.id in seen or (args.tasks and ex.task not in args.tasks):
                 continue
