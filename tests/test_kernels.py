@@ -205,6 +205,7 @@ POOL_CASES = [
     (float("inf"), "max", 1, "block_max", 1, 8),
     (0.5, "mean", 7, "mass", 3, 1),
     (2.0, "entropy", 16, "mean", 2, 4),  # ChunkKV's chunk mean (the partial last page over its own length)
+    (2.0, "mean", 8, "halo_max", 3, 3),  # the halo across page edges
 ]
 
 

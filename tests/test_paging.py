@@ -92,6 +92,26 @@ def test_block_max_selects_top_pages_and_mass_ablation():
         page_scores(scores, B, "sum")
 
 
+def test_halo_max_lets_a_page_share_a_score_at_its_neighbours_edge():
+    """An answer cut by the page grid: its best token ends page 2; with the halo (B // 4 = 2 positions) page 3 scores
+    it too, so both halves are kept; a score two positions inside page 2 is out of page 3's halo."""
+    B, T = 8, 48  # 6 pages
+    scores = torch.full((1, 1, T), 0.01)
+    scores[0, 0, 3 * B - 1] = 0.9  # last position of page 2
+    scores[0, 0, 5 * B - 3] = 0.5  # third-last of page 4: out of page 5's halo (two positions)
+    halo = page_scores(scores, B, "halo_max")
+    plain = page_scores(scores, B, "block_max")
+    assert plain[0, 0].tolist() == pytest.approx([0.01, 0.01, 0.9, 0.01, 0.5, 0.01])
+    assert halo[0, 0].tolist() == pytest.approx([0.01, 0.01, 0.9, 0.9, 0.5, 0.01])
+    _, pages, _ = select_positions(scores, 1 - 2 * B / T, B, 0, 1, protect="none", page_score="halo_max")
+    assert pages[0, 0].tolist() == [2, 3]  # both halves of the cut answer
+    _, pages, _ = select_positions(scores, 1 - 2 * B / T, B, 0, 1, protect="none", page_score="block_max")
+    assert pages[0, 0].tolist() == [2, 4]
+    assert page_scores(torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0]]), 4, "halo_max").tolist() == [
+        [1.0, 1.0]
+    ]  # partial last page
+
+
 def test_ties_go_to_lower_page_index():
     T, B = 64, 4  # 16 pages; page 0 and page 15 protected (n_sink=1, W=1)
     scores = torch.zeros(1, 2, T)

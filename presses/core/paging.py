@@ -33,7 +33,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PAGE_SCORES = ("block_max", "mass", "mean")
+PAGE_SCORES = ("block_max", "mass", "mean", "halo_max")
 #: How many pages a layer keeps: ``"tokens"`` (the strict token budget ``floor(T (1 - ratio))``, docs/methods.md §1
 #: step 8) or ``"pages"`` (ChunkKV's count ``max(1, int(P (1 - ratio)))`` of the ``P`` pages, a partial one included).
 BUDGETS = ("tokens", "pages")
@@ -84,7 +84,11 @@ def page_scores(scores: torch.Tensor, page_size: int, method: str = "block_max")
         page_size: ``B`` tokens per page, ``>= 1``.
         method: ``"block_max"`` (``max_{j in page} p[j]``, default), ``"mass"`` (``sum_{j in page} p[j]``) or
             ``"mean"`` (the page's mean, a partial last page over its own positions: ChunkKV's chunk score,
-            arXiv 2502.00299, computed as kvpress's ``ChunkKVPress`` computes it, so the two agree bit for bit).
+            arXiv 2502.00299, computed as kvpress's ``ChunkKVPress`` computes it, so the two agree bit for bit), or
+            ``"halo_max"`` (the block max over the page and a halo of ``max(1, B // 4)`` positions of each neighbour:
+            a page next to a high score at its neighbour's edge shares it, so an answer the page grid cuts in two can
+            keep both halves; docs/methods.md §1 step 6, this project's variant, measured in
+            ``results/tuning/page_halo/``).
 
     Returns:
         ``(..., P)`` float32 page scores; a partial last page uses only its existing positions.
@@ -104,7 +108,10 @@ def page_scores(scores: torch.Tensor, page_size: int, method: str = "block_max")
         if pad:
             means.append(s[..., full * page_size :].mean(-1, keepdim=True))
         return torch.cat(means, dim=-1)
-    if method == "block_max":
+    if method == "halo_max":
+        halo = max(1, page_size // 4)
+        s = torch.nn.functional.max_pool1d(s.reshape(-1, 1, T), 2 * halo + 1, stride=1, padding=halo).reshape(s.shape)
+    if method in ("block_max", "halo_max"):
         s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
         return s.reshape(*s.shape[:-1], P, page_size).amax(-1)
     s = torch.nn.functional.pad(s, (0, pad), value=0.0)

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from presses.core.paging import page_scores
 from presses.core.renyi import RENYI_ORDERS, group_weights
 from presses.kernels.references import check_pooling_args
 
@@ -248,11 +249,13 @@ def pooled_page_scores_triton(
             G=G,
             R=r,
             MAX_POOL=pooling == "max",
-            MASS=page_score != "block_max",  # "mean": the mass divided by the page's length below
+            MASS=page_score in ("mass", "mean"),  # "mean": the mass divided by the page's length below
             BLOCK_P=block_p,
             BLOCK_S=block_s,
             num_warps=4,
         )
+    if page_score == "halo_max":  # the kernel's pooled scores, the halo read across pages in torch
+        pages = page_scores(pooled, page_size, page_score)
     if page_score == "mean" and P:
         lengths = torch.full((P,), float(page_size), device=attn.device)
         lengths[-1] = T - (P - 1) * page_size

@@ -74,7 +74,8 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             averaged over the window, an average pool of ``kernel_size``, the mean over the group's heads, the
             window's own positions above every other; docs/methods.md §1.14).
         kernel_size: SnapKV's pooling kernel, ``>= 1`` (``pooling="snapkv"`` only).
-        page_score: ``"block_max"`` (default), ``"mass"`` or ``"mean"`` (ChunkKV's chunk mean).
+        page_score: ``"block_max"`` (default), ``"mass"``, ``"mean"`` (ChunkKV's chunk mean) or ``"halo_max"``
+            (the block max with a quarter page of each neighbour: docs/methods.md §1 step 6).
         budget: ``"tokens"`` (default: the strict budget ``floor(T (1 - compression_ratio))`` tokens) or
             ``"pages"`` (ChunkKV's ``max(1, int(P (1 - compression_ratio)))`` of the ``P`` pages).
         observer_window: the observers: ``None`` (the last ``window_size`` queries), an int (the last that many
