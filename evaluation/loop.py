@@ -63,7 +63,7 @@ from presses.kernels.process_cache import use_process_cache
 
 logger = logging.getLogger("evaluation.loop")
 
-__all__ = ["SHARED_KEYS", "Run", "evaluate"]
+__all__ = ["SHARED_KEYS", "Run", "evaluate", "tokenise"]
 
 #: Settings every run of one :func:`evaluate` call must share (one model, one dataset, one example list).
 SHARED_KEYS = inputs.SHARED_KEYS
@@ -106,7 +106,7 @@ def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
     return runs
 
 
-def _tokenise(pipe, tokenizer, ex) -> dict:
+def tokenise(pipe, tokenizer, ex) -> dict:
     """kvpress's preprocessing of one example (context ids ``(1, T)``, question ids), with the chat template
     dropped where the dataset says so."""
     with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)):
@@ -117,7 +117,7 @@ def _check_inputs(
     examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens, eager_capture: bool = False
 ) -> dict[str, dict]:
     """Every example against the model's positions and vocabulary and every press's limits, before any directory
-    is made. Returns each example's :func:`_tokenise` output by example id (the loop reuses it).
+    is made. Returns each example's :func:`tokenise` output by example id (the loop reuses it).
 
     Raises:
         ValueError: an example id that repeats; with ``eager_capture`` (a shared prefill on eager attention), an
@@ -128,7 +128,7 @@ def _check_inputs(
     for ex in examples:
         if ex.id in tokens:  # rows, resume and these tokens are keyed by id
             raise ValueError(f"example id {ex.id!r} appears twice in the dataset; every example needs its own id")
-        ids = tokens[ex.id] = _tokenise(pipe, tokenizer, ex)
+        ids = tokens[ex.id] = tokenise(pipe, tokenizer, ex)
         T, n_question = int(ids["context_ids"].shape[1]), int(ids["questions_ids"][0].shape[1])
         top = max(int(t.max()) for t in (ids["context_ids"], ids["questions_ids"][0]) if t.numel())
         guards.check_model_input(model, T, n_question, max_new_tokens or ex.max_new_tokens or 32, ex.id, top)

@@ -178,7 +178,7 @@ def test_finch_needs_the_question_inside_and_evaluation_run(tmp_path):
 @pytest.mark.parametrize("name", ["needle", "ruler_smoke", "keyfacts"])
 def test_embedded_tokenizer_puts_the_delimiter_at_the_boundary(name):
     """On SmolLM2's tokenizer, through kvpress's preprocessing: the ids after the delimiter are the question part."""
-    from evaluation.loop import _tokenise
+    from evaluation.loop import tokenise
     from evaluation.models import load_model
 
     try:
@@ -190,7 +190,7 @@ def test_embedded_tokenizer_puts_the_delimiter_at_the_boundary(name):
     delimited, token_id = prompt_delimiter.setup(runs, model, tok, examples, 0)
     pipe = TextGenerationPipeline(model=model, tokenizer=tok, device=torch.device("cpu"))
     for ex, d in zip(examples, delimited):
-        ids = _tokenise(pipe, tok, d)["context_ids"][0]
+        ids = tokenise(pipe, tok, d)["context_ids"][0]
         (at,) = (ids == token_id).nonzero()[0].tolist()
         assert tok.decode(ids[at + 1 :]) == ex.context[ex.question_start :]
         assert tok.decode(ids[:at]).endswith(ex.context[: ex.question_start][-200:])

@@ -51,7 +51,7 @@ def main(n_examples: int = 2, context_length: int = 2048, output: str = "results
     from transformers import DynamicCache
 
     from evaluation import harness, kvzip_path
-    from evaluation.loop import _tokenise
+    from evaluation.loop import tokenise
     from evaluation.models import load_model
     from evaluation.pipeline import TextGenerationPipeline
     from evaluation.replay import PrefillCapture, generate_answers
@@ -76,7 +76,7 @@ def main(n_examples: int = 2, context_length: int = 2048, output: str = "results
         rows.setdefault(name, []).append((cpu, wall))
 
     for ex in examples:
-        ids = _tokenise(pipe, tok, ex)
+        ids = tokenise(pipe, tok, ex)
         context_ids, question_ids = ids["context_ids"], ids["questions_ids"][0]
         T, max_new = context_ids.shape[1], ex.max_new_tokens or 32
         with torch.inference_mode():

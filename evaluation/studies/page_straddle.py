@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from evaluation import harness
-    from evaluation.loop import _tokenise
+    from evaluation.loop import tokenise
     from evaluation.models import load_model
     from evaluation.pipeline import TextGenerationPipeline
     from evaluation.studies.snis_needle_coverage import answer_positions
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             if ex.id in seen or (args.tasks and ex.task not in args.tasks):
                 continue
             seen.add(ex.id)
-            positions = answer_positions(tok, _tokenise(pipe, tok, ex)["context_ids"], ex.answers[0])
+            positions = answer_positions(tok, tokenise(pipe, tok, ex)["context_ids"], ex.answers[0])
             row = {"id": ex.id, "task": ex.task, "answer_tokens": len(positions)}
             row["straddles"] = straddles(positions, page_size)
             row.update({press: scores[press].get(ex.id) for press in args.presses})
