@@ -52,7 +52,7 @@ def rand_ids(T, batch=1, seed=0):
             {"pooling": "median"},
             r"pooling='median' is not one of \('entropy', 'raw_entropy', 'mean', 'max', 'snapkv'\)",
         ),
-        ({"page_score": "sum"}, r"page_score='sum' is not one of \('block_max', 'mass', 'mean'\)"),
+        ({"page_score": "sum"}, r"page_score='sum' is not one of \('block_max', 'mass', 'mean', 'halo_max'\)"),
         ({"on_budget_conflict": "skip"}, "on_budget_conflict='skip' is not one of"),
     ],
 )
