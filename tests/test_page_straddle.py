@@ -41,3 +41,8 @@ def test_the_committed_needle_table_is_regenerated(tmp_path, embedded_model):
     )
     assert tables.read_rows(tmp_path / "needle_0.9.csv") == committed
     assert len(committed) == 40 and {r["answer_tokens"] for r in committed} == {"7"}
+
+
+def test_a_press_without_runs_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"no run of press 'kvzip' at ratio 0.9 under"):
+        main([str(tmp_path), "--ratio", "0.9", "--presses", "kvzip"])
