@@ -23,10 +23,14 @@ has to travel (timing first: it needs only the GPU, while the agreement's CPU ru
    difference: ``kernels_mean_jaccard`` compares the device's Triton run with it (kernels vs references
    on the same device), ``mean_jaccard`` the device's Triton run with the CPU (what a user sees).
 
-Presses (the harness configs ``configs/press/<name>.yaml`` at ``--ratio``): ``snapkv`` (kvpress),
-``page_entrokv`` (paper 000), ``snis_min_h`` (paper 003: proposal ``min_h``, global budget, corrected),
-``entroprefill`` (paper 001) with relaxed acceptance (:data:`ENTROPREFILL_OVERRIDES`) so that random
-weights still reach the pruning path, which is what this check must exercise.
+Presses (the harness configs ``configs/press/<name>.yaml`` at ``--ratio``), timed (:data:`PRESSES`):
+``snapkv`` (kvpress), ``page_entrokv`` (paper 000), ``snis_min_h`` (paper 003: proposal ``min_h``, global
+budget, corrected) and its page variant ``snis_min_h_page``, ``entroprefill`` (paper 001) with relaxed acceptance
+(:data:`ENTROPREFILL_OVERRIDES`) so that random weights still reach the pruning path, which is what this check must
+exercise, ``page_entrokv_reconstruction`` (Page-EntroKV's scoring on KVzip's reconstruction pass), and kvpress's
+frontier ``chunkkv`` and ``kvzip`` (their cost on the GPU). KVzip's presses load the tokenizer by the model's name:
+the word-level tokenizer is saved to a temporary folder that the model's config names. Compared across devices
+(:data:`AGREE_PRESSES`): the presses that run this project's kernels, and SnapKV.
 
 Model: ``LlamaForCausalLM`` with SmolLM2-135M's configuration (:data:`SMOLLM2_135M`: hidden 576, 9 query
 heads, 3 KV heads, head dim 64, 30 layers, intermediate 1536, vocabulary 49152, RoPE theta 1e5), weights
@@ -63,6 +67,7 @@ import os
 import platform
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,8 +96,22 @@ DRY_RUN_MODEL = {
 }
 #: Factor applied to the randomly initialised query and key projections (attention logits x QK_GAIN^2).
 QK_GAIN = 3.0
-#: Press configs (``configs/press/``) checked end to end; SnapKV is kvpress's.
-PRESSES = ("snapkv", "page_entrokv", "snis_min_h", "entroprefill")
+#: Press configs (``configs/press/``) timed end to end: ours, and kvpress's SnapKV, ChunkKV and KVzip (the
+#: frontier's cost on the GPU). KVzip and the reconstruction press run KVzip's reconstruction passes.
+PRESSES = (
+    "snapkv",
+    "page_entrokv",
+    "snis_min_h",
+    "entroprefill",
+    "snis_min_h_page",
+    "page_entrokv_reconstruction",
+    "chunkkv",
+    "kvzip",
+)
+#: The presses whose kept sets are compared across devices: those that run this project's kernels (SnapKV as the
+#: baseline of the same observer path). KVzip's two presses prune after the prefill (``compress_post``), which
+#: the key-fingerprint capture below does not see, and ChunkKV scores with kvpress's SnapKV code.
+AGREE_PRESSES = ("snapkv", "page_entrokv", "snis_min_h", "entroprefill", "snis_min_h_page")
 #: EntroPrefill with relaxed acceptance (as tests/test_entroprefill.py's accepted-run test): random weights
 #: rarely pass the default audit, and the check must run the pruning path. The rest are the config's values.
 ENTROPREFILL_OVERRIDES = {"epsilon": 0.9, "epsilon_audit": 0.95, "stability_streak": 0}
@@ -487,7 +506,10 @@ def _parse(argv=None):
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, Triton interpreted: plumbing only")
     p.add_argument("--lengths", default=None, help="timing lengths T (default 8192,32768; dry run 128)")
     p.add_argument("--agree-lengths", default=None, help="agreement lengths (default 4096; dry run 128)")
-    p.add_argument("--presses", default=",".join(PRESSES), help="comma-separated press configs")
+    p.add_argument("--presses", default=",".join(PRESSES), help="comma-separated press configs timed")
+    p.add_argument(
+        "--agree-presses", default=",".join(AGREE_PRESSES), help="comma-separated press configs compared CPU vs GPU"
+    )
     p.add_argument("--ratio", type=float, default=0.5, help="compression_ratio of every press")
     p.add_argument("--decode-tokens", type=int, default=None, help="greedy steps timed (default 32; dry run 2)")
     p.add_argument(
@@ -519,16 +541,22 @@ def main(argv=None) -> int:
     agree = [int(x) for x in (args.agree_lengths or ("128" if args.dry_run else "4096")).split(",") if x]
     decode_tokens = args.decode_tokens if args.decode_tokens is not None else (2 if args.dry_run else 32)
     presses = [p for p in args.presses.split(",") if p]
-    bad = [p for p in presses if p not in PRESSES]
-    if bad:
-        print(f"--presses {bad} not among {PRESSES}", file=sys.stderr)
-        return 2
+    agree_presses = [p for p in args.agree_presses.split(",") if p]
+    for flag, names, allowed in (("--presses", presses, PRESSES), ("--agree-presses", agree_presses, AGREE_PRESSES)):
+        bad = [p for p in names if p not in allowed]
+        if bad:
+            print(f"{flag} {bad} not among {allowed}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = DRY_RUN_MODEL if args.dry_run else SMOLLM2_135M
     notes: list[str] = []
     tok, words = build_tokenizer(seed=args.seed)
     model = build_model(config, args.seed)
+    # KVzip's presses load the model's tokenizer by its name (kvpress's KVzipPress.__call__): the word-level one
+    tok_dir = tempfile.mkdtemp(prefix="gpu_e2e_tokenizer_")
+    tok.save_pretrained(tok_dir)
+    model.config._name_or_path = tok_dir
     dev_name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu (dry run, TRITON_INTERPRET=1)"
     meta = {
         "device": dev_name,
@@ -540,6 +568,7 @@ def main(argv=None) -> int:
         "seed": args.seed,
         "compression_ratio": args.ratio,
         "presses": presses,
+        "agree_presses": agree_presses,
         "entroprefill_overrides": ENTROPREFILL_OVERRIDES,
         "dry_run_overrides": DRY_RUN_OVERRIDES if args.dry_run else {},
         "agree_lengths": agree,
@@ -612,7 +641,7 @@ def main(argv=None) -> int:
     dev_mode = "triton"  # forced: compiled on the GPU, interpreted in the dry run
     for T in agree:
         ids = build_prompt(tok, words, T, seed=args.seed)
-        for name in presses:
+        for name in agree_presses:
             row = {"press": name, "T": T, "dtype": "float32"}
             if over_time():
                 row["error"] = "skipped: time limit"
