@@ -8,9 +8,9 @@
 #
 # Options: --out DIR (default results/gpu; the dry run defaults to a new temp folder), --only STAGES
 # (comma-separated subset of install,tests,bench,e2e,report, for a rerun), --budget-s S (whole run, default 470).
-# Environment: PYTHON (default python3), GPU_CHECK_WHEELS (default wheels), GPU_CHECK_TARGET_PYTHON (the device's
-# python for --prepare, default 3.12), GPU_CHECK_FORCE_INSTALL=1 (install the wheels even when nothing lacks;
-# with --dry-run, into a temp folder: a rehearsal of the install stage).
+# Environment: GPU_CHECK_COMMIT (the commit env.txt names), PYTHON (default python3), GPU_CHECK_WHEELS (default
+# wheels), GPU_CHECK_TARGET_PYTHON (the device's python for --prepare, default 3.12), GPU_CHECK_FORCE_INSTALL=1
+# (install the wheels even when nothing lacks; with --dry-run, into a temp folder: a rehearsal of the install stage).
 #
 # Stages:
 #   install  kvpress 0.5.5, transformers<5.3 (5.2.0) and hydra are needed: the presses import kvpress, whose
@@ -35,6 +35,12 @@
 #
 #   run(command="bash scripts/gpu_check.sh", carry=["wheels"], timeout_s=540)
 #
+# The device tool sends at most 64 MiB of working tree, counted in disk blocks: results/ (thousands of small
+# files) puts the checkout over it, and the check needs none of it but results/gpu and results/kernels. Move the
+# rest aside for the call and back after it (as the first run did, 2026-12-04):
+#   mv results /tmp/results_hold && mkdir results && cp -r /tmp/results_hold/{gpu,kernels} results/
+#   run(command="GPU_CHECK_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh", ...)  # hash typed in
+#   rm -rf results && mv /tmp/results_hold results
 # What it leaves in $OUT: results_gpu.tar.gz (all of results/gpu, refreshed after every stage, so a timeout
 # still returns the stages done), README.md and gpu_check.log. Unpack: tar xzf <files_at>/results_gpu.tar.gz -C results/
 # A rerun of some stages (the install stage always runs first): --only bench,e2e,report.
@@ -65,7 +71,7 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR="$2"; shift ;;
     --only) ONLY="$2"; shift ;;
     --budget-s) BUDGET_S="$2"; shift ;;
-    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -232,7 +238,11 @@ env_info() {
   {
     if [ "$MODE" = dry-run ]; then echo "dry run: no device"; echo "nproc: $(nproc)"; return 0; fi
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo -) $(git status --porcelain 2>/dev/null | wc -l) changed files"
+    if [ -n "${GPU_CHECK_COMMIT:-}" ]; then  # the caller's commit (the device tool's copy may carry another .git)
+      echo "git: $GPU_CHECK_COMMIT (GPU_CHECK_COMMIT, given by the caller)"
+    else
+      echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo -) $(git status --porcelain 2>/dev/null | wc -l) changed files"
+    fi
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory \
       --format=csv 2>&1
     "$PY" -c 'import torch, triton, platform; print("python", platform.python_version(), "torch", torch.__version__,

@@ -79,6 +79,9 @@ def test_dry_run_end_to_end_agreement_and_timing(dry_run):
         assert float(r["mean_jaccard"]) >= gpu_report.GOALS["jaccard"], r
         # every (layer, KV group) of the 2-layer, 3-group model; EntroPrefill: one retained support
         assert int(r["layer_groups"]) == (1 if name == "entroprefill" else 2 * 3), r
+    for name in ("snis_min_h", "snis_min_h_page"):  # interpreted Triton vs torch: proposals to float32 rounding
+        assert 0.0 <= float(summary[name]["proposal_max_abs_diff"]) < 1e-6, summary[name]
+    assert summary["page_entrokv"]["proposal_max_abs_diff"] == ""  # not a sampled press
     assert float(summary["page_entrokv"]["kept_reference_mean"]) == 64.0  # floor(128 * (1 - 0.5))
     assert float(summary["snapkv"]["kept_reference_mean"]) == 64.0
     assert summary["entroprefill"]["reference_detail"].startswith("accepted_layer=0")  # the pruning path ran
@@ -171,3 +174,26 @@ def test_report_goals_from_handmade_results(tmp_path):
     assert "`p1` kept sets at T=4096: mean Jaccard 0.9950 (meets 99%)" in goals
     assert "`p2` kept sets at T=4096: mean Jaccard 0.9800 (misses 99%)" in goals
     assert "DRY RUN" not in text
+
+
+def test_cpu_draws_one_generator_per_layer_and_recorded_proposals():
+    """A change in one layer's proposal must not reach a later layer's draws (the first GPU check saw a shared
+    stream carry a last-bit difference at layer 3 into every later layer), and the proposals are recorded."""
+    import presses.probabilistic.press as snis_press
+
+    gen = torch.Generator().manual_seed(0)
+    pi0, pi1 = (torch.softmax(torch.randn(3, 500, generator=gen), -1) for _ in range(2))
+    other0 = torch.softmax(torch.randn(3, 500, generator=gen), -1)
+    runs = []
+    for first in (pi0, other0):
+        record = []
+        with e2e.cpu_draws(7, record):
+            runs.append([snis_press.sample_counts(p, 400) for p in (first, pi1)])
+        assert [r[0].shape for r in record] == [(3, 500), (3, 500)] and int(record[1][1]) == 400
+    assert not torch.equal(runs[0][0], runs[1][0])  # layer 0: other proposal, other draws
+    assert torch.equal(runs[0][1], runs[1][1])  # layer 1: same proposal, same draws
+    assert e2e.proposal_max_abs_diff(record, record) == 0.0
+    shifted = [(p + 1e-3, m) for p, m in record]
+    assert abs(e2e.proposal_max_abs_diff(record, shifted) - 1e-3) < 1e-9
+    assert e2e.proposal_max_abs_diff(record, record[:1]) == float("inf")  # another number of layers
+    assert e2e.proposal_max_abs_diff(record, [(p, m + 1) for p, m in record]) == float("inf")  # another budget

@@ -21,7 +21,10 @@ has to travel (timing first: it needs only the GPU, while the agreement's CPU ru
    about the proposal, the budget search and the eviction computed on each device, not about two
    random streams. A third run, on the device with the torch references, separates the two causes of a
    difference: ``kernels_mean_jaccard`` compares the device's Triton run with it (kernels vs references
-   on the same device), ``mean_jaccard`` the device's Triton run with the CPU (what a user sees).
+   on the same device), ``mean_jaccard`` the device's Triton run with the CPU (what a user sees). For the
+   probabilistic-eviction presses ``proposal_max_abs_diff`` compares the proposals themselves (GPU Triton run
+   against the CPU reference): a kept set is a random draw, and a last-bit difference in a proposal can change
+   a layer's draws (:func:`cpu_draws`).
 
 Presses (the harness configs ``configs/press/<name>.yaml`` at ``--ratio``), timed (:data:`PRESSES`):
 ``snapkv`` (kvpress), ``page_entrokv`` (paper 000), ``snis_min_h`` (paper 003: proposal ``min_h``, global
@@ -143,6 +146,7 @@ SUMMARY_COLUMNS = [
     "kept_device_mean",
     "kernels_mean_jaccard",
     "kernels_min_jaccard",
+    "proposal_max_abs_diff",
     "reference_s",
     "device_s",
     "reference_detail",
@@ -372,18 +376,27 @@ def capture_inputs(press):
 
 
 @contextlib.contextmanager
-def cpu_draws(seed: int):
-    """While the block runs, the probabilistic-eviction press draws its multinomial samples on a CPU
-    generator seeded with ``seed`` (its proposal and budget stay on the model's device)."""
+def cpu_draws(seed: int, record: list | None = None):
+    """While the block runs, the probabilistic-eviction press draws its multinomial samples on a CPU generator
+    (its proposal and budget stay on the model's device), a fresh one per call (per layer) seeded with
+    ``seed`` and the call's index, as the press's own per-layer generators: the binomial splitting's rejection
+    steps consume a number of uniforms that depends on the proposal, so a last-bit difference in one layer's
+    proposal can change that layer's draws, and a generator shared across layers would carry the change into
+    every later layer (the first GPU check saw layers 0-2 identical and every later one different).
+    With ``record``, each call's ``(proposal as float64 on the CPU, m)`` is appended to it."""
     import torch
 
     import presses.probabilistic.press as snis_press
 
     real = snis_press.sample_counts
-    gen = torch.Generator().manual_seed(seed)
+    calls = [0]
 
     def draw(pi, num_samples, generator=None):
+        gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + calls[0])
+        calls[0] += 1
         m = torch.as_tensor(num_samples).cpu()
+        if record is not None:
+            record.append((pi.detach().double().cpu(), m.clone()))
         return real(pi.detach().cpu(), m, gen).to(pi.device)
 
     snis_press.sample_counts = draw
@@ -391,6 +404,19 @@ def cpu_draws(seed: int):
         yield
     finally:
         snis_press.sample_counts = real
+
+
+def proposal_max_abs_diff(a: list, b: list) -> float:
+    """Largest ``|pi_a - pi_b|`` over the proposals two runs recorded (:func:`cpu_draws`), ``inf`` when their
+    calls, shapes or budgets ``m`` differ."""
+    if len(a) != len(b) or not a:
+        return math.inf
+    worst = 0.0
+    for (pa, ma), (pb, mb) in zip(a, b):
+        if pa.shape != pb.shape or not bool((ma == mb).all()):
+            return math.inf
+        worst = max(worst, float((pa - pb).abs().max()))
+    return worst
 
 
 @contextlib.contextmanager
@@ -407,9 +433,9 @@ def kernel_mode(mode: str):
             os.environ["KVPRESS_RESEARCH_KERNELS"] = old
 
 
-def kept_sets(model, press_name: str, press, ids, seed: int) -> tuple[dict, str]:
+def kept_sets(model, press_name: str, press, ids, seed: int, record: list | None = None) -> tuple[dict, str]:
     """Prefill ``ids`` on ``model`` under ``press``; the kept positions per (layer, group) and a detail
-    string (EntroPrefill's accepted layer, SNIS's mean draws). Batch size 1.
+    string (EntroPrefill's accepted layer, SNIS's mean draws). Batch size 1. ``record``: as :func:`cpu_draws`.
 
     Returns:
         ``({(layer, group): set}, detail)``; EntroPrefill gives one entry ``(-1, -1)``: its retained support.
@@ -432,7 +458,7 @@ def kept_sets(model, press_name: str, press, ids, seed: int) -> tuple[dict, str]
                 f"T'={st.get('T_prime')} bypass={st.get('bypass_reason') or '-'}"
             )
             return {(-1, -1): kept}, detail
-        draws = cpu_draws(seed) if press_name.startswith("snis") else contextlib.nullcontext()
+        draws = cpu_draws(seed, record) if press_name.startswith("snis") else contextlib.nullcontext()
         with draws, capture_inputs(press) as fps, press(model):
             model.model(input_ids=ids, past_key_values=cache)
     out = {}
@@ -649,11 +675,12 @@ def main(argv=None) -> int:
                 continue
             try:
                 t0 = time.perf_counter()
+                ref_pi, dev_pi = [], []  # the SNIS presses' proposals, per layer
                 with kernel_mode("reference"):
-                    ref, ref_detail = kept_sets(model, name, press_for(name), ids, args.seed)
+                    ref, ref_detail = kept_sets(model, name, press_for(name), ids, args.seed, ref_pi)
                 t1 = time.perf_counter()
                 with kernel_mode(dev_mode):
-                    dev, dev_detail = kept_sets(dev_model, name, press_for(name), ids, args.seed)
+                    dev, dev_detail = kept_sets(dev_model, name, press_for(name), ids, args.seed, dev_pi)
                 t2 = time.perf_counter()
                 with kernel_mode("reference"):
                     dev_ref, _ = kept_sets(dev_model, name, press_for(name), ids, args.seed)
@@ -670,6 +697,7 @@ def main(argv=None) -> int:
                     kept_device_mean=f"{sum(r['kept_device'] for r in rows) / len(rows):.1f}",
                     kernels_mean_jaccard=f"{sum(kernel_jac) / len(kernel_jac):.6f}",
                     kernels_min_jaccard=f"{min(kernel_jac):.6f}",
+                    proposal_max_abs_diff=f"{proposal_max_abs_diff(ref_pi, dev_pi):.3g}" if ref_pi else "",
                     reference_s=f"{t1 - t0:.2f}",
                     device_s=f"{t2 - t1:.2f}",
                     reference_detail=ref_detail,

@@ -206,7 +206,9 @@ def end_to_end_section(out: Path) -> tuple[list[str], list[str], dict]:
         + ". Jaccard index of the kept prompt positions per (layer, KV group); EntroPrefill: its retained "
         "support (one set). `kernels`: the device's Triton run against the device's own torch-reference run "
         "(kernel differences alone, without CPU/GPU arithmetic differences). The probabilistic-eviction "
-        "press draws on the CPU generator in every run.",
+        "presses draw on a CPU generator per layer in every run; their kept sets are random draws, so their "
+        "proposals are compared too (`proposal max abs diff`, device against CPU): a last-bit difference in a "
+        "proposal can change the draws of its layer (the binomial splitting's rejection steps).",
         "",
     ]
     goals = []
@@ -221,6 +223,7 @@ def end_to_end_section(out: Path) -> tuple[list[str], list[str], dict]:
                 "identical",
                 "kept (ref / dev)",
                 "kernels mean / min",
+                "proposal max abs diff",
                 "ref s",
                 "dev s",
                 "reference",
@@ -237,6 +240,7 @@ def end_to_end_section(out: Path) -> tuple[list[str], list[str], dict]:
                     fmt(r["identical_fraction"], ".1%"),
                     f"{r['kept_reference_mean'] or '-'} / {r['kept_device_mean'] or '-'}",
                     f"{fmt(r.get('kernels_mean_jaccard'), '.4f')} / {fmt(r.get('kernels_min_jaccard'), '.4f')}",
+                    r.get("proposal_max_abs_diff") or "-",
                     r["reference_s"] or "-",
                     r["device_s"] or "-",
                     r["reference_detail"],
@@ -251,6 +255,7 @@ def end_to_end_section(out: Path) -> tuple[list[str], list[str], dict]:
             goals.append(
                 f"`{r['press']}` kept sets at T={r['T']}: mean Jaccard {fmt(j, '.4f')} "
                 f"({'meets' if j >= GOALS['jaccard'] else 'misses'} {GOALS['jaccard']:.0%})"
+                + (f"; proposals differ by at most {d}" if (d := r.get("proposal_max_abs_diff")) else "")
                 + (f" [{r['error']}]" if r["error"] else "")
             )
     else:

@@ -203,7 +203,8 @@ def chunk_priorities(
         lam: ``lambda >= 0``.
 
     Returns:
-        dict with ``S``, ``ell``, ``kappa``, ``M`` ``(k,)`` float64 and ``Z`` (0-d).
+        dict with ``S``, ``ell``, ``kappa``, ``M`` ``(k,)`` float64 and ``Z`` (0-d), on the CPU whatever
+        ``mu``'s device (found by the GPU check: ``n`` and ``mu`` met on two devices).
 
     Raises:
         ValueError: for ``smoothing <= 0``, ``lam < 0``, no chunks, or ``Z <= 0``.
@@ -214,7 +215,7 @@ def chunk_priorities(
         raise ValueError(f"lambda={lam} must be >= 0")
     if len(chunks) == 0:
         raise ValueError("chunk_priorities needs at least one chunk")
-    mu = mu.double()
+    mu = mu.detach().double().cpu()  # k chunk sums: on the CPU, as the dual certificate (mu may be on a GPU)
     n = torch.tensor([e - s for s, e in chunks], dtype=torch.float64)
     mass_tok = [mu[s:e] for s, e in chunks]
     Z = torch.stack([m.sum() for m in mass_tok]).sum()
