@@ -297,7 +297,7 @@ def forward_pruned(model, ids, layer, R, cache, trim_cache):
             position_ids=pos,
             past_key_values=cache,
             use_cache=True,
-            cache_position=torch.arange(h.shape[1]),
+            cache_position=torch.arange(h.shape[1], device=h.device),
             position_embeddings=(cos, sin),
         )
     return model.lm_head(lm.norm(h))[0, -1]
@@ -306,9 +306,11 @@ def forward_pruned(model, ids, layer, R, cache, trim_cache):
 def decode_steps(model, cache, T, decode_ids):
     """Logits of greedy-free decode steps feeding ``decode_ids`` at positions T, T+1, ... (a list)."""
     return [
-        model(input_ids=torch.tensor([[tok]]), past_key_values=cache, position_ids=torch.tensor([[T + s]])).logits[
-            0, -1
-        ]
+        model(
+            input_ids=torch.tensor([[tok]], device=model.device),
+            past_key_values=cache,
+            position_ids=torch.tensor([[T + s]], device=model.device),
+        ).logits[0, -1]
         for s, tok in enumerate(decode_ids)
     ]
 
