@@ -342,7 +342,9 @@ def write_readme(out: Path, mode: str, command: str) -> str:
         "",
         "On this workplace's device machine (no registry there): first, here, in the checkout the device tool "
         "sends, `bash scripts/gpu_check.sh --prepare` (downloads the pinned wheels into the git-ignored "
-        "`wheels/`, about 15 MB), then call the device tool:",
+        "`wheels/`, about 15 MB); the tool sends at most 64 MiB of working tree, counted in disk blocks, which "
+        "`results/` alone exceeds, so move `results/` aside but for `results/gpu` and `results/kernels` for the call "
+        "(the header of `scripts/gpu_check.sh` has the commands); then call the device tool:",
         "",
         "```",
         RUN_CALL,
