@@ -69,6 +69,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -730,6 +731,7 @@ def main(argv=None) -> int:
     if over_time():
         notes.append(f"time limit {time_limit:g} s reached: later rows say 'skipped: time limit'")
     save_meta()
+    shutil.rmtree(tok_dir, ignore_errors=True)
     print(f"wrote {out} in {meta['elapsed_s']} s")
     return 0
 
