@@ -37,10 +37,12 @@
 #
 # The device tool sends at most 64 MiB of working tree, counted in disk blocks: results/ (thousands of small
 # files) puts the checkout over it, and the check needs none of it but results/gpu and results/kernels. Move the
-# rest aside for the call and back after it (as the first run did, 2026-12-04):
-#   mv results /tmp/results_hold && mkdir results && cp -r /tmp/results_hold/{gpu,kernels} results/
-#   run(command="GPU_CHECK_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh", ...)  # hash typed in
-#   rm -rf results && mv /tmp/results_hold results
+# rest aside for the call and back after it (as the runs of 2026-12-04 did), with nothing uncommitted in results/
+# and no job writing there (git sees results/ as deleted meanwhile: commit nothing until it is back):
+#   git diff --quiet -- results && [ -z "$(git ls-files -o --exclude-standard results)" ] || echo "commit first"
+#   H=$(mktemp -d) && mv results "$H/" && mkdir results && cp -a "$H"/results/{gpu,kernels} results/
+#   run(command="GPU_CHECK_COMMIT=<git rev-parse --short HEAD> bash scripts/gpu_check.sh", carry=["wheels"], ...)
+#   mv results "$H/sent" && mv "$H/results" results     # then unpack (below), check git status, rm -rf "$H"
 # What it leaves in $OUT: results_gpu.tar.gz (all of results/gpu, refreshed after every stage, so a timeout
 # still returns the stages done), README.md and gpu_check.log. Unpack: tar xzf <files_at>/results_gpu.tar.gz -C results/
 # A rerun of some stages (the install stage always runs first): --only bench,e2e,report.
@@ -71,7 +73,7 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR="$2"; shift ;;
     --only) ONLY="$2"; shift ;;
     --budget-s) BUDGET_S="$2"; shift ;;
-    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,48p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
