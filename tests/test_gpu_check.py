@@ -84,6 +84,8 @@ def test_dry_run_end_to_end_agreement_and_timing(dry_run):
     assert summary["page_entrokv"]["proposal_max_abs_diff"] == ""  # not a sampled press
     assert float(summary["page_entrokv"]["kept_reference_mean"]) == 64.0  # floor(128 * (1 - 0.5))
     assert float(summary["snapkv"]["kept_reference_mean"]) == 64.0
+    for name in ("page_entrokv_reconstruction", "kvzip"):  # masked keys (masked_positions), half of them overall
+        assert float(summary[name]["kept_reference_mean"]) == 64.0, summary[name]
     assert summary["entroprefill"]["reference_detail"].startswith("accepted_layer=0")  # the pruning path ran
     timing = read_rows(out / "end_to_end" / "timing.csv")
     assert [r["press"] for r in timing] == [e2e.NO_PRESS, *e2e.PRESSES]
@@ -197,3 +199,11 @@ def test_cpu_draws_one_generator_per_layer_and_recorded_proposals():
     assert abs(e2e.proposal_max_abs_diff(record, shifted) - 1e-3) < 1e-9
     assert e2e.proposal_max_abs_diff(record, record[:1]) == float("inf")  # another number of layers
     assert e2e.proposal_max_abs_diff(record, [(p, m + 1) for p, m in record]) == float("inf")  # another budget
+
+
+def test_masked_positions_by_hand():
+    """kvpress's head-wise masks ``(batch, head, position)`` -> kept positions per (layer, group); a layer without a
+    mask keeps everything, and batch rows other than 0 are not read."""
+    mask = (torch.tensor([0, 0, 0, 1]), torch.tensor([0, 1, 1, 0]), torch.tensor([2, 0, 4, 3]))
+    kept = e2e.masked_positions((mask, None), T=5, num_groups=2)
+    assert kept == {(0, 0): {0, 1, 3, 4}, (0, 1): {1, 2, 3}, (1, 0): set(range(5)), (1, 1): set(range(5))}

@@ -15,7 +15,9 @@ has to travel (timing first: it needs only the GPU, while the agreement's CPU ru
    Jaccard index ``|A & B| / |A | B|``. Kept positions are read off the cache itself: each key row the
    press left in the cache is matched, bit for bit, to the key rows the press received
    (:func:`key_fingerprints`), so the check needs nothing press-specific except EntroPrefill, whose
-   retained support ``R`` (one set for the whole model, paper 001 Algorithm 1) is read from the press.
+   retained support ``R`` (one set for the whole model, paper 001 Algorithm 1) is read from the press; a
+   press that masks keys instead of pruning them (kvpress's KVzip and the reconstruction press built on it)
+   leaves ``masked_key_indices`` on the attention modules, read by :func:`masked_positions`.
    The probabilistic-eviction press draws its samples on the CPU generator in both runs
    (:func:`cpu_draws`): CUDA and CPU generators give different streams by design, and the check is
    about the proposal, the budget search and the eviction computed on each device, not about two
@@ -33,7 +35,7 @@ budget, corrected) and its page variant ``snis_min_h_page``, ``entroprefill`` (p
 exercise, ``page_entrokv_reconstruction`` (Page-EntroKV's scoring on KVzip's reconstruction pass), and kvpress's
 frontier ``chunkkv`` and ``kvzip`` (their cost on the GPU). KVzip's presses load the tokenizer by the model's name:
 the word-level tokenizer is saved to a temporary folder that the model's config names. Compared across devices
-(:data:`AGREE_PRESSES`): the presses that run this project's kernels, and SnapKV.
+(:data:`AGREE_PRESSES`): the presses that run this project's kernels, SnapKV and KVzip.
 
 Model: ``LlamaForCausalLM`` with SmolLM2-135M's configuration (:data:`SMOLLM2_135M`: hidden 576, 9 query
 heads, 3 KV heads, head dim 64, 30 layers, intermediate 1536, vocabulary 49152, RoPE theta 1e5), weights
@@ -112,10 +114,18 @@ PRESSES = (
     "chunkkv",
     "kvzip",
 )
-#: The presses whose kept sets are compared across devices: those that run this project's kernels (SnapKV as the
-#: baseline of the same observer path). KVzip's two presses prune after the prefill (``compress_post``), which
-#: the key-fingerprint capture below does not see, and ChunkKV scores with kvpress's SnapKV code.
-AGREE_PRESSES = ("snapkv", "page_entrokv", "snis_min_h", "entroprefill", "snis_min_h_page")
+#: The presses whose kept sets are compared across devices: those that run this project's kernels, SnapKV as the
+#: baseline of the same observer path and KVzip as the baseline of the reconstruction press's pass (KVzip's presses
+#: mask keys after the prefill: :func:`masked_positions`). ChunkKV scores with kvpress's SnapKV code.
+AGREE_PRESSES = (
+    "snapkv",
+    "page_entrokv",
+    "snis_min_h",
+    "entroprefill",
+    "snis_min_h_page",
+    "page_entrokv_reconstruction",
+    "kvzip",
+)
 #: EntroPrefill with relaxed acceptance (as tests/test_entroprefill.py's accepted-run test): random weights
 #: rarely pass the default audit, and the check must run the pruning path. The rest are the config's values.
 ENTROPREFILL_OVERRIDES = {"epsilon": 0.9, "epsilon_audit": 0.95, "stability_streak": 0}
@@ -358,6 +368,28 @@ def kept_positions(inputs_fp, cache_keys) -> list[list[set[int]]]:
     return out
 
 
+def masked_positions(masks: tuple, T: int, num_groups: int) -> dict:
+    """Kept prompt positions of a press that masks keys instead of pruning them (kvpress's head-wise presses: KVzip
+    and its subclasses, whose ``compress_post`` leaves the cache whole and sets ``masked_key_indices``).
+
+    Args:
+        masks: per layer, ``(batch, head, position)`` index tensors or None
+            (:func:`evaluation.kvzip_path.take_masked_keys`); batch row 0 is read.
+        T: the prompt length.
+        num_groups: KV heads per layer.
+
+    Returns:
+        ``{(layer, group): set}`` of the positions in ``[0, T)`` not masked.
+    """
+    out = {}
+    for layer, mask in enumerate(masks):
+        b, h, pos = (t.cpu() for t in mask) if mask is not None else (None, None, None)
+        for g in range(num_groups):
+            gone = set() if mask is None else set(pos[(b == 0) & (h == g)].tolist())
+            out[(layer, g)] = set(range(T)) - gone
+    return out
+
+
 @contextlib.contextmanager
 def capture_inputs(press):
     """Record ``fingerprints[layer_idx]`` of the keys each ``press.compress`` call receives (the layer's full
@@ -444,6 +476,8 @@ def kept_sets(model, press_name: str, press, ids, seed: int, record: list | None
     import torch
     from transformers import DynamicCache
 
+    from evaluation.kvzip_path import take_masked_keys  # here: Triton must not load before main() sets the interpreter
+
     cache = DynamicCache()
     ids = ids.to(model.device)
     T = ids.shape[1]
@@ -460,12 +494,18 @@ def kept_sets(model, press_name: str, press, ids, seed: int, record: list | None
             )
             return {(-1, -1): kept}, detail
         draws = cpu_draws(seed, record) if press_name.startswith("snis") else contextlib.nullcontext()
+        take_masked_keys(model)  # no mask of an earlier run may stay on the model
         with draws, capture_inputs(press) as fps, press(model):
             model.model(input_ids=ids, past_key_values=cache)
+        masks = take_masked_keys(model)
     out = {}
     for layer, fp in sorted(fps.items()):
         for g, positions in enumerate(kept_positions(fp, cache.layers[layer].keys)[0]):
             out[(layer, g)] = positions
+    if any(m is not None for m in masks):
+        if out:
+            raise ValueError(f"{press_name} both pruned the cache and masked keys: the check reads one or the other")
+        out = masked_positions(masks, T, model.config.num_key_value_heads)
     detail = ""
     if hasattr(press, "summary"):
         st = press.summary()
