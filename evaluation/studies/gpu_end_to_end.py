@@ -464,6 +464,9 @@ def kept_sets(model, press_name: str, press, ids, seed: int, record: list | None
 
     Returns:
         ``({(layer, group): set}, detail)``; EntroPrefill gives one entry ``(-1, -1)``: its retained support.
+
+    Raises:
+        ValueError: when the press both pruned the cache and masked keys (the check reads one or the other).
     """
     import torch
     from transformers import DynamicCache
