@@ -420,9 +420,10 @@ def cpu_draws(seed: int, record: list | None = None):
         gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + calls[0])
         calls[0] += 1
         m = torch.as_tensor(num_samples).cpu()
+        pi_cpu = pi.detach().cpu()  # one copy off the device, for the draw and the record
         if record is not None:
-            record.append((pi.detach().double().cpu(), m.clone()))
-        return real(pi.detach().cpu(), m, gen).to(pi.device)
+            record.append((pi_cpu.double(), m.clone()))
+        return real(pi_cpu, m, gen).to(pi.device)
 
     snis_press.sample_counts = draw
     try:
