@@ -94,6 +94,20 @@ def test_row_chunk_masses_tiles_splits_and_strides():
     torch.testing.assert_close(row_chunk_masses_triton(qt, kt, rows, ids, 9)[0], ref, atol=1e-6, rtol=1e-4)
 
 
+def test_row_chunk_masses_chunk_tiles_and_tuning_knobs():
+    """More chunks than one chunk tile (three tiles of 16 for 40 chunks), and the sweep's knobs
+    (evaluation.studies.tune_row_masses): every setting gives the reference's masses."""
+    q, keys = _qk(1, 2, 2, 5, 300, torch.float32, seed=11)
+    rows = _rows(300, 5, seed=4, last=True)
+    ids = chunk_ids(300, _chunks(300, 40, seed=5), DEVICE)
+    w = torch.rand(5, generator=_gen(5)).to(DEVICE)
+    ref = row_chunk_masses_reference(q, keys, rows, ids, 40, w)
+    for knobs in ({"max_block_k": 16}, {"max_block_k": 16, "num_warps": 8, "mass_precision": "ieee"}, {}):
+        masses, average = row_chunk_masses_triton(q, keys, rows, ids, 40, w, **knobs)
+        torch.testing.assert_close(masses, ref[0], atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(average, ref[1], atol=1e-6, rtol=1e-4)
+
+
 def test_row_chunk_masses_bad_input():
     q, keys = _qk(1, 1, 2, 4, 20, torch.float32)
     ids = chunk_ids(20, [(4, 9)], DEVICE)
@@ -107,6 +121,10 @@ def test_row_chunk_masses_bad_input():
     with pytest.raises(ValueError, match="num_kv_heads=2 must divide num_heads=3"):
         q3, _ = _qk(1, 1, 3, 4, 20, torch.float32)
         row_chunk_masses_triton(q3, keys.expand(1, 2, 20, keys.shape[-1]), rows, ids, 1)
+    with pytest.raises(ValueError, match="max_block_k must be a power of two >= 16, got 24"):
+        row_chunk_masses_triton(q, keys, rows, ids, 1, max_block_k=24)
+    with pytest.raises(ValueError, match=r"mass_precision must be one of \('ieee', 'tf32x3'\), got 'tf32'"):
+        row_chunk_masses_triton(q, keys, rows, ids, 1, mass_precision="tf32")
     with pytest.raises(ValueError, match="overlaps another chunk"):
         chunk_ids(20, [(4, 9), (8, 12)])
     with pytest.raises(ValueError, match="outside"):

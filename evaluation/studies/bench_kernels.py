@@ -137,10 +137,50 @@ def copy_bandwidth(torch, device, n_bytes: int = 1 << 30) -> float:
     return 2 * (n_bytes // 2) * 2 / statistics.median(times)
 
 
+def bench_shapes(torch, dry: bool) -> tuple:
+    """``(B, H_Q, G, d, W, page_size, dtype, L, M, query_block)`` of the benchmark (module docstring), or toy
+    shapes for the dry run."""
+    if dry:
+        return 1, 4, 2, 16, 16, 16, torch.float32, 2, 7, 32
+    return 1, 32, 8, 128, 64, 16, torch.bfloat16, 32, 63, 128
+
+
+ROW_MASS_CASES = {"row_chunk_masses_proposal": (8, True), "row_chunk_masses_audit": (256, False)}
+"""EntroPrefill's row-kernel cases: name -> (rows, with the weighted average)."""
+
+
+def row_mass_inputs(torch, keys, n_heads: int, randn, gen, n_rows: int, average: bool, dry: bool) -> tuple:
+    """Inputs of one EntroPrefill row-kernel case (paper 001 eqs. 2, 14, 17) over ``keys`` ``(B, G, T, d)`` for
+    ``n_heads`` query heads:
+    chunks of 128 keys (16 in the dry run) after 5% instructions, before a 5% question; ``n_rows`` proposal rows
+    (the last ones, with uniform average weights) or audit rows (distinct question positions, at most the
+    question's length). ``randn(*shape)`` draws the queries, ``gen`` the audit positions.
+
+    Returns:
+        ``(queries (B, H_Q, n, d), rows (n,), ids (T,), num_chunks, row_weights (n,) or None)``.
+    """
+    from presses.core.row_masses import chunk_ids
+
+    B, _, T, d = keys.shape
+    device = keys.device
+    cs = 16 if dry else 128
+    lo, hi = T // 20, T - T // 20
+    ids = chunk_ids(T, [(s0, min(s0 + cs, hi)) for s0 in range(lo, hi, cs)], device)
+    n_rows = n_rows if average else min(n_rows, T - hi)
+    qr = randn(B, n_heads, n_rows, d)
+    rows = (
+        torch.arange(T - n_rows, T, device=device)
+        if average
+        else torch.randperm(T - hi, generator=gen, device=device)[:n_rows] + hi
+    )
+    w = torch.full((n_rows,), 1.0 / n_rows, device=device) if average else None
+    return qr, rows, ids, int(ids.max()) + 1, w
+
+
 def build_cases(torch, device, lengths, dry, only):
     from presses.core.columns import column_sums as column_sums_reference
     from presses.core.observer import observer_attention_reference
-    from presses.core.row_masses import chunk_ids, row_chunk_masses_reference
+    from presses.core.row_masses import row_chunk_masses_reference
     from presses.kernels.attention_columns import column_sums_triton, window_attention_triton
     from presses.kernels.biased_decode import biased_decode_triton
     from presses.kernels.expected_unique import expected_unique_many_triton
@@ -153,10 +193,7 @@ def build_cases(torch, device, lengths, dry, only):
     from presses.kernels.row_masses import row_chunk_masses_triton
     from presses.probabilistic.proposals import harmonic_prior
 
-    if dry:
-        B, HQ, G, d, W, page, dtype, L, M, qblock = 1, 4, 2, 16, 16, 16, torch.float32, 2, 7, 32
-    else:
-        B, HQ, G, d, W, page, dtype, L, M, qblock = 1, 32, 8, 128, 64, 16, torch.bfloat16, 32, 63, 128
+    B, HQ, G, d, W, page, dtype, L, M, qblock = bench_shapes(torch, dry)
     r = HQ // G
     e = torch.finfo(dtype).bits // 8
     dname = str(dtype).replace("torch.", "")
@@ -240,22 +277,11 @@ def build_cases(torch, device, lengths, dry, only):
                 lambda pi=pi, m=m: expected_unique_many_triton(pi, m),
                 1.0,
             )
-        for name, n_rows, average in (("row_chunk_masses_proposal", 8, True), ("row_chunk_masses_audit", 256, False)):
+        for name, (n_rows, average) in ROW_MASS_CASES.items():
             if not want(name):
                 continue
-            # EntroPrefill (paper 001 eqs. 2, 14, 17): chunks of 128 keys after 5% instructions, before a 5% question
-            cs = 16 if dry else 128
-            lo, hi = T // 20, T - T // 20
-            ids = chunk_ids(T, [(s0, min(s0 + cs, hi)) for s0 in range(lo, hi, cs)], device)
-            k = int(ids.max()) + 1
-            n_rows = n_rows if average else min(n_rows, T - hi)  # audit rows: distinct question positions
-            qr = randn(B, HQ, n_rows, d)
-            rows = (
-                torch.arange(T - n_rows, T, device=device)
-                if average
-                else torch.randperm(T - hi, generator=gen, device=device)[:n_rows] + hi
-            )
-            w = torch.full((n_rows,), 1.0 / n_rows, device=device) if average else None
+            qr, rows, ids, k, w = row_mass_inputs(torch, keys, HQ, randn, gen, n_rows, average, dry)
+            n_rows = len(rows)
 
             def flat(out):
                 return out[0].flatten() if out[1] is None else torch.cat([out[0].flatten(), out[1].flatten()])
@@ -270,9 +296,10 @@ def build_cases(torch, device, lengths, dry, only):
                 + T * 4
                 + B * HQ * n_rows * k * 4
                 + (B * HQ * T * 4 if average else 0),
-                # q.k and the one-hot chunk product (fp32, ieee) in one pass; the average: a second q.k pass
+                # q.k and the one-hot chunk product (float32 masses, on the tensor cores as three TF32 products:
+                # presses.kernels.row_masses) in one pass; the average: a second q.k pass
                 2.0 * B * HQ * n_rows * T * (d + min(128, k)) + (4.0 * B * HQ * n_rows * T * d if average else 0),
-                "compute",  # the fp32 one-hot product runs at the non-tensor-core fp32 rate
+                "compute",  # ~250 FLOP/byte (audit rows) and ~20 (proposal rows): T x rows x (d + chunk tile)
                 lambda q=qr, k_=keys, rows=rows, ids=ids, k=k, w=w: flat(
                     row_chunk_masses_reference(q, k_, rows, ids, k, w)
                 ),
@@ -345,16 +372,25 @@ def timed(torch, device, fn, max_reps, max_s):
     return statistics.median(times), out, peak_mb
 
 
-def main(argv=None) -> int:
-    args = _parse(argv)
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+def study_device(dry_run: bool):
+    """``(torch, device)`` of a kernel study: CUDA, or the CPU with ``TRITON_INTERPRET=1`` for a dry run (set before
+    triton is imported); ``None``, with a message on stderr, when no CUDA device is there for a real run."""
+    if dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    if not args.dry_run and not torch.cuda.is_available():
+    if not dry_run and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run for the CPU plumbing check", file=sys.stderr)
+        return None
+    return torch, torch.device("cpu" if dry_run else "cuda")
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    found = study_device(args.dry_run)
+    if found is None:
         return 2
+    torch, device = found
     import triton
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -32,8 +32,14 @@ from presses.kernels.tiles import key_tile_scores, load_group_rows, online_softm
 
 __all__ = ["row_chunk_masses_triton"]
 
-# default tiles: rows x keys x chunks (the chunk accumulator is BLOCK_M x BLOCK_K float32 registers)
-_BLOCK_M, _BLOCK_N, _MAX_BLOCK_K = 32, 64, 128
+# default tiles: rows x keys x chunks (the chunk accumulator is BLOCK_M x BLOCK_K float32 registers), and warps
+# of the chunk-mass pass; chosen on an H200 (results/kernels/tune_row_masses/README.md)
+_BLOCK_M, _BLOCK_N, _MAX_BLOCK_K, _NUM_WARPS = 32, 64, 128, 4
+# precision of the one-hot chunk product on a GPU (``tl.dot``'s ``input_precision``): "ieee" multiplies on the
+# float32 cores; "tf32x3" on the tensor cores as three TF32 products (the one-hot side is exact in TF32, so the
+# result keeps ~22 of float32's 24 mantissa bits). The interpreter always multiplies in IEEE float32.
+MASS_PRECISIONS = ("ieee", "tf32x3")
+_MASS_PRECISION = "tf32x3"
 
 
 @triton.jit
@@ -69,6 +75,7 @@ def _chunk_mass_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    MASS_PRECISION: tl.constexpr,
 ):
     # program: (key split, row block) x (batch, group) x chunk block
     pid = tl.program_id(0)
@@ -98,7 +105,7 @@ def _chunk_mass_kernel(
         m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
         cid = tl.load(ids_ptr + offs_n, mask=in_keys, other=-1)
         onehot = (cid[:, None] == offs_c[None, :]).to(tl.float32)  # (BLOCK_N, BLOCK_K): keys in no chunk are 0
-        acc = acc * alpha[:, None] + tl.dot(p, onehot, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, onehot, input_precision=MASS_PRECISION)
         m_i = m_new
     row = (pid_bg * R * n_rows + offs_i) * n_split + split
     if pid_c == 0:
@@ -118,6 +125,9 @@ def row_chunk_masses_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    max_block_k: int | None = None,
+    num_warps: int | None = None,
+    mass_precision: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton per-row chunk masses and weighted row average (paper 001 eqs. 1-2, 14, 17; docs/methods.md §4).
 
@@ -133,15 +143,27 @@ def row_chunk_masses_triton(
         row_weights: ``(n,)`` weights of the average, or ``None`` (no average).
         scaling: logit scale, default ``d ** -0.5``.
         block_m, block_n, num_splits: row and key tiles, key splits (defaults by device).
+        max_block_k: largest chunk tile (a power of two >= 16; more chunks take more chunk-tile programs, each
+            recomputing its rows' scores).
+        num_warps: warps per program of the chunk-mass pass.
+        mass_precision: one of :data:`MASS_PRECISIONS` for the one-hot product on a GPU (default
+            ``_MASS_PRECISION``; the interpreter always uses ``"ieee"``).
 
     Returns:
         ``(masses (B, H_Q, n, k), average (B, H_Q, t) or None)``, float32.
 
     Raises:
         ValueError: if shapes or dtypes disagree, ``G`` does not divide ``H_Q``, a row position is outside
-            ``[0, t)``, or the chunk ids are out of range.
+            ``[0, t)``, the chunk ids are out of range, ``max_block_k`` is not a power of two >= 16, or
+            ``mass_precision`` is not one of :data:`MASS_PRECISIONS`.
     """
     B, HQ, n, d, G, t = check_query_key_args(queries, keys)
+    max_bk = max_block_k or _MAX_BLOCK_K
+    if max_bk < 16 or max_bk & (max_bk - 1):
+        raise ValueError(f"max_block_k must be a power of two >= 16, got {max_block_k}")
+    precision = mass_precision or _MASS_PRECISION
+    if precision not in MASS_PRECISIONS:
+        raise ValueError(f"mass_precision must be one of {MASS_PRECISIONS}, got {mass_precision!r}")
     if rows.shape != (n,):
         raise ValueError(f"rows has shape {tuple(rows.shape)}, expected ({n},)")
     check_chunk_ids(ids, t, num_chunks)
@@ -157,11 +179,12 @@ def row_chunk_masses_triton(
     rows = rows.to(device=keys.device, dtype=torch.int32).contiguous()
     ids = ids.to(device=keys.device, dtype=torch.int32).contiguous()
     bm, bn = block_m or _BLOCK_M, block_n or _BLOCK_N
-    bk = min(_MAX_BLOCK_K, max(16, triton.next_power_of_2(max(1, num_chunks))))
+    bk = min(max_bk, max(16, triton.next_power_of_2(max(1, num_chunks))))
     n_cblocks = triton.cdiv(max(1, num_chunks), bk)
     n_mblocks = triton.cdiv(R * n, bm)
     launch = row_launch(queries, keys, rows, scaling, bn, num_splits, n_mblocks * B * G * n_cblocks)
-    qk_scale, bd, ieee, upcast, num_warps = launch.qk_scale, launch.bd, launch.ieee, launch.upcast, launch.num_warps
+    qk_scale, bd, ieee, upcast = launch.qk_scale, launch.bd, launch.ieee, launch.upcast
+    num_warps = num_warps or _NUM_WARPS
     n_kblocks, chunk, num_splits = launch.n_kblocks, launch.chunk, launch.num_splits
     m_part = torch.empty(B * HQ * n, num_splits, device=keys.device, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
@@ -192,6 +215,7 @@ def row_chunk_masses_triton(
         BLOCK_K=bk,
         IEEE=ieee,
         UPCAST=upcast,
+        MASS_PRECISION="ieee" if not keys.is_cuda else precision,
         num_warps=num_warps,
     )
     m_row = m_part.amax(-1)  # every row sees key 0, so m_row is finite
@@ -225,6 +249,6 @@ def row_chunk_masses_triton(
             BLOCK_D=bd,
             IEEE=ieee,
             UPCAST=upcast,
-            num_warps=num_warps,
+            num_warps=launch.num_warps,
         )
     return masses, average
