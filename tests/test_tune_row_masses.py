@@ -14,6 +14,8 @@ def test_parse_config():
         parse_config("block_q=16")
     with pytest.raises(ValueError, match="'num_warps'"):
         parse_config("num_warps")
+    with pytest.raises(ValueError, match="'num_warps=four': num_warps takes a positive integer"):
+        parse_config("num_warps=four")
     assert set(GRID) == {"mass_precision", "max_block_k", "block_m", "block_n", "num_warps"}
 
 
@@ -26,3 +28,9 @@ def test_dry_run_writes_one_row_per_configuration(tmp_path, monkeypatch):
     assert {r["case"] for r in rows} == {"row_chunk_masses_audit"}
     for r in rows[1:]:  # every configuration ran and matches the reference to float32 round-off
         assert not r.get("error") and float(r["max_abs_diff"]) < 1e-6
+
+
+def test_unknown_case_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match=r"--cases 'audits': each case must be one of \['proposal', 'audit'\]"):
+        main(["--dry-run", "--out", str(tmp_path), "--cases", "audits"])

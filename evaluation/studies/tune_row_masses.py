@@ -44,13 +44,15 @@ def parse_config(text: str) -> dict:
     """``'mass_precision=tf32x3 num_warps=4'`` -> ``{'mass_precision': 'tf32x3', 'num_warps': 4}``.
 
     Raises:
-        ValueError: for a name outside :data:`GRID` or an item without ``=``.
+        ValueError: for a name outside :data:`GRID`, an item without ``=``, or a non-integer tile or warp count.
     """
     cfg = {}
     for item in text.split():
         name, sep, value = item.partition("=")
         if not sep or name not in GRID:
             raise ValueError(f"configuration item {item!r}: expected name=value with a name among {list(GRID)}")
+        if name != "mass_precision" and not value.isdigit():
+            raise ValueError(f"configuration item {item!r}: {name} takes a positive integer")
         cfg[name] = value if name == "mass_precision" else int(value)
     return cfg
 
@@ -89,11 +91,11 @@ def main(argv=None) -> int:
         if args.configs is not None
         else [dict(zip(g, v)) for g in [DRY_GRID if args.dry_run else GRID] for v in itertools.product(*g.values())]
     )
-    cases = {
-        name: spec
-        for name, spec in ROW_MASS_CASES.items()
-        if not args.cases or name.rsplit("_", 1)[-1] in args.cases.split(",")
-    }
+    wanted = args.cases.split(",") if args.cases else None
+    known = [name.rsplit("_", 1)[-1] for name in ROW_MASS_CASES]
+    if wanted and not set(wanted) <= set(known):
+        raise ValueError(f"--cases {args.cases!r}: each case must be one of {known}")
+    cases = {name: spec for name, spec in ROW_MASS_CASES.items() if not wanted or name.rsplit("_", 1)[-1] in wanted}
     reps = args.reps or (2 if args.dry_run else 10)
     B, HQ, G, d, _, _, dtype, *_ = bench_shapes(torch, args.dry_run)
     out = Path(args.out) / ("dry_run" if args.dry_run else "")
