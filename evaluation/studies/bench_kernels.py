@@ -151,10 +151,9 @@ ROW_MASS_CASES = {"row_chunk_masses_proposal": (8, True), "row_chunk_masses_audi
 
 def row_mass_inputs(torch, keys, n_heads: int, randn, gen, n_rows: int, average: bool, dry: bool) -> tuple:
     """Inputs of one EntroPrefill row-kernel case (paper 001 eqs. 2, 14, 17) over ``keys`` ``(B, G, T, d)`` for
-    ``n_heads`` query heads:
-    chunks of 128 keys (16 in the dry run) after 5% instructions, before a 5% question; ``n_rows`` proposal rows
-    (the last ones, with uniform average weights) or audit rows (distinct question positions, at most the
-    question's length). ``randn(*shape)`` draws the queries, ``gen`` the audit positions.
+    ``n_heads`` query heads: chunks of 128 keys (16 in the dry run) after 5% instructions, before a 5% question;
+    ``n_rows`` proposal rows (the last ones, with uniform average weights) or audit rows (distinct question
+    positions, at most the question's length). ``randn(*shape)`` draws the queries, ``gen`` the audit positions.
 
     Returns:
         ``(queries (B, H_Q, n, d), rows (n,), ids (T,), num_chunks, row_weights (n,) or None)``.
