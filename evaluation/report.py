@@ -28,7 +28,8 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
   (:mod:`evaluation.continuation`): per press, ratio and task (``all`` too), the mean NLL increase over the
   uncompressed context and the mean KL of the next-token distributions, each with its Student-t interval
   (:func:`continuation_table`);
-* ``README.md`` linking all of it, with the commands that produced the runs (``metrics.json``'s ``command``).
+* ``README.md`` linking all of it, with the commands that produced the runs (``metrics.json``'s ``command``, and
+  for a run joined from pieces by :mod:`evaluation.merge_runs` its ``merged`` commands).
 
 A run that another process is writing (it holds the run directory's lock, :func:`evaluation.harness.claim_runs`)
 is listed as in progress, never as finished. Every file is written atomically (temporary file + ``os.replace``); files
@@ -149,8 +150,10 @@ def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
                 for command in log.read_text(encoding="utf-8").splitlines() if log.exists() else []:
                     if command and command not in run.commands:
                         run.commands.append(command)
-            elif metrics.get("command") and metrics["command"] not in run.commands:
-                run.commands.append(metrics["command"])
+            else:  # a run joined from pieces (evaluation.merge_runs) lists their commands too
+                for command in [metrics.get("command"), *metrics.get("merged", [])]:
+                    if command and command not in run.commands:
+                        run.commands.append(command)
         shards = [s for s, _ in pieces if s is not None]
         if shards:
             counts = {n for _, n in shards}
