@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Writes jobs.txt: name|command|glob of its shard directories under $OUT|how many; one half of one shard per job
+# (see results/.staging/README.md in the repo).
+source /work/queue/common.sh
+D4="dataset=stdlib_docs dataset.context_lengths=[4096] n_samples=50"
+R="ratios=[0.25,0.5,0.75]"
+M=smollm2-135m
+gA() { echo "$1/$M/{${PA}}/cr*/shard_$2"; }
+gB() { echo "$1/$M/{${PB},snis_min_h_page}/cr*/shard_$2"; }
+{
+for i in $(seq 0 19); do
+  S="shard=$i/20 output_dir=\$OUT/4k"
+  echo "docs4k_inside_A_s$i|\$PY -m evaluation.fused $D4 query_aware=true \"presses=[$PA]\" \"$R\" $S|$(gA 4k/stdlib_docs-qa ${i}_of_20)|28"
+  echo "docs4k_after_A_s$i|\$PY -m evaluation.fused $D4 \"presses=[$PA]\" \"$R\" $S|$(gA 4k/stdlib_docs ${i}_of_20)|28"
+  echo "docs4k_inside_B_s$i|\$PY -m evaluation.fused $D4 query_aware=true \"presses=[$PB,snis_min_h_page]\" \"$R\" $S|$(gB 4k/stdlib_docs-qa ${i}_of_20)|30"
+  echo "docs4k_after_B_s$i|\$PY -m evaluation.fused $D4 \"presses=[$PB]\" \"$R\" $S && \$PY -m evaluation.fused $D4 \"presses=[snis_min_h_page]\" \"ratios=[0.25,0.5]\" $S && \$PY -m evaluation.fused $D4 \"presses=[snis_min_h_page]\" ++press.draws=sequential \"ratios=[0.75]\" $S|$(gB 4k/stdlib_docs ${i}_of_20)|30"
+done
+for i in 0 1 2 3; do
+  echo "docs4k_finch_s$i|\$PY -m evaluation.run -m $D4 query_aware=true press=finch compression_ratio=0.25,0.5,0.75 shard=$i/4 output_dir=\$OUT/4k|4k/stdlib_docs-qa/$M/finch/cr*/shard_${i}_of_4|3"
+done
+for L in 4096 7680; do
+  C="dataset=continuation_loss dataset.context_lengths=[$L] n_samples=25"
+  T=$([ $L = 4096 ] && echo 4k || echo 8k)
+  for i in $(seq 0 9); do
+    S="shard=$i/10 output_dir=\$OUT/$T"
+    echo "cont${T}_A_s$i|\$PY -m evaluation.fused $C \"presses=[$PA]\" \"$R\" $S|$(gA $T/continuation_loss ${i}_of_10)|28"
+    echo "cont${T}_B_s$i|\$PY -m evaluation.fused $C \"presses=[$PB]\" \"$R\" $S && \$PY -m evaluation.fused $C \"presses=[snis_min_h_page]\" \"ratios=[0.25,0.5]\" $S && \$PY -m evaluation.fused $C \"presses=[snis_min_h_page]\" ++press.draws=sequential \"ratios=[0.75]\" $S|$(gB $T/continuation_loss ${i}_of_10)|30"
+  done
+done
+} > /work/queue/jobs.txt
+wc -l /work/queue/jobs.txt

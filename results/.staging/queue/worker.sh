@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One worker of the grid queue: takes the first job of jobs.txt that is neither done (listed in the repo's
+# results/.staging/done.txt) nor claimed, runs it, then copies its finished shard directories into the repo and
+# commits them (under flock, so the two workers and the developer never commit at once).
+source /work/queue/common.sh
+Q=/work/queue; MAIN=/work/main; STAGE=$MAIN/results/.staging
+mkdir -p $Q/claims $Q/logs $Q/failed
+while true; do
+  [ -e $Q/STOP ] && { echo "$(date -u +%FT%T) STOP" >> $Q/log.txt; exit 0; }
+  job=""
+  while IFS='|' read -r name cmd glob count; do
+    grep -qx "$name" $STAGE/done.txt 2>/dev/null && continue
+    [ -e $Q/failed/$name ] && continue
+    mkdir $Q/claims/$name 2>/dev/null || continue
+    job=$name; break
+  done < $Q/jobs.txt
+  [ -z "$job" ] && { echo "$(date -u +%FT%T) nothing left ($$)" >> $Q/log.txt; exit 0; }
+  echo "$(date -u +%FT%T) start $job ($$)" >> $Q/log.txt
+  if (cd $MAIN && eval "$cmd") >> $Q/logs/$job.log 2>&1; then
+    dirs=$(cd $OUT && eval ls -d $glob 2>/dev/null)
+    n=$(for d in $dirs; do [ -f $OUT/$d/metrics.json ] && echo $d; done | wc -l)
+    if [ "$n" != "$count" ]; then
+      echo "$(date -u +%FT%T) $job: $n of $count shard dirs finished" >> $Q/log.txt; touch $Q/failed/$job; continue
+    fi
+    (
+      flock 9
+      for d in $dirs; do
+        mkdir -p $STAGE/$d
+        cp $OUT/$d/{config.yaml,metrics.json,predictions.jsonl,commands.txt} $STAGE/$d/ 2>/dev/null
+      done
+      echo "$job" >> $STAGE/done.txt
+      cd $MAIN && git add -- results/.staging >> $Q/logs/$job.log 2>&1 \
+        && git commit -q -m "Staging (issue 31): $job, $count shard runs" -- results/.staging >> $Q/logs/$job.log 2>&1
+      echo "$(date -u +%FT%T) committed $job (rc $?)" >> $Q/log.txt
+    ) 9> $Q/git.lock
+  else
+    echo "$(date -u +%FT%T) FAILED $job (see logs/$job.log)" >> $Q/log.txt; touch $Q/failed/$job
+  fi
+done
