@@ -8,11 +8,15 @@ M=smollm2-135m
 gA() { echo "$1/$M/{${PA}}/cr*/shard_$2"; }
 gB() { echo "$1/$M/{${PB},snis_min_h_page}/cr*/shard_$2"; }
 {
+# one protocol whole before the next: a stop leaves the most finished grid
 for i in $(seq 0 19); do
   S="shard=$i/20 output_dir=\$OUT/4k"
   echo "docs4k_inside_A_s$i|\$PY -m evaluation.fused $D4 query_aware=true \"presses=[$PA]\" \"$R\" $S|$(gA 4k/stdlib_docs-qa ${i}_of_20)|28"
-  echo "docs4k_after_A_s$i|\$PY -m evaluation.fused $D4 \"presses=[$PA]\" \"$R\" $S|$(gA 4k/stdlib_docs ${i}_of_20)|28"
   echo "docs4k_inside_B_s$i|\$PY -m evaluation.fused $D4 query_aware=true \"presses=[$PB,snis_min_h_page]\" \"$R\" $S|$(gB 4k/stdlib_docs-qa ${i}_of_20)|30"
+done
+for i in $(seq 0 19); do
+  S="shard=$i/20 output_dir=\$OUT/4k"
+  echo "docs4k_after_A_s$i|\$PY -m evaluation.fused $D4 \"presses=[$PA]\" \"$R\" $S|$(gA 4k/stdlib_docs ${i}_of_20)|28"
   echo "docs4k_after_B_s$i|\$PY -m evaluation.fused $D4 \"presses=[$PB]\" \"$R\" $S && \$PY -m evaluation.fused $D4 \"presses=[snis_min_h_page]\" \"ratios=[0.25,0.5]\" $S && \$PY -m evaluation.fused $D4 \"presses=[snis_min_h_page]\" ++press.draws=sequential \"ratios=[0.75]\" $S|$(gB 4k/stdlib_docs ${i}_of_20)|30"
 done
 for i in 0 1 2 3; do
