@@ -8,3 +8,9 @@ export OUT=/work/grid/staging
 PA="no_press,kvzip,kvzip_plus,page_entrokv_reconstruction,page_entrokv,page_entrokv_mean,chunkkv,chunkkv32,page_entrokv_paper000,compactor"
 PB="snapkv,tova,streaming_llm,expected_attention,keydiff,entropy_gated_chunkkv,knorm,snis_min_h,snis_min_page"
 export PA PB
+# 8k (continuation loss): quarters
+QA1="no_press,kvzip,kvzip_plus,page_entrokv_reconstruction"
+QA2="page_entrokv,page_entrokv_mean,chunkkv,chunkkv32,page_entrokv_paper000,compactor"
+QB1="snapkv,tova,streaming_llm,expected_attention,keydiff"
+QB2="entropy_gated_chunkkv,knorm,snis_min_h,snis_min_page"
+export QA1 QA2 QB1 QB2
