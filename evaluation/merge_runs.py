@@ -106,13 +106,14 @@ def _plan(run, source: Path, results: Path) -> Merge | None:
         elif held[row["id"]] != row:
             raise ValueError(f"{target}: holds another row with id {row['id']!r} than {run.path}")
     lengths = sorted({*saved["dataset"]["context_lengths"], *own["dataset"]["context_lengths"]})
-    if not new and lengths == saved["dataset"]["context_lengths"] and "merged" in _metrics(target):
-        return None  # merged before
-    config = {**saved, "dataset": {**saved["dataset"], "context_lengths": lengths}}
     metrics = _metrics(target)
-    commands = [c for p in pieces for c in _commands(p)]
-    merged = list(dict.fromkeys([*metrics.get("merged", [metrics.get("command")]), *commands]))
-    return Merge(target, [*held.values(), *new], len(new), lengths, config, commands, [m for m in merged if m], metrics)
+    commands = list(dict.fromkeys(c for p in pieces for c in _commands(p)))
+    earlier = metrics["merged"] if "merged" in metrics else _commands(target)  # the target's own pieces
+    if not new and lengths == saved["dataset"]["context_lengths"] and set(commands) <= set(earlier):
+        return None  # merged before, to the end (a merge cut off before metrics.json has not recorded its commands)
+    config = {**saved, "dataset": {**saved["dataset"], "context_lengths": lengths}}
+    merged = list(dict.fromkeys([*earlier, *commands]))
+    return Merge(target, [*held.values(), *new], len(new), lengths, config, commands, merged, metrics)
 
 
 def _metrics(run_dir: Path) -> dict:

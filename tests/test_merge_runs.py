@@ -84,6 +84,24 @@ def test_shards_of_another_length_join_the_run_as_grow_would_have_written_it(tmp
     assert main([str(staging), str(results), "--dry-run"]) == 0
 
 
+def test_a_merge_cut_off_before_its_metrics_is_completed_by_the_same_command(tmp_path):
+    """Rows and config written, metrics.json not yet (a stop in between), after an earlier merge: the same command
+    writes the metrics of every row; it does not take the run for merged."""
+    results = tmp_path / "results"
+    target = make_run(results, [1024], ["a-1024-0"])
+    make_run(tmp_path / "s2k", [2048], ["a-2048-0"], "shard=0/1")
+    make_run(tmp_path / "s4k", [4096], ["a-4096-0"], "shard=0/1")
+    merge_runs(tmp_path / "s2k", results, "merge 2k")
+    after_2k = (target / "metrics.json").read_text()
+    merge_runs(tmp_path / "s4k", results, "merge 4k")
+    (target / "metrics.json").write_text(after_2k)  # as if cut off before its metrics
+    (plan,) = merge_runs(tmp_path / "s4k", results, "merge 4k")
+    metrics = json.loads((target / "metrics.json").read_text())
+    assert plan.new_rows == 0 and metrics["n"] == 3 and metrics["command"] == "merge 4k"
+    assert OmegaConf.load(target / "config.yaml").dataset.context_lengths == [1024, 2048, 4096]
+    assert merge_runs(tmp_path / "s4k", results, "again") == []
+
+
 def test_every_run_is_checked_before_anything_is_written(tmp_path, capsys):
     results, staging = tmp_path / "results", tmp_path / "staging"
     good = make_run(results, [1024], ["a-1024-0"])
