@@ -42,6 +42,7 @@ from evaluation.harness import (
     COMMANDS_NAME,
     config_changes,
     nests_samples,
+    note_command,
     read_predictions,
     run_in_progress,
     summarize,
@@ -160,9 +161,8 @@ def merge_runs(source: Path, results: Path, command: str) -> list[Merge]:
     for m in plans:
         write_atomic(m.target / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in m.rows))
         write_atomic(m.target / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(m.config)))
-        log = m.target / COMMANDS_NAME
-        seen = log.read_text(encoding="utf-8").splitlines() if log.exists() else []
-        write_atomic(log, "".join(c + "\n" for c in dict.fromkeys([*seen, *m.commands])))
+        for command_run in m.commands:
+            note_command(m.target, command_run)
         keep = {k: m.metrics[k] for k in ("press", "dataset", "model", "compression_ratio") if k in m.metrics}
         metrics = {**summarize(m.rows), **keep, "shard": None, "command": command, "merged": m.merged}
         write_atomic(m.target / "metrics.json", json.dumps(metrics, indent=2))
