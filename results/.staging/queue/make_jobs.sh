@@ -14,13 +14,14 @@ for i in $(seq 0 19); do
   echo "docs4k_inside_A_s$i|\$PY -m evaluation.fused $D4 query_aware=true \"presses=[$PA]\" \"$R\" $S|$(gA 4k/stdlib_docs-qa ${i}_of_20)|28"
   echo "docs4k_inside_B_s$i|\$PY -m evaluation.fused $D4 query_aware=true \"presses=[$PB,snis_min_h_page]\" \"$R\" $S|$(gB 4k/stdlib_docs-qa ${i}_of_20)|30"
 done
+# Finch (inside only) next, so the inside protocol is whole before the after grid starts
+for i in 0 1 2 3; do
+  echo "docs4k_finch_s$i|\$PY -m evaluation.run -m $D4 query_aware=true press=finch compression_ratio=0.25,0.5,0.75 shard=$i/4 output_dir=\$OUT/4k|4k/stdlib_docs-qa/$M/finch/cr*/shard_${i}_of_4|3"
+done
 for i in $(seq 0 19); do
   S="shard=$i/20 output_dir=\$OUT/4k"
   echo "docs4k_after_A_s$i|\$PY -m evaluation.fused $D4 \"presses=[$PA]\" \"$R\" $S|$(gA 4k/stdlib_docs ${i}_of_20)|28"
   echo "docs4k_after_B_s$i|\$PY -m evaluation.fused $D4 \"presses=[$PB]\" \"$R\" $S && \$PY -m evaluation.fused $D4 \"presses=[snis_min_h_page]\" \"ratios=[0.25,0.5]\" $S && \$PY -m evaluation.fused $D4 \"presses=[snis_min_h_page]\" ++press.draws=sequential \"ratios=[0.75]\" $S|$(gB 4k/stdlib_docs ${i}_of_20)|30"
-done
-for i in 0 1 2 3; do
-  echo "docs4k_finch_s$i|\$PY -m evaluation.run -m $D4 query_aware=true press=finch compression_ratio=0.25,0.5,0.75 shard=$i/4 output_dir=\$OUT/4k|4k/stdlib_docs-qa/$M/finch/cr*/shard_${i}_of_4|3"
 done
 C="dataset=continuation_loss dataset.context_lengths=[4096] n_samples=25"
 for i in $(seq 0 9); do
