@@ -1,6 +1,6 @@
 """Join finished runs of more context lengths into finished runs, as ``grow=true`` would have written them.
 
-    python -m evaluation.merge_runs SOURCE RESULTS [--dry-run]     # e.g. results/.staging/4k results
+    python -m evaluation.merge_runs SOURCE RESULTS [--dataset DIR] [--dry-run]   # e.g. results/.staging/4k results
 
 A grid too long for one session runs its new lengths alone and in shards (``dataset.context_lengths=[4096]
 shard=i/n``), each shard committed as it finishes (``results/.staging/README.md``). When every shard of a run under
@@ -24,7 +24,8 @@ Per target, in this order and each file atomically: ``predictions.jsonl`` (its r
 ``config.yaml`` (the lengths' sorted union), ``commands.txt`` (the commands that wrote the new rows added), and
 ``metrics.json`` (:func:`evaluation.harness.summarize` over every row; ``command`` is this merge's command line and
 ``merged`` the commands of the pieces: the target's, then the source's). A merge cut off between files is completed
-by the same command. The source is left as it is.
+by the same command. The source is left as it is. ``--dataset stdlib_docs-qa`` joins the runs of one dataset
+directory only (one grid whole while the next still runs beside it under ``SOURCE``).
 """
 
 from __future__ import annotations
@@ -128,36 +129,42 @@ def _commands(piece: Path) -> list[str]:
     return [c for c in lines if c] or [_metrics(piece)["command"]]
 
 
-def plan_merges(source: Path, results: Path) -> list[Merge]:
+def plan_merges(source: Path, results: Path, dataset: str | None = None) -> list[Merge]:
     """Check every run under ``source`` against its target under ``results`` (module docstring); nothing is written.
+
+    Args:
+        dataset: only the runs under ``source/<dataset>/`` (a dataset directory, e.g. ``stdlib_docs-qa``), or all.
 
     Returns:
         One :class:`Merge` per run that still has something to join (a run merged before gives none).
 
     Raises:
         FileNotFoundError: ``source`` or ``results`` is not a directory.
-        ValueError: the first failed check, naming the run and the rule; or ``source`` holds no run.
+        ValueError: the first failed check, naming the run and the rule; or ``source`` (``source/<dataset>``)
+            holds no run.
     """
     for path in (source, results):
         if not Path(path).is_dir():
             raise FileNotFoundError(f"{path} is not a directory")
-    runs = scan(Path(source))
+    where = Path(source) / dataset if dataset is not None else Path(source)
+    runs = scan(Path(source), dataset) if where.is_dir() else []
     if not runs:
-        raise ValueError(f"{source} holds no run (<dataset>/<model>/<press>/cr<ratio>/[shard_i_of_n/])")
+        raise ValueError(f"{where} holds no run (<dataset>/<model>/<press>/cr<ratio>/[shard_i_of_n/])")
     plans = [_plan(run, Path(source), Path(results)) for run in runs]
     return [p for p in plans if p is not None]
 
 
-def merge_runs(source: Path, results: Path, command: str) -> list[Merge]:
+def merge_runs(source: Path, results: Path, command: str, dataset: str | None = None) -> list[Merge]:
     """Join every run under ``source`` to its target under ``results`` (module docstring), after checking them all.
 
     Args:
         command: this merge's command line, recorded as each target's ``metrics.json`` ``command``.
+        dataset: only the runs under ``source/<dataset>/``, as in :func:`plan_merges`.
 
     Raises:
         as :func:`plan_merges`; then nothing is written.
     """
-    plans = plan_merges(source, results)
+    plans = plan_merges(source, results, dataset)
     for m in plans:
         write_atomic(m.target / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in m.rows))
         write_atomic(m.target / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(m.config)))
@@ -173,13 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evaluation.merge_runs", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", type=Path, help="runs of more lengths (e.g. results/.staging/4k)")
     parser.add_argument("results", type=Path, help="the finished runs they join (e.g. results)")
+    parser.add_argument("--dataset", help="only SOURCE/DATASET/ (a dataset directory, e.g. stdlib_docs-qa)")
     parser.add_argument("--dry-run", action="store_true", help="check and list, write nothing")
     args = parser.parse_args(argv)
     command = " ".join(["python -m evaluation.merge_runs", *(sys.argv[1:] if argv is None else argv)])
     try:
-        plans = (
-            plan_merges(args.source, args.results) if args.dry_run else merge_runs(args.source, args.results, command)
-        )
+        if args.dry_run:
+            plans = plan_merges(args.source, args.results, args.dataset)
+        else:
+            plans = merge_runs(args.source, args.results, command, args.dataset)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -150,3 +150,28 @@ def test_an_empty_or_missing_source_is_refused(tmp_path):
         plan_merges(tmp_path / "empty", tmp_path)
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         plan_merges(tmp_path / "nowhere", tmp_path)
+
+
+def test_dataset_joins_one_whole_grid_while_another_is_still_in_shards(tmp_path, capsys):
+    results, staging = tmp_path / "results", tmp_path / "staging"
+    after = make_run(results, [1024], ["a-1024-0"])
+    inside = make_run(results, [1024], ["a-1024-0"], "query_aware=true")
+    make_run(staging, [2048], ["a-2048-0"], "shard=0/2", "query_aware=true")
+    make_run(staging, [2048], ["b-2048-0"], "shard=1/2", "query_aware=true")  # the inside grid is whole
+    make_run(staging, [2048], ["a-2048-0"], "shard=0/2")  # the after grid still runs: shard 1 of 2 missing
+    grid = inside.relative_to(results).parts[0]
+    assert grid != after.relative_to(results).parts[0]
+    before = files(after)
+    with pytest.raises(ValueError, match=r"not whole \(shards \[1\] of 2 missing\)"):
+        plan_merges(staging, results)
+
+    assert main([str(staging), str(results), "--dataset", grid]) == 0
+    assert "joined 1 run(s)" in capsys.readouterr().out
+    assert [r["id"] for r in harness.read_predictions(inside / "predictions.jsonl")] == [
+        "a-1024-0",
+        "a-2048-0",
+        "b-2048-0",
+    ]
+    assert files(after) == before
+    with pytest.raises(ValueError, match=r"nope holds no run"):
+        plan_merges(staging, results, "nope")
