@@ -13,7 +13,8 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
   section 7 (``sum_t n_t / N * mean_t``, equal to the mean over examples), the task-average and the mean
   effective compression;
 * ``tables/<dataset>__<model>__per_task.csv``, and ``__by_length.csv`` / ``__by_depth.csv`` when the rows carry
-  2 to 12 distinct target lengths (``metadata.context_length``) or needle depths (``depth``);
+  2 to 12 distinct target lengths (``metadata.context_length``) or needle depths (``depth``), each group with
+  its mean score and its own win score (:func:`group_win_table`);
 * ``tables/<dataset>__<model>__by_length_range.csv`` for LongBench-E rows (``metadata.longbench_e``): the official
   LongBench-E breakdown by each row's ``length`` into 0-4k, 4-8k and 8k+ (:func:`length_range_table`);
 * ``tables/<dataset>__<model>__win.csv``: win score (paper 003 section 7) per press and ratio, over the
@@ -344,6 +345,24 @@ def win_table(runs: list[Run], provisional: bool = False) -> list[dict]:
     if provisional:
         by_ratio = {ratio: group for ratio, group in by_ratio.items() if not all(run.complete for run in group)}
     return _wins_by_ratio(by_ratio)
+
+
+def group_win_table(runs: list[Run], key) -> dict[tuple[str, float, object], float]:
+    """Win score per (press, ratio, group), each group's rows ranked on their own: :func:`win_table` on the runs
+    cut to the rows whose ``key`` (e.g. :func:`_row_length`) is that group. A merged run of two context lengths
+    thus still reports each length's win score, as a run of that length alone would have.
+
+    Returns:
+        ``{(press, ratio, group): win_score}``; a group where fewer than two complete presses share a ratio is
+        absent.
+    """
+    groups = {key(r) for run in runs for r in run.rows} - {None}
+    out = {}
+    for group in groups:
+        cut = [replace(run, rows=[r for r in run.rows if key(r) == group]) for run in runs]
+        for rec in win_table(cut):
+            out[(rec["press"], rec["ratio"], group)] = rec["win_score"]
+    return out
 
 
 def _scored_by_ratio(runs: list[Run], incomplete: bool) -> dict[float, list[Run]]:
@@ -766,6 +785,9 @@ def build_report(
         for label, key in (("length", _row_length), ("depth", _row_depth)):
             table = [r for r in per_task_table(group, key=key) if r["group"] is not None]
             if 1 < len({r["group"] for r in table}) <= MAX_BREAKDOWN_COLUMNS:
+                group_wins = group_win_table(group, key)
+                for r in table:
+                    r["win_score"] = group_wins.get((r["press"], r["ratio"], r["group"]))
                 breakdowns[label] = table
         links = {
             "summary": w.text(f"tables/{stem}__summary.csv", _csv(summary)),
@@ -909,13 +931,16 @@ def build_report(
                 table,
                 lambda r: _label(r["press"], r["ratio"]),
                 lambda r: r["group"],
-                lambda r: f"{r['score']:.3f}",
+                lambda r: f"{r['score']:.3f}" + ("" if r["win_score"] is None else f" ({r['win_score']:.3f})"),
                 row_order=labels,
                 col_order=sorted({r["group"] for r in table}),
             )
             title = "context length (tokens)" if label == "length" else "needle depth (%)"
             md += [
                 f"### Per {title}",
+                "",
+                "Mean score and, in parentheses, the win score among the presses of the ratio on that "
+                f"{label}'s examples alone.",
                 "",
                 _markdown(["press @ ratio"] + [f"{c:g}" for c in hdr], rows),
                 "",

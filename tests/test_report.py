@@ -187,6 +187,30 @@ def test_length_and_depth_breakdowns(tmp_path):
     by_depth = _csv(out / "tables" / "needle__tiny__by_depth.csv")
     assert {r["group"]: float(r["score"]) for r in by_depth} == {"0": 1.0, "50": 0.5}
     assert "Per context length (tokens)" in text and "Per needle depth (%)" in text
+    assert {r["win_score"] for r in by_length} == {""}  # one press: no win score in any group
+
+
+def test_length_breakdown_ranks_each_length_on_its_own(tmp_path):
+    """Two presses, two lengths: A wins every 512 example and loses every 1024 one. Pooled they tie (win 0.5
+    each); per length A's win score is 1 at 512 and 0 at 1024, as runs of one length would have said."""
+    root = tmp_path / "runs"
+    for press, scores in (("a", {512: 1.0, 1024: 0.0}), ("b", {512: 0.0, 1024: 1.0})):
+        d = root / "needle" / "tiny" / press / "cr0.5"
+        d.mkdir(parents=True)
+        with open(d / "predictions.jsonl", "w") as f:
+            for i, length in enumerate([512, 512, 1024, 1024]):
+                row = {"id": f"e{i}", "task": "needle", "score": scores[length], "metadata": {"context_length": length}}
+                f.write(json.dumps(row) + "\n")
+        (d / "metrics.json").write_text(json.dumps({"command": f"python -m evaluation.run press={press}"}))
+        (d / "config.yaml").write_text("compression_ratio: 0.5\n")
+    out = tmp_path / "results"
+    text = build_report(root, out, plots=False).read_text()
+    pooled = {r["press"]: float(r["win_score"]) for r in _csv(out / "tables" / "needle__tiny__win.csv")}
+    assert pooled == {"a": 0.5, "b": 0.5}
+    by_length = _csv(out / "tables" / "needle__tiny__by_length.csv")
+    wins = {(r["press"], r["group"]): float(r["win_score"]) for r in by_length}
+    assert wins == {("a", "512"): 1.0, ("a", "1024"): 0.0, ("b", "512"): 0.0, ("b", "1024"): 1.0}
+    assert "| a @ 0.5 | 1.000 (1.000) | 0.000 (0.000) |" in text
     # RULER-like continuous depths (more than 12 distinct values) get no depth table
     with open(d / "predictions.jsonl", "a") as f:
         for i in range(20):
