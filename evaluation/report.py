@@ -199,7 +199,7 @@ def _press_order(presses) -> list[str]:
     return sorted(set(presses), key=lambda p: (p != BASELINE, p))
 
 
-def _row_length(row: dict):
+def row_length(row: dict):
     """Target context length of a row (``metadata.context_length``, set by RULER and needle), or None."""
     return (row.get("metadata") or {}).get("context_length")
 
@@ -349,7 +349,7 @@ def win_table(runs: list[Run], provisional: bool = False) -> list[dict]:
 
 def group_win_table(runs: list[Run], key) -> dict[tuple[str, float, object], float]:
     """Win score per (press, ratio, group), each group's rows ranked on their own: :func:`win_table` on the runs
-    cut to the rows whose ``key`` (e.g. :func:`_row_length`) is that group. A merged run of two context lengths
+    cut to the rows whose ``key`` (e.g. :func:`row_length`) is that group. A merged run of two context lengths
     thus still reports each length's win score, as a run of that length alone would have.
 
     Returns:
@@ -782,7 +782,7 @@ def build_report(
         tasks = per_task_table(group)
         wins = win_table(group)
         breakdowns = {}
-        for label, key in (("length", _row_length), ("depth", _row_depth)):
+        for label, key in (("length", row_length), ("depth", _row_depth)):
             table = [r for r in per_task_table(group, key=key) if r["group"] is not None]
             if 1 < len({r["group"] for r in table}) <= MAX_BREAKDOWN_COLUMNS:
                 group_wins = group_win_table(group, key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 from scipy.stats import binomtest
@@ -75,3 +76,27 @@ def test_cli_writes_csv_and_markdown(root, tmp_path):
     text = (out / "ours.md").read_text()
     assert "python -m evaluation.studies.paired" in text and "2 / 1 / 1" in text
     assert main([str(root), "--press", "ours", "--against", "nobody", "--out", str(out)]) == 1
+
+
+def test_two_lengths_are_compared_pooled_and_each_alone(tmp_path):
+    """A joined run of 2 lengths: ours beats peer on both 2048 examples and loses both 4096 ones; pooled it is
+    2 / 2, per length 2 / 0 and 0 / 2 (each length's counts add up to the pooled ones)."""
+    for press, scores in (("ours", [1, 1, 0, 0]), ("peer", [0, 0, 1, 1])):
+        _write_run(tmp_path, press, "0.5", [(f"e{i}", "A", s) for i, s in enumerate(scores)])
+        path = tmp_path / "ruler" / "tiny" / press / "cr0.5" / "predictions.jsonl"
+        lines = path.read_text().splitlines()[:4]  # the torn last line dropped
+        rows = [json.loads(line) for line in lines]
+        for row, length in zip(rows, [2048, 2048, 4096, 4096]):
+            row["metadata"]["context_length"] = length
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = paired_rows(scan(tmp_path), "ours", ["peer"])
+    assert [(r["length"], r["n"], r["better"], r["worse"]) for r in rows] == [
+        ("all", 4, 2, 2),
+        (2048, 2, 2, 0),
+        (4096, 2, 0, 2),
+    ]
+
+
+def test_one_length_gives_the_pooled_row_only(root):
+    rows = paired_rows(scan(root), "ours", ["peer"])
+    assert [r["length"] for r in rows] == ["all"]

@@ -16,6 +16,10 @@ examples both scored:
 - ``diff`` with ``diff_low`` / ``diff_high``: the mean of ``score_A - score_B`` and its Student-t interval
   (:func:`evaluation.metrics.t_interval`), the paired analogue of the report's per-press intervals.
 
+Each pair is compared on all its examples (``length = all``) and, when the rows carry 2 or more target context
+lengths (``metadata.context_length``, e.g. a run joined from 2k and 4k by :mod:`evaluation.merge_runs`), on each
+length's examples alone too (``length = 2048``, ...).
+
 Unfinished runs (no ``metrics.json``, missing shards) are skipped unless ``--partial`` is given; their rows then
 say ``complete = False``. Writes ``<out>/<A>.csv`` (one row per dataset, model, ratio and ``B``) and
 ``<out>/<A>.md`` (the same as a table, with the command), both atomically. Regenerated, never hand-edited.
@@ -26,11 +30,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from evaluation.atomic import write_atomic
 from evaluation.metrics import t_interval
-from evaluation.report import Run, scan
+from evaluation.report import Run, row_length, scan
 from evaluation.studies.tables import markdown_table, write_rows
 
 __all__ = ["paired_rows", "compare", "main"]
@@ -104,6 +109,10 @@ def paired_rows(
         partial: include unfinished runs (``False``: finished runs only).
         confidence: level of the interval of the mean difference.
 
+    Returns:
+        :func:`compare`'s records, each with ``length``: ``"all"``, then one per target context length when the
+        pair's rows carry two or more.
+
     Raises:
         ValueError: ``against`` is empty or names ``press`` itself.
     """
@@ -120,16 +129,34 @@ def paired_rows(
             continue
         for other in against:
             peer = keyed.get((dataset, model, ratio, other))
-            if peer is not None:
-                out.append(compare(run, peer, confidence))
+            if peer is None:
+                continue
+            out.append({"length": "all", **compare(run, peer, confidence)})
+            lengths = sorted({row_length(r) for r in run.rows + peer.rows} - {None})
+            for length in lengths if len(lengths) > 1 else []:
+                a, b = (replace(x, rows=[r for r in x.rows if row_length(r) == length]) for x in (run, peer))
+                if {r["id"] for r in a.rows} & {r["id"] for r in b.rows}:
+                    out.append({"length": length, **compare(a, b, confidence)})
     return out
 
 
 def _table(rows: list[dict]) -> str:
-    header = ["dataset", "ratio", "against", "n", "A", "B", "A - B [interval]", "better / worse / tied", "sign p"]
+    header = [
+        "dataset",
+        "length",
+        "ratio",
+        "against",
+        "n",
+        "A",
+        "B",
+        "A - B [interval]",
+        "better / worse / tied",
+        "sign p",
+    ]
     body = [
         [
             r["dataset"] + ("" if r["complete"] else " (partial)"),
+            r["length"],
             f"{r['ratio']:g}",
             r["against"],
             r["n"],
