@@ -2,9 +2,34 @@
 # One worker of the grid queue: takes the first job of jobs.txt that is neither done (listed in the repo's
 # results/.staging/done.txt) nor claimed, runs it, then copies its finished shard directories into the repo and
 # commits them (under flock, so the two workers and the developer never commit at once).
+# A claim is a directory claims/<job>/ whose file `owner` holds the boot id and the pid of the worker that made it.
+# At its start a worker removes, under the lock, every claim of a job not in done.txt whose owner is not a live
+# worker.sh of this boot (a claim of a job the last stop cut off), and a claim without an owner file (an older
+# worker's) when no other worker runs; so after a stop, starting the workers again is all it takes.
 source /work/queue/common.sh
 Q=/work/queue; MAIN=/work/main; STAGE=$MAIN/results/.staging
+BOOT=$(cat /proc/sys/kernel/random/boot_id)
 mkdir -p $Q/claims $Q/logs $Q/failed
+WORKER='^(/usr)?(/bin/)?bash [^ ]*worker\.sh $'  # a worker's command line, NULs read as spaces
+alive() {  # alive BOOT PID: that pid is a running worker.sh of this boot
+  [ "$1" = "$BOOT" ] && [ -r /proc/$2/cmdline ] && tr '\0' ' ' < /proc/$2/cmdline | grep -Eq "$WORKER"
+}
+(
+  flock 9
+  ps -eo pid=,ppid=,args= > $Q/claims.ps.$$  # the other live workers: this one and its subshells left out
+  others=$(awk -v me=$$ -v sh=$BASHPID '$1 != me && $1 != sh && $2 != me && $2 != sh && NF == 4 &&
+    $3 ~ /(^|\/)bash$/ && $4 ~ /worker\.sh$/' $Q/claims.ps.$$ | wc -l); rm -f $Q/claims.ps.$$
+  for c in $(ls $Q/claims); do
+    grep -qx "$c" $STAGE/done.txt 2>/dev/null && continue
+    if [ -f $Q/claims/$c/owner ]; then
+      read -r boot pid < $Q/claims/$c/owner
+      alive "$boot" "$pid" && continue
+    else
+      [ "$others" -gt 0 ] && continue
+    fi
+    rm -rf $Q/claims/$c && echo "$(date -u +%FT%T) removed the stale claim $c ($$)" >> $Q/log.txt
+  done
+) 9> $Q/git.lock
 while true; do
   [ -e $Q/STOP ] && { echo "$(date -u +%FT%T) STOP" >> $Q/log.txt; exit 0; }
   job=""
@@ -12,6 +37,7 @@ while true; do
     grep -qx "$name" $STAGE/done.txt 2>/dev/null && continue
     [ -e $Q/failed/$name ] && continue
     mkdir $Q/claims/$name 2>/dev/null || continue
+    echo "$BOOT $$" > $Q/claims/$name/owner
     job=$name; break
   done < $Q/jobs.txt
   [ -z "$job" ] && { echo "$(date -u +%FT%T) nothing left ($$)" >> $Q/log.txt; exit 0; }
