@@ -40,18 +40,21 @@ def read_costs(path: Path) -> list[dict]:
     return rows
 
 
-def _cost_of(costs: list[dict], model: str, press: str, ratio: float, length: float | None) -> float | None:
-    """The cost of ``press`` at ``ratio`` on ``model``, measured at the length closest to ``length`` (tokens)."""
+def _cost_of(
+    costs: list[dict], model: str, press: str, ratio: float, length: float | None
+) -> tuple[float | None, int | None]:
+    """The cost of ``press`` at ``ratio`` on ``model`` and the sweep length ``T`` (tokens) it was measured at, the
+    one closest to ``length``; ``(None, None)`` when the sweep has no such row."""
     found = [
         r
         for r in costs
         if r.get("model") == model and r.get("press") == press and abs(float(r["compression_ratio"]) - ratio) < 1e-9
     ]
     if not found:
-        return None
+        return None, None
     if length is not None:
         found.sort(key=lambda r: abs(r["T"] - length))
-    return found[0][COST_COLUMN]
+    return found[0][COST_COLUMN], found[0]["T"]
 
 
 def frontier_rows(points: list[dict]) -> list[dict]:
@@ -85,14 +88,15 @@ def cost_table(summary: list[dict], costs: list[dict], model: str, length: float
         baseline: the uncompressed press's name (its rows are kept, cost 1 by definition, never on the frontier).
 
     Returns:
-        Rows ``ratio, press, n, score, low, high, prefill_cost, on_frontier``, sorted by ratio then cost; ``[]`` when
-        no press of the summary has a measured cost.
+        Rows ``ratio, press, n, score, low, high, prefill_cost, cost_length, on_frontier``, sorted by ratio then
+        cost (``cost_length``: the sweep's ``T`` the cost was measured at, tokens; empty for the baseline and for a
+        press without a cost); ``[]`` when no press of the summary has a measured cost.
     """
     rows = []
     base = [r for r in summary if r["press"] == baseline]
     for ratio in sorted({r["ratio"] for r in summary if r["press"] != baseline}):
         points = [
-            {**r, "cost": _cost_of(costs, model, r["press"], ratio, length)}
+            {**r, **dict(zip(("cost", "cost_length"), _cost_of(costs, model, r["press"], ratio, length)))}
             for r in summary
             if r["ratio"] == ratio and r["press"] != baseline
         ]
@@ -110,6 +114,7 @@ def cost_table(summary: list[dict], costs: list[dict], model: str, length: float
                     "low": p.get("low"),
                     "high": p.get("high"),
                     "prefill_cost": p["cost"],
+                    "cost_length": p.get("cost_length"),
                     "on_frontier": p["on_frontier"],
                 }
             )

@@ -657,14 +657,21 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
     return w.figure(f"plots/{stem}__cost.png", fig)
 
 
-def _cost_section(costed: list[dict], table: str, plot: str | None, costs: Path | None) -> list[str]:
-    """The README lines of the quality-cost frontier (:mod:`evaluation.frontier`)."""
+def _cost_section(
+    costed: list[dict], table: str, plot: str | None, costs: Path | None, length: float | None
+) -> list[str]:
+    """The README lines of the quality-cost frontier (:mod:`evaluation.frontier`); ``length``: the runs' mean context
+    length (tokens), stated beside the lengths the costs were measured at."""
+    measured = sorted({r["cost_length"] for r in costed if r.get("cost_length") is not None})
+    at = f"at {' and '.join(str(t) for t in measured)} tokens" + (
+        f" (the runs' mean context length: {length:.0f})" if length is not None else ""
+    )
     md = [
         "### Quality against prefill cost",
         "",
         "Each press's score beside its prefill time over the uncompressed prefill (compression included), measured "
-        f"in one speed sweep (`{costs}`); on the frontier: no other press at that ratio scores as much at no more "
-        f"cost (`{BASELINE}` holds the whole cache and is a reference, never on it).",
+        f"in one speed sweep (`{costs}`) {at}; on the frontier: no other press at that ratio scores as much at no "
+        f"more cost (`{BASELINE}` holds the whole cache and is a reference, never on it).",
         "",
     ]
     for ratio in sorted({r["ratio"] for r in costed}):
@@ -808,7 +815,8 @@ def build_report(
             links["continuation"] = w.text(f"tables/{stem}__continuation.csv", _csv(losses))
         plots = _figures(w, stem, f"{dataset} / {model}", summary, wins, tasks, presses) if plots_on else {}
         lengths = [row["context_length"] for r in group for row in r.rows if row.get("context_length")]
-        costed = cost_table(summary, cost_rows, model, sum(lengths) / len(lengths) if lengths else None, BASELINE)
+        mean_length = sum(lengths) / len(lengths) if lengths else None
+        costed = cost_table(summary, cost_rows, model, mean_length, BASELINE)
         if costed:
             links["cost"] = w.text(f"tables/{stem}__cost.csv", _csv(costed))
             if plots_on:
@@ -891,7 +899,7 @@ def build_report(
                 "",
             ]
         if costed:
-            md += _cost_section(costed, links["cost"], plots.get("cost"), costs)
+            md += _cost_section(costed, links["cost"], plots.get("cost"), costs, mean_length)
         if provisional:
             n = {r["ratio"]: r["n_examples"] for r in provisional}
             md += [

@@ -60,6 +60,10 @@ def test_cost_table_reads_the_nearest_length_and_leaves_the_baseline_off_the_fro
     ]
     rows = {r["press"]: r for r in cost_table(summary, costs, "tiny", 1900.0, "no_press")}
     assert rows["a"]["prefill_cost"] == 1.1 and rows["b"]["prefill_cost"] == 3.0
+    assert rows["a"]["cost_length"] == 2048 and rows["c"]["cost_length"] is None
+    assert {r["cost_length"] for r in cost_table(summary, costs, "tiny", 1100.0, "no_press") if r["press"] == "a"} == {
+        1024
+    }
     assert rows["c"]["prefill_cost"] is None and not rows["c"]["on_frontier"]
     assert rows["a"]["on_frontier"] and rows["b"]["on_frontier"]
     assert rows["no_press"]["prefill_cost"] == 1.0 and not rows["no_press"]["on_frontier"]
@@ -79,6 +83,7 @@ def test_the_report_lists_the_frontier_with_its_costs(tmp_path):
     )
     readme = build_report(root, tmp_path / "out", plots=False, costs=costs).read_text()
     assert "### Quality against prefill cost" in readme
+    assert "at 128 tokens (the runs' mean context length: 100)" in readme  # _write_run's rows: 100 tokens
     line = next(line for line in readme.splitlines() if line.startswith("- cr 0.5: on the frontier"))
     assert "`fast` (0.500, 1.00 x)" in line and "`slow_better` (1.000, 5.00 x)" in line and "slow_worse" not in line
     table = list(csv.DictReader(open(tmp_path / "out" / "tables" / "ruler__tiny__cost.csv")))
