@@ -21,7 +21,7 @@ lengths (``metadata.context_length``, e.g. a run joined from 2k and 4k by :mod:`
 length's examples alone too (``length = 2048``, ...).
 
 Unfinished runs (no ``metrics.json``, missing shards) are skipped unless ``--partial`` is given; their rows then
-say ``complete = False``. Writes ``<out>/<A>.csv`` (one row per dataset, model, ratio and ``B``) and
+say ``complete = False``. Writes ``<out>/<A>.csv`` (one row per dataset, model, ratio, ``B`` and length) and
 ``<out>/<A>.md`` (the same as a table, with the command), both atomically. Regenerated, never hand-edited.
 """
 
