@@ -87,6 +87,11 @@ class Run:
     def complete(self) -> bool:
         return not self.problems
 
+    def keep(self, predicate) -> Run:
+        """This run with only the rows ``predicate(row)`` holds (e.g. one context length's); path, commands and
+        problems unchanged."""
+        return replace(self, rows=[r for r in self.rows if predicate(r)])
+
 
 def _read_json(path: Path) -> dict | None:
     try:
@@ -359,7 +364,7 @@ def group_win_table(runs: list[Run], key) -> dict[tuple[str, float, object], flo
     groups = {key(r) for run in runs for r in run.rows} - {None}
     out = {}
     for group in groups:
-        cut = [replace(run, rows=[r for r in run.rows if key(r) == group]) for run in runs]
+        cut = [run.keep(lambda r, g=group: key(r) == g) for run in runs]
         for rec in win_table(cut):
             out[(rec["press"], rec["ratio"], group)] = rec["win_score"]
     return out
@@ -439,11 +444,7 @@ def protocol_table(after: list[Run], inside: list[Run], confidence: float) -> li
         return []
 
     def keep(runs):
-        return [
-            replace(r, rows=[row for row in r.rows if row["id"] in common[r.ratio]])
-            for r in runs
-            if (r.press, r.ratio) in both
-        ]
+        return [r.keep(lambda row, ids=common[r.ratio]: row["id"] in ids) for r in runs if (r.press, r.ratio) in both]
 
     stats = {
         name: {(s["press"], s["ratio"]): s for s in summary_table(keep(runs), confidence)}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from evaluation.atomic import write_atomic
@@ -134,7 +133,7 @@ def paired_rows(
             out.append({"length": "all", **compare(run, peer, confidence)})
             lengths = sorted({row_length(r) for r in run.rows + peer.rows} - {None})
             for length in lengths if len(lengths) > 1 else []:
-                a, b = (replace(x, rows=[r for r in x.rows if row_length(r) == length]) for x in (run, peer))
+                a, b = (x.keep(lambda r, n=length: row_length(r) == n) for x in (run, peer))
                 if {r["id"] for r in a.rows} & {r["id"] for r in b.rows}:
                     out.append({"length": length, **compare(a, b, confidence)})
     return out
