@@ -16,9 +16,11 @@ alive() {  # alive BOOT PID: that pid is a running worker.sh of this boot
 }
 (
   flock 9
-  ps -eo pid=,ppid=,args= > $Q/claims.ps.$$  # the other live workers: this one and its subshells left out
-  others=$(awk -v me=$$ -v sh=$BASHPID '$1 != me && $1 != sh && $2 != me && $2 != sh && NF == 4 &&
-    $3 ~ /(^|\/)bash$/ && $4 ~ /worker\.sh$/' $Q/claims.ps.$$ | wc -l); rm -f $Q/claims.ps.$$
+  others=0  # the other live workers: this one and its subshells left out
+  while read -r pid ppid; do
+    case " $pid $ppid " in *" $$ "* | *" $BASHPID "*) continue ;; esac
+    alive "$BOOT" "$pid" && others=$((others + 1))
+  done < <(ps -eo pid=,ppid=)
   for c in $(ls $Q/claims); do
     grep -qx "$c" $STAGE/done.txt 2>/dev/null && continue
     if [ -f $Q/claims/$c/owner ]; then
