@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             plans = merge_runs(args.source, args.results, command, args.dataset)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return 1
     for m in plans:
         print(f"{m.target}: +{m.new_rows} rows, {LENGTHS}={m.lengths}, {len(m.rows)} rows in all")
     print(f"{'would join' if args.dry_run else 'joined'} {len(plans)} run(s)")
