@@ -15,6 +15,9 @@ DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "resul
 SPAN = re.compile(r"`([^`]*)`")
 CITED = re.compile(r"(?<![\w/])(results/[A-Za-z0-9_./{},+\-]+)")
 PLACEHOLDER = re.compile(r"[<>*]|\.\.\.")
+#: A grid's staged shards (``results/.staging/4k``, ``8k``) leave the tree when ``evaluation.merge_runs`` joins
+#: them (``results/.staging/README.md``), while the commands that joined them stay cited: not artifacts.
+TRANSIENT = re.compile(r"^results/\.staging/\d+k(/|$)")
 
 
 def expand_braces(path: str) -> list[str]:
@@ -30,7 +33,7 @@ def cited_paths(text: str) -> set[str]:
     """Paths under ``results/`` cited inside backticks, braces expanded, trailing punctuation dropped."""
     found = set()
     for raw in (path for span in SPAN.findall(text) for path in CITED.findall(span)):
-        if PLACEHOLDER.search(raw):
+        if PLACEHOLDER.search(raw) or TRANSIENT.match(raw):
             continue
         for path in expand_braces(raw.rstrip(".,")):
             found.add(path.rstrip("/.,"))
@@ -49,6 +52,11 @@ def test_expand_braces_names_every_combination():
 def test_cited_paths_reads_backticked_paths_only():
     text = "see `results/paired/a.md` and `python -m x --out results/b` but not results/c.md"
     assert cited_paths(text) == {"results/paired/a.md", "results/b"}
+
+
+def test_cited_paths_skips_staged_grids_only():
+    text = "`merge_runs results/.staging/4k results` and `results/.staging/8k/x` but `results/.staging/README.md`"
+    assert cited_paths(text) == {"results/.staging/README.md"}
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
