@@ -26,9 +26,9 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
   press's score against its prefill cost per ratio, and which presses lie on the quality-cost frontier
   (:mod:`evaluation.frontier`);
 * ``tables/<dataset>__<model>__continuation.csv`` for rows scored by the loss of the text after the context
-  (:mod:`evaluation.continuation`): per press, ratio and task (``all`` too), the mean NLL increase over the
-  uncompressed context and the mean KL of the next-token distributions, each with its Student-t interval
-  (:func:`continuation_table`);
+  (:mod:`evaluation.continuation`): per press, ratio, task (``all`` too) and, when the rows carry 2 to 12 target
+  lengths, per length (``all`` too), the mean NLL increase over the uncompressed context and the mean KL of the
+  next-token distributions, each with its Student-t interval (:func:`continuation_table`);
 * ``README.md`` linking all of it, with the commands that produced the runs (``metrics.json``'s ``command``, and
   for a run joined from pieces by :mod:`evaluation.merge_runs` its ``merged`` commands).
 
@@ -313,25 +313,34 @@ def per_task_table(runs: list[Run], key=lambda r: r.get("task")) -> list[dict]:
 
 
 def continuation_table(runs: list[Run], confidence: float) -> list[dict]:
-    """Per run and task (and ``task="all"``): the mean NLL increase and mean KL of rows scored by their continuation's
+    """Per run, context length and task: the mean NLL increase and mean KL of rows scored by their continuation's
     loss (:mod:`evaluation.continuation`, nats per token), each with its Student-t interval (not clipped: an
     increase can be negative), and the mean NLL with and without compression. Runs without such rows give none.
+
+    ``task="all"`` pools the tasks and ``context_length="all"`` the lengths; when the runs' rows carry 2 to
+    ``MAX_BREAKDOWN_COLUMNS`` distinct target lengths (:func:`row_length`), each length also gets its own records
+    (a merged run of 2k and 4k documents reports each length as a run of that length alone would).
     """
+    lengths = sorted({row_length(r) for run in runs for r in run.rows} - {None})
+    if not 1 < len(lengths) <= MAX_BREAKDOWN_COLUMNS:
+        lengths = []
     out = []
     for run in runs:
         rows = [r for r in run.rows if all(k in r for k in CONTINUATION_FIELDS)]
-        tasks = sorted({r.get("task") or run.dataset for r in rows})
-        for task in ["all", *tasks] if rows else []:
-            sel = [r for r in rows if task == "all" or (r.get("task") or run.dataset) == task]
-            rec = {"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio, "task": task}
-            rec["n"] = len(sel)
-            for key in ("nll_increase", "kl"):
-                vals = [float(r[key]) for r in sel]
-                lo, hi = t_interval(vals, confidence)
-                rec.update({key: sum(vals) / len(vals), f"{key}_low": lo, f"{key}_high": hi})
-            for key in ("nll", "nll_uncompressed"):
-                rec[key] = sum(float(r[key]) for r in sel) / len(sel)
-            out.append(rec)
+        for length in ["all", *lengths] if rows else []:
+            cut = [r for r in rows if length == "all" or row_length(r) == length]
+            tasks = sorted({r.get("task") or run.dataset for r in cut})
+            for task in ["all", *tasks] if cut else []:
+                sel = [r for r in cut if task == "all" or (r.get("task") or run.dataset) == task]
+                rec = {"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio}
+                rec.update({"context_length": length, "task": task, "n": len(sel)})
+                for key in ("nll_increase", "kl"):
+                    vals = [float(r[key]) for r in sel]
+                    lo, hi = t_interval(vals, confidence)
+                    rec.update({key: sum(vals) / len(vals), f"{key}_low": lo, f"{key}_high": hi})
+                for key in ("nll", "nll_uncompressed"):
+                    rec[key] = sum(float(r[key]) for r in sel) / len(sel)
+                out.append(rec)
     return out
 
 
@@ -560,24 +569,45 @@ def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bo
     ax.grid(alpha=0.3)
 
 
+def _loss_lengths(losses: list[dict]) -> list:
+    """The context lengths :func:`continuation_table` broke ``losses`` down by, then ``"all"`` (alone when none)."""
+    return sorted({r["context_length"] for r in losses} - {"all"}) + ["all"]
+
+
+def _length_caption(length, lengths: list) -> str:
+    """`` at 4096 tokens`` / `` over all lengths`` beside a loss table or panel; empty with one length."""
+    if len(lengths) == 1:
+        return ""
+    return " over all lengths" if length == "all" else f" at {length} tokens"
+
+
 def _loss_figure(w: _Writer, stem: str, title: str, losses: list[dict], presses: list[str]) -> str:
-    """``plots/<stem>__loss.png``: the NLL increase and the KL against the ratio, per press, with intervals."""
+    """``plots/<stem>__loss.png``: the NLL increase and the KL against the ratio, per press, with intervals; a row of
+    panels per context length when the losses are broken down by length, the pooled row last."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
-    for ax, key, label in zip(axes, ("nll_increase", "kl"), ("NLL increase (nats/token)", "KL (nats/token)")):
-        recs = [
-            {"press": r["press"], "ratio": r["ratio"], key: r[key], "low": r[f"{key}_low"], "high": r[f"{key}_high"]}
-            for r in losses
-            if r["task"] == "all"
-        ]
-        _plot_lines(ax, recs, key, presses, err=True)
-        ax.set_ylabel(label)
-        ax.set_title(f"{title}: {label.split(' (')[0]}")
-    axes[0].legend(fontsize=7)
+    lengths = _loss_lengths(losses)
+    fig, axes = plt.subplots(len(lengths), 2, figsize=(10, 4 * len(lengths)), layout="constrained", squeeze=False)
+    for row, length in zip(axes, lengths):
+        for ax, key, label in zip(row, ("nll_increase", "kl"), ("NLL increase (nats/token)", "KL (nats/token)")):
+            recs = [
+                {
+                    "press": r["press"],
+                    "ratio": r["ratio"],
+                    key: r[key],
+                    "low": r[f"{key}_low"],
+                    "high": r[f"{key}_high"],
+                }
+                for r in losses
+                if r["task"] == "all" and r["context_length"] == length
+            ]
+            _plot_lines(ax, recs, key, presses, err=True)
+            ax.set_ylabel(label)
+            ax.set_title(f"{title}: {label.split(' (')[0]}{_length_caption(length, lengths)}")
+    axes[0][0].legend(fontsize=7)
     return w.figure(f"plots/{stem}__loss.png", fig)
 
 
@@ -874,14 +904,23 @@ def build_report(
                 "distributions, in nats per token (the rows' `score` is exp(-KL)).",
                 "",
             ]
+            lengths = _loss_lengths(losses)
             for key, label in (("nll_increase", "NLL increase"), ("kl", "KL")):
 
                 def loss(r, k=key):
                     return f"{r[k]:.4f} [{r[f'{k}_low']:.4f}, {r[f'{k}_high']:.4f}]"
 
-                md += [f"{label}:", "", _press_by_ratio(every, loss, presses, ratios), ""]
+                for length in lengths:
+                    cut = [r for r in every if r["context_length"] == length]
+                    md += [
+                        f"{label}{_length_caption(length, lengths)}:",
+                        "",
+                        _press_by_ratio(cut, loss, presses, ratios),
+                        "",
+                    ]
             md += [
-                f"Table (per task too): [{links['continuation']}]({links['continuation']})"
+                f"Table (per task{' and length' if len(lengths) > 1 else ''} too): "
+                f"[{links['continuation']}]({links['continuation']})"
                 + (f" · plot:\n\n![loss vs ratio]({plots['loss']})" if "loss" in plots else ""),
                 "",
             ]

@@ -471,3 +471,54 @@ def test_effective_compression_counts_kept_entries_not_padding(tmp_path):
         for r in _csv(tmp_path / "out" / "tables" / "ruler__tiny__summary.csv")
     }
     assert eff == pytest.approx({"snis_min": 0.50, "snis_min_h": 0.7529261255375905, "tova": 0.5})
+
+
+def test_continuation_loss_is_broken_down_by_length(tmp_path):
+    """A continuation run of two lengths: the table holds each length's mean and interval as a run of that length
+    alone would, and the pooled ones; the README shows a table per length and the pooled one, the plot a row each."""
+    root = tmp_path / "runs"
+    increase = {(512, "code"): [0.1, 0.3], (512, "docs"): [0.2, 0.2], (1024, "code"): [0.5, 0.7], (1024, "docs"): [0.9]}
+    for press, scale in (("no_press", 0.0), ("snapkv", 1.0)):
+        ratio = "0" if press == "no_press" else "0.5"
+        d = root / "continuation_loss" / "tiny" / press / f"cr{ratio}"
+        d.mkdir(parents=True)
+        with open(d / "predictions.jsonl", "w") as f:
+            for (length, task), values in increase.items():
+                for i, v in enumerate(values):
+                    row = {
+                        "id": f"{task}-{length}-{i}",
+                        "task": task,
+                        "score": 1.0,
+                        "metadata": {"context_length": length},
+                    }
+                    row.update(
+                        {"nll": 2 + v * scale, "nll_uncompressed": 2.0, "nll_increase": v * scale, "kl": v * scale / 2}
+                    )
+                    f.write(json.dumps(row) + "\n")
+        (d / "metrics.json").write_text(json.dumps({"command": f"python -m evaluation.run press={press}"}))
+        (d / "config.yaml").write_text(f"compression_ratio: {ratio}\n")
+    out = tmp_path / "results"
+    text = build_report(root, out).read_text()
+    table = _csv(out / "tables" / "continuation_loss__tiny__continuation.csv")
+    cells = {(r["press"], r["context_length"], r["task"]): r for r in table}
+    assert len(cells) == len(table) == 2 * 3 * 3  # per press: lengths all / 512 / 1024, tasks all / code / docs
+    for length, values in (
+        ("512", [0.1, 0.3, 0.2, 0.2]),
+        ("1024", [0.5, 0.7, 0.9]),
+        ("all", [0.1, 0.3, 0.2, 0.2, 0.5, 0.7, 0.9]),
+    ):
+        row = cells[("snapkv", length, "all")]
+        lo, hi = t_interval(values, 0.95)
+        assert int(row["n"]) == len(values)
+        assert float(row["nll_increase"]) == pytest.approx(sum(values) / len(values))
+        assert (float(row["nll_increase_low"]), float(row["nll_increase_high"])) == pytest.approx((lo, hi), rel=1e-5)
+        assert float(row["kl"]) == pytest.approx(sum(values) / len(values) / 2)
+    assert float(cells[("snapkv", "1024", "code")]["nll_increase"]) == pytest.approx(0.6)
+    assert float(cells[("no_press", "1024", "all")]["nll_increase"]) == 0.0
+    for label in ("NLL increase", "KL"):
+        for caption in (" at 512 tokens:", " at 1024 tokens:", " over all lengths:"):
+            assert f"\n{label}{caption}\n" in text
+    at_1024 = text.split("NLL increase at 1024 tokens:")[1].split("NLL increase over all lengths:")[0]
+    assert "| snapkv | – | 0.7000 [" in at_1024 and "| no_press | 0.0000 [0.0000, 0.0000] | – |" in at_1024
+    assert "Table (per task and length too)" in text
+    assert (out / "plots" / "continuation_loss__tiny__loss.png").stat().st_size > 1000
