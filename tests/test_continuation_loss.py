@@ -181,6 +181,7 @@ def test_fused_equals_run_and_the_report_tables_it(tiny, tmp_path):
     text = readme.read_text()
     assert "### Continuation loss" in text and "NLL increase:" in text
     table = (tmp_path / "report/tables/continuation_loss__smollm2-135m__continuation.csv").read_text()
-    assert table.splitlines()[0].startswith("dataset,model,press,ratio,context_length,task,n,nll_increase,nll_increase_low")
+    header = "dataset,model,press,ratio,context_length,task,n,nll_increase,nll_increase_low"
+    assert table.splitlines()[0].startswith(header)
     assert len(table.splitlines()) == 1 + 4 * 3  # per run: all, code, docs
     assert (tmp_path / "report/plots/continuation_loss__smollm2-135m__loss.png").stat().st_size > 1000
