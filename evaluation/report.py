@@ -217,6 +217,12 @@ def _row_depth(row: dict):
 MAX_BREAKDOWN_COLUMNS = 12
 """A per-length or per-depth table is written when it has 2 to this many distinct values."""
 
+
+def _breaks_down(groups: set) -> bool:
+    """Whether rows of these distinct ``groups`` (lengths, depths) get a breakdown: 2 to ``MAX_BREAKDOWN_COLUMNS``."""
+    return 1 < len(groups) <= MAX_BREAKDOWN_COLUMNS
+
+
 LENGTH_RANGES = (("0-4k", 4000), ("4-8k", 8000), ("8k+", math.inf))
 """LongBench-E's length ranges: a row of ``length`` L falls in the first range whose bound exceeds L (LongBench
 ``eval.py``, ``scorer_e``: ``length < 4000``, ``< 8000``, else ``8k+``; ``length`` is the row's word count)."""
@@ -322,25 +328,32 @@ def continuation_table(runs: list[Run], confidence: float) -> list[dict]:
     (a merged run of 2k and 4k documents reports each length as a run of that length alone would).
     """
     lengths = sorted({row_length(r) for run in runs for r in run.rows} - {None})
-    if not 1 < len(lengths) <= MAX_BREAKDOWN_COLUMNS:
-        lengths = []
+    lengths = lengths if _breaks_down(set(lengths)) else []
     out = []
     for run in runs:
-        rows = [r for r in run.rows if all(k in r for k in CONTINUATION_FIELDS)]
-        for length in ["all", *lengths] if rows else []:
-            cut = [r for r in rows if length == "all" or row_length(r) == length]
-            tasks = sorted({r.get("task") or run.dataset for r in cut})
-            for task in ["all", *tasks] if cut else []:
-                sel = [r for r in cut if task == "all" or (r.get("task") or run.dataset) == task]
-                rec = {"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio}
-                rec.update({"context_length": length, "task": task, "n": len(sel)})
-                for key in ("nll_increase", "kl"):
-                    vals = [float(r[key]) for r in sel]
-                    lo, hi = t_interval(vals, confidence)
-                    rec.update({key: sum(vals) / len(vals), f"{key}_low": lo, f"{key}_high": hi})
-                for key in ("nll", "nll_uncompressed"):
-                    rec[key] = sum(float(r[key]) for r in sel) / len(sel)
-                out.append(rec)
+        out += _continuation_records(run, "all", confidence)
+        for length in lengths:
+            out += _continuation_records(run.keep(lambda r, n=length: row_length(r) == n), length, confidence)
+    return out
+
+
+def _continuation_records(run: Run, length, confidence: float) -> list[dict]:
+    """:func:`continuation_table`'s records of one run (already cut to one ``length``, or ``"all"``): per task and
+    ``task="all"``."""
+    rows = [r for r in run.rows if all(k in r for k in CONTINUATION_FIELDS)]
+    tasks = sorted({r.get("task") or run.dataset for r in rows})
+    out = []
+    for task in ["all", *tasks] if rows else []:
+        sel = [r for r in rows if task == "all" or (r.get("task") or run.dataset) == task]
+        rec = {"dataset": run.dataset, "model": run.model, "press": run.press, "ratio": run.ratio}
+        rec.update({"context_length": length, "task": task, "n": len(sel)})
+        for key in ("nll_increase", "kl"):
+            vals = [float(r[key]) for r in sel]
+            lo, hi = t_interval(vals, confidence)
+            rec.update({key: sum(vals) / len(vals), f"{key}_low": lo, f"{key}_high": hi})
+        for key in ("nll", "nll_uncompressed"):
+            rec[key] = sum(float(r[key]) for r in sel) / len(sel)
+        out.append(rec)
     return out
 
 
@@ -822,7 +835,7 @@ def build_report(
         breakdowns = {}
         for label, key in (("length", row_length), ("depth", _row_depth)):
             table = [r for r in per_task_table(group, key=key) if r["group"] is not None]
-            if 1 < len({r["group"] for r in table}) <= MAX_BREAKDOWN_COLUMNS:
+            if _breaks_down({r["group"] for r in table}):
                 group_wins = group_win_table(group, key)
                 for r in table:
                     r["win_score"] = group_wins.get((r["press"], r["ratio"], r["group"]))
