@@ -39,6 +39,7 @@ import hashlib
 import math
 import time
 import weakref
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -201,11 +202,12 @@ def run_row(run, ex, dataset, model, tokenizer, context_ids: torch.Tensor, n: in
 
 
 def shared_rows(
-    replayed: list, capture, ex, dataset, model, tokenizer, T: int, n: int, prefill_seconds: float, masked=()
+    replayed: Iterable, capture, ex, dataset, model, tokenizer, T: int, n: int, prefill_seconds: float, masked=()
 ):
     """The ``evaluation.fused`` rows of a continuation example: each replayed press cache
-    (``(run, cache, replay seconds, decode state per layer)``, as :mod:`evaluation.loop` replays them) teacher-forced
-    on its own, against the shared prefill's uncompressed cache, then each ``masked`` run
+    (``(run, cache, replay seconds, decode state per layer)``, as :mod:`evaluation.loop` replays them: from an
+    iterator that replays each run when asked for, so one press cache is held at a time) teacher-forced on its own,
+    against the shared prefill's uncompressed cache, then each ``masked`` run
     (``(run, cache, seconds, masks, state)``, :func:`evaluation.kvzip_path.selected_runs`) with its masked keys and
     decode-time state.
     ``seconds``: the shared prefill, the press's replay and its forward; ``prefill_seconds`` the shared part.
@@ -232,8 +234,10 @@ def shared_rows(
     for run, cache, replay_s, state in replayed:
         attention.put_decode_state(cache, [state])  # the run's decode-time state, on its own cache
         rows.append(row(run, cache, replay_s))
+        del cache, state  # freed before the next run is replayed
     for run, cache, seconds, masks, state in masked:
         attention.put_decode_state(cache, [state])
         with kvzip_path.masked_keys(model, masks):
             rows.append(row(run, cache, seconds))
+        del cache, state, masks
     return rows

@@ -20,7 +20,9 @@ checked and written before any row) and for every example some run still lacks:
      (:func:`evaluation.replay.replay_prefill`), then the runs decoded in batches
      (:func:`evaluation.replay.generate_answers`), presses with decode-time state exporting it after their
      replay (the press contract, :mod:`presses.base`); presses with ``scores_once`` scored by
-     :mod:`evaluation.kvzip_path` and decoded one by one;
+     :mod:`evaluation.kvzip_path` and decoded one by one. Runs are replayed batch by batch, just before their decode,
+     and their caches freed after it: with ``pad_decode`` (the default) one ratio's runs hold caches at a time, for a
+     continuation example one run, so memory no longer grows with the number of runs;
    - an example with a ``continuation`` (:class:`evaluation.datasets.base.Example`) generates nothing: the
      continuation is teacher-forced on each run's cache and scored by its loss against the uncompressed context's
      (:func:`evaluation.continuation.run_row`, :func:`evaluation.continuation.shared_rows`);
@@ -184,45 +186,66 @@ def _shared_rows(
     with torch.inference_mode(), PrefillCapture(model) as capture:
         model.model(input_ids=context_ids, past_key_values=DynamicCache())
     prefill_seconds = time.perf_counter() - start
-    replayed = []  # (run, cache, replay seconds, decode state per layer)
-    rows = []
     # presses differing only in ratio / correction / seed (SNIS) or ratio / protection (Page-EntroKV) compute their
     # proposals and observer attention once per layer
     memo = ReplayMemo()
-    for run in (run for run in pending if not run.caps.scores_once):
-        start = time.perf_counter()
-        seed_example(run.cfg.seed, ex.id)
-        with torch.inference_mode(), sharing(run.press, memo):
-            cache = replay_prefill(model, run.press, capture)
-        # decode-time state belongs to the run's cache: keep it with the run until its decode
-        state = export_decode_state(run.press, cache)
-        replayed.append((run, cache, time.perf_counter() - start, state))
-        if not batch_decode and not ex.continuation:
-            rows += _decode_group([replayed.pop()], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+
+    def replayed(runs: list[Run]):
+        """``(run, cache, replay seconds, decode state per layer)`` per run, each replayed when it is asked for."""
+        for run in runs:
+            start = time.perf_counter()
+            seed_example(run.cfg.seed, ex.id)
+            with torch.inference_mode(), sharing(run.press, memo):
+                cache = replay_prefill(model, run.press, capture)
+            # decode-time state belongs to the run's cache: keep it with the run until its decode
+            state = export_decode_state(run.press, cache)
+            yield run, cache, time.perf_counter() - start, state
+
+    def decoded(runs: list[Run]) -> list[tuple[Run, dict]]:
+        """Replay ``runs`` and decode them in batches; their caches are freed on return."""
+        items = list(replayed(runs))
+        if pad_decode or not batch_decode:  # one batch already (one ratio, or one run)
+            return _decode_group(items, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+        groups: dict = {}  # equal per-layer cache lengths (and bias layers): one batch
+        for item in items:
+            lengths = tuple(item[1].get_seq_length(i) for i in range(len(item[1])))
+            groups.setdefault((lengths, tuple(state is not None for state in item[3])), []).append(item)
+        rows = []
+        for group in groups.values():
+            rows += _decode_group(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+        return rows
+
     scored = [run for run in pending if run.caps.scores_once]  # one scoring pass, then each run on its own
+    replayable = [run for run in pending if not run.caps.scores_once]
     if ex.continuation:  # nothing to generate: the loss of the text after the context (evaluation.continuation)
         masked = kvzip_path.selected_runs(scored, model, capture, context_ids)
         return continuation.shared_rows(
-            replayed, capture, ex, dataset, model, pipe.tokenizer, T, max_new, prefill_seconds, masked
+            replayed(replayable), capture, ex, dataset, model, pipe.tokenizer, T, max_new, prefill_seconds, masked
         )
-    groups: dict = {}
-    for item in replayed:  # one ratio (padded) or equal per-layer cache lengths (and bias layers): one batch
-        key = (
-            item[0].cfg.compression_ratio
-            if pad_decode
-            else (
-                tuple(item[1].get_seq_length(i) for i in range(len(item[1]))),
-                tuple(state is not None for state in item[3]),
-            )
-        )
-        groups.setdefault(key, []).append(item)
-    for group in groups.values():
-        rows += _decode_group(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+    rows = []
+    # only the runs of one decode batch hold a cache at a time: each run alone, the runs of one ratio (padded), or
+    # (batched by equal per-layer lengths, known only after the replays) every run
+    for runs in _decode_batches(replayable, batch_decode, pad_decode):
+        rows += decoded(runs)
     for run, cache, seconds, masks, state in kvzip_path.selected_runs(scored, model, capture, context_ids):
         with kvzip_path.masked_keys(model, masks):
             item = (run, cache, seconds, state)
             rows += _decode_group([item], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
     return rows
+
+
+def _decode_batches(runs: list[Run], batch_decode: bool, pad_decode: bool) -> list[list[Run]]:
+    """The runs replayed together, in order: each alone (no ``batch_decode``), the runs of one compression ratio
+    (``pad_decode``: one padded batch each), else all of them (batched by their cache lengths after the replays).
+    A run's replay depends on nothing but its own press, seed and example, so the order changes no result."""
+    if not batch_decode:
+        return [[run] for run in runs]
+    if not pad_decode:
+        return [runs] if runs else []
+    by_ratio: dict = {}
+    for run in runs:
+        by_ratio.setdefault(run.cfg.compression_ratio, []).append(run)
+    return list(by_ratio.values())
 
 
 def _decode_group(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 # The kernel tests run every Triton kernel on CPU through the interpreter, which Triton reads once, when it
 # is first imported: set it before any test module (or a press it imports) pulls triton in. A GPU runner
@@ -84,6 +85,23 @@ def make_sharp_tiny_llama(attn_implementation: str = "sdpa"):
 def tiny_llama():
     """Factory fixture: ``tiny_llama(num_heads=4, num_kv_heads=2, ...)``."""
     return make_tiny_llama
+
+
+@pytest.fixture
+def replayed_caches(monkeypatch):
+    """The press caches ``evaluation.fused`` replays that are still alive: a ``weakref.WeakSet`` that every cache
+    :func:`evaluation.replay.replay_prefill` returns to the loop joins (read its size after ``gc.collect()``)."""
+    from evaluation import loop
+
+    live, replay = weakref.WeakSet(), loop.replay_prefill
+
+    def tracked(*args, **kwargs):
+        cache = replay(*args, **kwargs)
+        live.add(cache)
+        return cache
+
+    monkeypatch.setattr(loop, "replay_prefill", tracked)
+    return live
 
 
 @pytest.fixture(scope="session")

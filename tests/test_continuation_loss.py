@@ -4,6 +4,7 @@ cache changes it; evaluation.fused gives what evaluation.run gives; the report t
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -151,6 +152,21 @@ def _rows(out, press):
     ratio = 0.0 if press == "no_press" else 0.6
     path = out / "continuation_loss" / "smollm2-135m" / press / f"cr{ratio:g}" / "predictions.jsonl"
     return {r["id"]: r for r in harness.read_predictions(path)}
+
+
+def test_fused_holds_one_press_cache_at_a_time(tiny, tmp_path, monkeypatch, replayed_caches):
+    """evaluation.fused replays each run of a continuation example just before its teacher-forced forward: no other
+    press cache is alive then (the reference's forward comes first, with none), whatever the number of runs."""
+    forward, alive = continuation.teacher_forced_hidden, []
+
+    def counted(*args):
+        gc.collect()
+        alive.append(len(replayed_caches))
+        return forward(*args)
+
+    monkeypatch.setattr(continuation, "teacher_forced_hidden", counted)
+    fused.run_fused(_runs(["no_press", "snapkv", "streaming_llm", "snis_min"], tmp_path), "test")
+    assert alive == [0, 1, 1, 1, 1] * 4  # per example: the reference, then the four runs one by one
 
 
 def test_fused_equals_run_and_the_report_tables_it(tiny, tmp_path):

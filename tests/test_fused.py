@@ -9,6 +9,7 @@ predictions and compression as
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -21,7 +22,7 @@ from hydra.utils import instantiate
 from test_harness import composed
 from transformers import DynamicCache
 
-from evaluation import fused, harness, replay
+from evaluation import fused, harness, loop, replay
 from evaluation import run as entry
 from evaluation.loop import seed_example
 from evaluation.memo import ReplayMemo
@@ -504,6 +505,26 @@ def test_one_ratio_decodes_as_one_padded_batch(tiny, tmp_path):
             assert fus[i]["effective_compression"] == sep[i]["effective_compression"]
             lengths.add(round(fus[i]["physical_compression"], 6))
     assert len(lengths) > 2  # the batch really mixed cache lengths
+
+
+def test_only_the_runs_of_one_decode_batch_hold_a_cache(tiny, tmp_path, monkeypatch, replayed_caches):
+    """The runs are replayed batch by batch (one ratio's runs with pad_decode, the default): when a batch decodes,
+    no cache of an earlier batch is alive, so an example's memory grows with one ratio's runs, not with the
+    sweep's; the predictions stay those of separate runs (above)."""
+    decode, seen = loop._decode_group, []
+
+    def counted(group, *args):
+        gc.collect()
+        seen.append((len(group), len(replayed_caches)))
+        return decode(group, *args)
+
+    monkeypatch.setattr(loop, "_decode_group", counted)
+    presses, ratios = ["snapkv", "page_entrokv", "snis_min"], [0.25, 0.5, 0.75]
+    fused.run_fused(_runs(["no_press", *presses], ratios, tmp_path), "test")
+    # per example: no_press alone (ratio 0), then each ratio's three runs as one batch
+    assert seen == [(1, 1), (3, 3), (3, 3), (3, 3)] * 2
+    for press in presses:  # every run wrote its two rows
+        assert all(len(_rows(tmp_path, press, ratio)) == 2 for ratio in ratios)
 
 
 def test_round_robin_by_task_interleaves_and_keeps_every_example():
