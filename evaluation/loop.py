@@ -22,7 +22,7 @@ checked and written before any row) and for every example some run still lacks:
      replay (the press contract, :mod:`presses.base`); presses with ``scores_once`` scored by
      :mod:`evaluation.kvzip_path` and decoded one by one. Runs are replayed batch by batch, just before their decode,
      and their caches freed after it: with ``pad_decode`` (the default) one ratio's runs hold caches at a time, for a
-     continuation example one run, so memory no longer grows with the number of runs;
+     continuation example one run (what the runs share, the prefill's recording and the memo, stays for the example);
    - an example with a ``continuation`` (:class:`evaluation.datasets.base.Example`) generates nothing: the
      continuation is teacher-forced on each run's cache and scored by its loss against the uncompressed context's
      (:func:`evaluation.continuation.run_row`, :func:`evaluation.continuation.shared_rows`);
@@ -237,7 +237,8 @@ def _shared_rows(
 def _decode_batches(runs: list[Run], batch_decode: bool, pad_decode: bool) -> list[list[Run]]:
     """The runs replayed together, in order: each alone (no ``batch_decode``), the runs of one compression ratio
     (``pad_decode``: one padded batch each), else all of them (batched by their cache lengths after the replays).
-    A run's replay depends on nothing but its own press, seed and example, so the order changes no result."""
+    A run's replay depends on nothing but its own press, seed and example (the memo keys what it shares by what
+    that depends on), so the order changes no result."""
     if not batch_decode:
         return [[run] for run in runs]
     if not pad_decode:
