@@ -594,9 +594,15 @@ def _length_caption(length, lengths: list) -> str:
     return " over all lengths" if length == "all" else f" at {length} tokens"
 
 
+def _legend_below(fig, ax) -> None:
+    """One legend for ``fig``, of ``ax``'s lines, below its panels (the figure's layout must be ``constrained``)."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(6, len(labels) or 1), fontsize=7)
+
+
 def _loss_figure(w: _Writer, stem: str, title: str, losses: list[dict], presses: list[str]) -> str:
     """``plots/<stem>__loss.png``: the NLL increase and the KL against the ratio, per press, with intervals; a row of
-    panels per context length when the losses are broken down by length, the pooled row last."""
+    panels per context length when the losses are broken down by length, the pooled row last; one legend below."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -619,8 +625,9 @@ def _loss_figure(w: _Writer, stem: str, title: str, losses: list[dict], presses:
             ]
             _plot_lines(ax, recs, key, presses, err=True)
             ax.set_ylabel(label)
-            ax.set_title(f"{title}: {label.split(' (')[0]}{_length_caption(length, lengths)}")
-    axes[0][0].legend(fontsize=7)
+            ax.set_title(f"{label.split(' (')[0]}{_length_caption(length, lengths)}")
+    fig.suptitle(title)
+    _legend_below(fig, axes[0][0])
     return w.figure(f"plots/{stem}__loss.png", fig)
 
 
@@ -659,8 +666,7 @@ def _figures(
             ax.set_title(str(name), fontsize=9)
         for ax in list(axes.flat)[len(names) :]:
             ax.axis("off")
-        handles, labels = axes.flat[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside lower center", ncol=min(6, len(labels) or 1), fontsize=7)
+        _legend_below(fig, axes.flat[0])
         fig.suptitle(f"{title}: per task")
         links["tasks"] = w.figure(f"plots/{stem}__tasks.png", fig)
     return links

@@ -522,3 +522,44 @@ def test_continuation_loss_is_broken_down_by_length(tmp_path):
     assert "| snapkv | – | 0.7000 [" in at_1024 and "| no_press | 0.0000 [0.0000, 0.0000] | – |" in at_1024
     assert "Table (per task and length too)" in text
     assert (out / "plots" / "continuation_loss__tiny__loss.png").stat().st_size > 1000
+
+
+def test_loss_figure_titles_stay_apart_and_one_legend_sits_below_the_panels():
+    """The loss plot of a dataset with three lengths and twenty presses (the committed grid's shape): its panel
+    titles do not run into each other, and the legend names every press once, below every panel."""
+    from evaluation import report
+
+    presses = ["no_press"] + [f"press_number_{i:02d}" for i in range(19)]
+    losses = [
+        {
+            "press": press,
+            "ratio": ratio,
+            "task": "all",
+            "context_length": length,
+            **{key: v for k in ("nll_increase", "kl") for key, v in ((k, 0.1), (f"{k}_low", 0.05), (f"{k}_high", 0.2))},
+        }
+        for length in (2048, 4096, 7680, "all")
+        for press in presses
+        for ratio in ((0.0,) if press == "no_press" else (0.25, 0.5, 0.75))
+    ]
+
+    class Keep:
+        def figure(self, rel, fig):
+            self.fig = fig
+            return rel
+
+    w, title = Keep(), "continuation_loss / smollm2-135m"  # the committed report's title
+    assert report._loss_figure(w, "continuation_loss__smollm2-135m", title, losses, presses)
+    fig = w.fig
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    rows = fig.axes[0].get_gridspec().nrows
+    assert rows == 4 and len(fig.axes) == 8
+    for left, right in zip(fig.axes[0::2], fig.axes[1::2]):
+        a, b = left.title.get_window_extent(renderer), right.title.get_window_extent(renderer)
+        assert a.x1 < b.x0, (left.get_title(), right.get_title())
+    assert [ax.get_legend() for ax in fig.axes] == [None] * 8
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == presses
+    top = legend.get_window_extent(renderer).y1
+    assert all(top < ax.get_window_extent(renderer).y0 for ax in fig.axes)
