@@ -554,12 +554,14 @@ class _Writer:
 
 
 def _press_colors(presses: list[str]) -> dict[str, object]:
-    """One colour per press, fixed by its place in ``presses``, so a press looks the same in every plot."""
+    """One colour per press, fixed by its place in ``presses``, so a press looks the same in every plot: tab10 for
+    up to 10 presses, else tab20 then tab20b (40 colours; past 40 they repeat)."""
     import matplotlib
 
     others = [p for p in presses if p != BASELINE]
-    cmap = matplotlib.colormaps["tab10" if len(others) <= 10 else "tab20"]
-    return {p: cmap(i % cmap.N) for i, p in enumerate(others)}
+    names = ["tab10"] if len(others) <= 10 else ["tab20", "tab20b"]
+    palette = [color for name in names for color in matplotlib.colormaps[name].colors]
+    return {p: palette[i % len(palette)] for i, p in enumerate(others)}
 
 
 def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bool = False) -> None:
@@ -595,9 +597,13 @@ def _length_caption(length, lengths: list) -> str:
 
 
 def _legend_below(fig, ax) -> None:
-    """One legend for ``fig``, of ``ax``'s lines, below its panels (the figure's layout must be ``constrained``)."""
+    """One legend for ``fig``, of ``ax``'s lines, below its panels (the figure's layout must be ``constrained``), in
+    as many columns as the figure's width holds for its longest label (at 7 points, a character takes ~4 points of
+    width and a column's marker and gaps ~32 more)."""
     handles, labels = ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(6, len(labels) or 1), fontsize=7)
+    column = (4 * max((len(label) for label in labels), default=1) + 32) / 72  # inches
+    ncol = max(1, min(int(0.95 * fig.get_figwidth() // column), len(labels)))
+    fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=7)
 
 
 def _loss_figure(w: _Writer, stem: str, title: str, losses: list[dict], presses: list[str]) -> str:
@@ -640,19 +646,19 @@ def _figures(
     import matplotlib.pyplot as plt
 
     links = {}
-    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")
     _plot_lines(ax, summary, "score", presses, err=True)
     ax.set_ylabel("score (95% interval)")
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    _legend_below(fig, ax)
     links["score"] = w.figure(f"plots/{stem}__score.png", fig)
     if wins:
-        fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+        fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")
         _plot_lines(ax, wins, "win_score", presses)
         ax.set_ylabel("win score")
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(f"{title}: win score")
-        ax.legend(fontsize=7)
+        _legend_below(fig, ax)
         links["win"] = w.figure(f"plots/{stem}__win.png", fig)
     names = sorted({r["group"] for r in tasks}, key=str)
     if names:
@@ -678,6 +684,7 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     colors = _press_colors(presses)
     ratios = sorted({r["ratio"] for r in costed})
@@ -698,6 +705,12 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
         if front:
             ax.plot(*zip(*front), color="black", linewidth=1, alpha=0.6, label="frontier")
         ax.set_xscale("log")
+        # plain labels at 1, 2, 5, 10, ... (matplotlib's own labels of the minor ticks, 2x10^0, ran into each other)
+        ax.xaxis.set_minor_locator(ticker.LogLocator(subs=(2, 5)))
+        for which in ("major", "minor"):
+            ax.xaxis.set_tick_params(which=which, labelsize=8)
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("prefill time / uncompressed prefill (log)")
         ax.set_title(f"cr {ratio:g}", fontsize=9)
         ax.grid(alpha=0.3)

@@ -529,7 +529,7 @@ def test_loss_figure_titles_stay_apart_and_one_legend_sits_below_the_panels():
     titles do not run into each other, and the legend names every press once, below every panel."""
     from evaluation import report
 
-    presses = ["no_press"] + [f"press_number_{i:02d}" for i in range(19)]
+    presses = ["no_press"] + [f"page_entrokv_reconstruction_{i:02d}" for i in range(19)]  # long names
     losses = [
         {
             "press": press,
@@ -561,5 +561,76 @@ def test_loss_figure_titles_stay_apart_and_one_legend_sits_below_the_panels():
     assert [ax.get_legend() for ax in fig.axes] == [None] * 8
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == presses
-    top = legend.get_window_extent(renderer).y1
-    assert all(top < ax.get_window_extent(renderer).y0 for ax in fig.axes)
+    box = legend.get_window_extent(renderer)
+    assert all(box.y1 < ax.get_window_extent(renderer).y0 for ax in fig.axes)
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width, "the legend is cut off at the figure's edges"
+
+
+def test_score_and_win_plots_keep_their_legend_below_and_cost_ticks_stay_apart():
+    """With twenty presses the score and win plots put their legend below the panel (inside, it hid the points at
+    0.75), and the cost plot's log axis labels its ticks with plain numbers that do not run into each other."""
+    from evaluation import report
+
+    presses = ["no_press"] + [f"page_entrokv_reconstruction_{i:02d}" for i in range(22)]  # RULER's 23, long names
+    ratios = (0.25, 0.5, 0.75)
+    summary = [{"press": "no_press", "ratio": 0.0, "score": 0.56, "low": 0.5, "high": 0.6}] + [
+        {"press": p, "ratio": r, "score": 0.5 - r / 2, "low": 0.4 - r / 2, "high": 0.6 - r / 2}
+        for p in presses[1:]
+        for r in ratios
+    ]
+    wins = [{"press": p, "ratio": r, "win_score": 0.5} for p in presses[1:] for r in ratios]
+    costed = [
+        {"press": "no_press", "ratio": r, "score": 0.56, "prefill_cost": 1.0, "on_frontier": False} for r in ratios
+    ]
+    costed += [
+        {"press": p, "ratio": r, "score": 0.3, "prefill_cost": 0.95 + 6 * i / 19, "on_frontier": i % 5 == 0}
+        for i, p in enumerate(presses[1:])
+        for r in ratios
+    ]
+
+    class Keep:
+        figs: dict = {}
+
+        def figure(self, rel, fig):
+            self.figs[rel.rsplit("__", 1)[1]] = fig
+            return rel
+
+    w, title = Keep(), "stdlib_docs / smollm2-135m"
+    report._figures(w, "stdlib_docs__smollm2-135m", title, summary, wins, [], presses)
+    report._cost_figure(w, "stdlib_docs__smollm2-135m", title, costed, presses)
+    for name in ("score.png", "win.png"):
+        fig = w.figs[name]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        (ax,) = fig.axes
+        assert ax.get_legend() is None
+        (legend,) = fig.legends
+        assert [t.get_text() for t in legend.get_texts()] == (presses if name == "score.png" else presses[1:])
+        box = legend.get_window_extent(renderer)
+        assert box.y1 < ax.get_window_extent(renderer).y0
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.width, "the legend is cut off at the figure's edges"
+    fig = w.figs["cost.png"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        low, high = ax.get_xlim()
+        ticks = zip(
+            list(ax.get_xticks(minor=True)) + list(ax.get_xticks()),
+            ax.get_xticklabels(minor=True) + ax.get_xticklabels(),
+        )
+        labels = [t for x, t in ticks if low <= x <= high and t.get_text()]
+        assert len(labels) >= 3 and all(t.get_text().replace(".", "").isdigit() for t in labels)
+        boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+        assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in labels]
+
+
+def test_every_press_of_a_large_grid_gets_its_own_colour():
+    """RULER's report plots 24 presses (Finch and the halo candidate with the 22 of the grid): tab20 alone gave the
+    21st press the first one's colour."""
+    from evaluation.report import _press_colors
+
+    for n in (5, 10, 11, 20, 24, 40):
+        colors = _press_colors(["no_press"] + [f"p{i}" for i in range(n)])
+        assert len(colors) == n and len(set(colors.values())) == n
+    small = _press_colors(["no_press", "a", "b"])
+    assert small["a"] != small["b"]
