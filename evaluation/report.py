@@ -61,6 +61,7 @@ from evaluation.harness import (
     run_in_progress,
 )
 from evaluation.metrics import score_interval, t_interval, win_scores
+from evaluation.plotting import legend_below, press_colors
 from evaluation.studies.tables import csv_text, markdown_table
 
 logger = logging.getLogger("evaluation.report")
@@ -553,19 +554,8 @@ class _Writer:
                     path.unlink()
 
 
-def _press_colors(presses: list[str]) -> dict[str, object]:
-    """One colour per press, fixed by its place in ``presses``, so a press looks the same in every plot: tab10 for
-    up to 10 presses, else tab20 then tab20b (40 colours; past 40 they repeat)."""
-    import matplotlib
-
-    others = [p for p in presses if p != BASELINE]
-    names = ["tab10"] if len(others) <= 10 else ["tab20", "tab20b"]
-    palette = [color for name in names for color in matplotlib.colormaps[name].colors]
-    return {p: palette[i % len(palette)] for i, p in enumerate(others)}
-
-
 def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bool = False) -> None:
-    colors = _press_colors(presses)
+    colors = press_colors(presses, BASELINE)
     for press in presses:
         pts = sorted((r["ratio"], r[value], r.get("low"), r.get("high")) for r in records if r["press"] == press)
         if not pts:
@@ -596,16 +586,6 @@ def _length_caption(length, lengths: list) -> str:
     return " over all lengths" if length == "all" else f" at {length} tokens"
 
 
-def _legend_below(fig, ax) -> None:
-    """One legend for ``fig``, of ``ax``'s lines, below its panels (the figure's layout must be ``constrained``), in
-    as many columns as the figure's width holds for its longest label (at 7 points, a character takes ~4 points of
-    width and a column's marker and gaps ~32 more)."""
-    handles, labels = ax.get_legend_handles_labels()
-    column = (4 * max((len(label) for label in labels), default=1) + 32) / 72  # inches
-    ncol = max(1, min(int(0.95 * fig.get_figwidth() // column), len(labels)))
-    fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=7)
-
-
 def _loss_figure(w: _Writer, stem: str, title: str, losses: list[dict], presses: list[str]) -> str:
     """``plots/<stem>__loss.png``: the NLL increase and the KL against the ratio, per press, with intervals; a row of
     panels per context length when the losses are broken down by length, the pooled row last; one legend below."""
@@ -633,7 +613,7 @@ def _loss_figure(w: _Writer, stem: str, title: str, losses: list[dict], presses:
             ax.set_ylabel(label)
             ax.set_title(f"{label.split(' (')[0]}{_length_caption(length, lengths)}")
     fig.suptitle(title)
-    _legend_below(fig, axes[0][0])
+    legend_below(fig, axes[0][0])
     return w.figure(f"plots/{stem}__loss.png", fig)
 
 
@@ -650,7 +630,7 @@ def _figures(
     _plot_lines(ax, summary, "score", presses, err=True)
     ax.set_ylabel("score (95% interval)")
     ax.set_title(title)
-    _legend_below(fig, ax)
+    legend_below(fig, ax)
     links["score"] = w.figure(f"plots/{stem}__score.png", fig)
     if wins:
         fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")
@@ -658,7 +638,7 @@ def _figures(
         ax.set_ylabel("win score")
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(f"{title}: win score")
-        _legend_below(fig, ax)
+        legend_below(fig, ax)
         links["win"] = w.figure(f"plots/{stem}__win.png", fig)
     names = sorted({r["group"] for r in tasks}, key=str)
     if names:
@@ -672,7 +652,7 @@ def _figures(
             ax.set_title(str(name), fontsize=9)
         for ax in list(axes.flat)[len(names) :]:
             ax.axis("off")
-        _legend_below(fig, axes.flat[0])
+        legend_below(fig, axes.flat[0])
         fig.suptitle(f"{title}: per task")
         links["tasks"] = w.figure(f"plots/{stem}__tasks.png", fig)
     return links
@@ -686,7 +666,7 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    colors = _press_colors(presses)
+    colors = press_colors(presses, BASELINE)
     ratios = sorted({r["ratio"] for r in costed})
     fig, axes = plt.subplots(1, len(ratios), figsize=(4.2 * len(ratios), 4), squeeze=False, layout="constrained")
     for ax, ratio in zip(axes.flat, ratios):

@@ -266,3 +266,40 @@ def test_a_press_that_needs_a_delimiter_runs_on_its_own_copy(tmp_path, model):
     assert 0.4 < float(finch["physical_vs_full"]) < 0.6  # half the context kept (the question window included)
     assert float(finch["full_prefill_s"]) != float(by["snapkv"]["full_prefill_s"])  # its own context's reference
     assert len(tok) == vocab and model.get_input_embeddings().weight.shape[0] == rows_before
+
+
+def test_plots_give_each_of_21_presses_its_own_colour_and_one_legend_below(tmp_path, monkeypatch):
+    """The committed 2k sweep has 21 presses: with tab10 KVzip and `snis_min_page` shared a colour at the top of
+    `prefill.png`, and the legend sat over the right panel's points."""
+    presses = ["no_press"] + [f"page_entrokv_reconstruction_{i:02d}" for i in range(20)]
+    rows = [
+        {
+            "press": p,
+            "compression_ratio": str(0.0 if p == "no_press" else ratio),
+            "T": str(T),
+            "overhead_ratio": "1.5",
+            "physical_vs_full": "0.5",
+            "logical_vs_full": "0.5",
+            "prefill_s": str(1 + i),
+        }
+        for i, p in enumerate(presses)
+        for ratio in (0.5, 0.75)
+        for T in (1024, 2048)
+    ]
+    figures = {}
+    monkeypatch.setattr(report, "save_figure", lambda fig, path, dpi: figures.setdefault(path.name, fig))
+    report.write_plots(tmp_path, rows)
+    assert sorted(figures) == ["kv_bytes.png", "overhead_ratio.png", "prefill.png"]
+    for name, fig in figures.items():
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        assert [ax.get_legend() for ax in fig.axes] == [None, None]
+        (legend,) = fig.legends
+        shown = presses[1:] if name == "overhead_ratio.png" else presses
+        assert [t.get_text() for t in legend.get_texts()] == shown
+        box = legend.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.width
+        assert all(box.y1 < ax.get_window_extent(renderer).y0 for ax in fig.axes)
+        for ax in fig.axes:
+            colours = {line.get_label(): line.get_color() for line in ax.get_lines() if line.get_linestyle() == "-"}
+            assert len(colours) == len(shown) and len(set(map(tuple, colours.values()))) == len(shown)

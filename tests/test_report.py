@@ -627,10 +627,10 @@ def test_score_and_win_plots_keep_their_legend_below_and_cost_ticks_stay_apart()
 def test_every_press_of_a_large_grid_gets_its_own_colour():
     """RULER's report plots 24 presses (Finch and the halo candidate with the 22 of the grid): tab20 alone gave the
     21st press the first one's colour."""
-    from evaluation.report import _press_colors
+    from evaluation.plotting import press_colors
 
     for n in (5, 10, 11, 20, 24, 40):
-        colors = _press_colors(["no_press"] + [f"p{i}" for i in range(n)])
+        colors = press_colors(["no_press"] + [f"p{i}" for i in range(n)], "no_press")
         assert len(colors) == n and len(set(colors.values())) == n
-    small = _press_colors(["no_press", "a", "b"])
+    small = press_colors(["no_press", "a", "b"], "no_press")
     assert small["a"] != small["b"]

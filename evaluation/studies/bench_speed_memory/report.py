@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from evaluation.atomic import save_figure, write_atomic
+from evaluation.plotting import legend_below, press_colors
 from evaluation.studies.bench_speed_memory.rows import CSV_NAME, NO_PRESS, REFERENCE, row_key
 from evaluation.studies.tables import fmt, markdown_table, num, read_rows
 
@@ -216,7 +217,7 @@ def write_plots(out: Path, rows: list[dict]) -> None:
     if not ratios:
         return
     presses = sorted({r["press"] for r in rows})
-    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(presses)}
+    colors = press_colors(presses)
 
     def series(press, ratio, col):
         pts = sorted(
@@ -236,7 +237,7 @@ def write_plots(out: Path, rows: list[dict]) -> None:
         ),
         ("prefill.png", [("prefill_s", "-")], "prefill seconds", True),
     ):
-        fig, axes = plt.subplots(1, len(ratios), figsize=(5.5 * len(ratios), 4), squeeze=False)
+        fig, axes = plt.subplots(1, len(ratios), figsize=(5.5 * len(ratios), 4), squeeze=False, layout="constrained")
         for ax, ratio in zip(axes[0], ratios):
             for p in presses:
                 if p == NO_PRESS and fname == "overhead_ratio.png":
@@ -252,6 +253,5 @@ def write_plots(out: Path, rows: list[dict]) -> None:
             ax.set_ylabel(ylabel)
             ax.set_title(f"compression_ratio = {ratio:g}")
             ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="best")
-        fig.tight_layout()
+        legend_below(fig, *axes[0])
         save_figure(fig, out / fname, dpi=110)

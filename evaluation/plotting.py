@@ -1,0 +1,32 @@
+"""What every plot of the harness shares: one colour per press, and one legend below the panels.
+
+Used by the report (:mod:`evaluation.report`) and the speed benchmark's plots
+(:mod:`evaluation.studies.bench_speed_memory.report`), so a grid of 20-odd presses reads the same in both.
+"""
+
+from __future__ import annotations
+
+
+def press_colors(presses: list[str], baseline: str | None = None) -> dict[str, tuple]:
+    """One colour (an RGB tuple) per press but ``baseline`` (drawn apart, e.g. as a dashed line), fixed by its place
+    in ``presses``: tab10 for up to 10 presses, else tab20 then tab20b (40 colours; past 40 they repeat)."""
+    import matplotlib
+
+    others = [p for p in presses if p != baseline]
+    names = ["tab10"] if len(others) <= 10 else ["tab20", "tab20b"]
+    palette = [color for name in names for color in matplotlib.colormaps[name].colors]
+    return {p: palette[i % len(palette)] for i, p in enumerate(others)}
+
+
+def legend_below(fig, *axes) -> None:
+    """One legend for ``fig``, of the labelled artists of ``axes`` (each label once, the first axes' first), below
+    its panels (``fig`` must use the ``constrained`` layout), in as many columns as the figure's width holds for its
+    longest label (at 7 points a character takes ~4 points of width, and a column's marker and gaps ~32 more)."""
+    seen: dict = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    labels, handles = list(seen), list(seen.values())
+    column = (4 * max((len(label) for label in labels), default=1) + 32) / 72  # inches
+    ncol = max(1, min(int(0.95 * fig.get_figwidth() // column), len(labels)))
+    fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=7)
