@@ -659,7 +659,8 @@ def _figures(
 
 
 def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses: list[str]) -> str:
-    """Score against prefill cost, one panel per ratio, the frontier joined (:func:`evaluation.frontier.cost_table`)."""
+    """Score against prefill cost, one panel per ratio, the frontier joined and its presses named on the panel, every
+    press in the legend below (:func:`evaluation.frontier.cost_table`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -668,19 +669,18 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
 
     colors = press_colors(presses, BASELINE)
     ratios = sorted({r["ratio"] for r in costed})
-    fig, axes = plt.subplots(1, len(ratios), figsize=(4.2 * len(ratios), 4), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(1, len(ratios), figsize=(4.2 * len(ratios), 5), squeeze=False, layout="constrained")
     for ax, ratio in zip(axes.flat, ratios):
         rows = [r for r in costed if r["ratio"] == ratio]
         for r in rows:
             if r["press"] == BASELINE:
                 ax.axhline(r["score"], color="black", linestyle="--", linewidth=1, label=BASELINE)
             elif r["prefill_cost"] is not None:
-                ax.scatter(
-                    r["prefill_cost"], r["score"], color=colors.get(r["press"]), s=40 if r["on_frontier"] else 18
-                )
-                ax.annotate(
-                    r["press"], (r["prefill_cost"], r["score"]), fontsize=6, xytext=(3, 2), textcoords="offset points"
-                )
+                size = 40 if r["on_frontier"] else 18
+                ax.scatter(r["prefill_cost"], r["score"], color=colors.get(r["press"]), s=size, label=r["press"])
+                if r["on_frontier"]:  # named on the panel; every press in the legend (20 names ran into each other)
+                    xy = (r["prefill_cost"], r["score"])
+                    ax.annotate(r["press"], xy, fontsize=6, xytext=(3, 2), textcoords="offset points")
         front = sorted((r["prefill_cost"], r["score"]) for r in rows if r["on_frontier"])
         if front:
             ax.plot(*zip(*front), color="black", linewidth=1, alpha=0.6, label="frontier")
@@ -695,7 +695,7 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
         ax.set_title(f"cr {ratio:g}", fontsize=9)
         ax.grid(alpha=0.3)
     axes.flat[0].set_ylabel("score")
-    axes.flat[0].legend(fontsize=7)
+    legend_below(fig, *axes.flat)
     fig.suptitle(f"{title}: quality against prefill cost")
     return w.figure(f"plots/{stem}__cost.png", fig)
 

@@ -568,7 +568,8 @@ def test_loss_figure_titles_stay_apart_and_one_legend_sits_below_the_panels():
 
 def test_score_and_win_plots_keep_their_legend_below_and_cost_ticks_stay_apart():
     """With twenty presses the score and win plots put their legend below the panel (inside, it hid the points at
-    0.75), and the cost plot's log axis labels its ticks with plain numbers that do not run into each other."""
+    0.75); the cost plot names its frontier's presses on the panel and every press in a legend below, and its log
+    axis labels its ticks with plain numbers that do not run into each other."""
     from evaluation import report
 
     presses = ["no_press"] + [f"page_entrokv_reconstruction_{i:02d}" for i in range(22)]  # RULER's 23, long names
@@ -612,6 +613,14 @@ def test_score_and_win_plots_keep_their_legend_below_and_cost_ticks_stay_apart()
     fig = w.figs["cost.png"]
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    assert sorted(t.get_text() for t in legend.get_texts()) == sorted(presses + ["frontier"])
+    box = legend.get_window_extent(renderer)
+    assert (
+        0 <= box.x0 and box.x1 <= fig.bbox.width and all(box.y1 < ax.get_window_extent(renderer).y0 for ax in fig.axes)
+    )
+    on_frontier = sorted(r["press"] for r in costed if r["on_frontier"] and r["ratio"] == 0.25)
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == on_frontier  # the rest are named in the legend only
     for ax in fig.axes:
         low, high = ax.get_xlim()
         ticks = zip(
