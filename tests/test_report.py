@@ -524,6 +524,17 @@ def test_continuation_loss_is_broken_down_by_length(tmp_path):
     assert (out / "plots" / "continuation_loss__tiny__loss.png").stat().st_size > 1000
 
 
+class _Figures:
+    """A stand-in for the report's writer that keeps each figure, by its name's last part (``loss.png``), unsaved."""
+
+    def __init__(self):
+        self.figs = {}
+
+    def figure(self, rel: str, fig) -> str:
+        self.figs[rel.rsplit("__", 1)[1]] = fig
+        return rel
+
+
 def test_loss_figure_titles_stay_apart_and_one_legend_sits_below_the_panels():
     """The loss plot of a dataset with three lengths and twenty presses (the committed grid's shape): its panel
     titles do not run into each other, and the legend names every press once, below every panel."""
@@ -542,15 +553,9 @@ def test_loss_figure_titles_stay_apart_and_one_legend_sits_below_the_panels():
         for press in presses
         for ratio in ((0.0,) if press == "no_press" else (0.25, 0.5, 0.75))
     ]
-
-    class Keep:
-        def figure(self, rel, fig):
-            self.fig = fig
-            return rel
-
-    w, title = Keep(), "continuation_loss / smollm2-135m"  # the committed report's title
+    w, title = _Figures(), "continuation_loss / smollm2-135m"  # the committed report's title
     assert report._loss_figure(w, "continuation_loss__smollm2-135m", title, losses, presses)
-    fig = w.fig
+    fig = w.figs["loss.png"]
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     rows = fig.axes[0].get_gridspec().nrows
@@ -588,15 +593,7 @@ def test_score_and_win_plots_keep_their_legend_below_and_cost_ticks_stay_apart()
         for i, p in enumerate(presses[1:])
         for r in ratios
     ]
-
-    class Keep:
-        figs: dict = {}
-
-        def figure(self, rel, fig):
-            self.figs[rel.rsplit("__", 1)[1]] = fig
-            return rel
-
-    w, title = Keep(), "stdlib_docs / smollm2-135m"
+    w, title = _Figures(), "stdlib_docs / smollm2-135m"
     report._figures(w, "stdlib_docs__smollm2-135m", title, summary, wins, [], presses)
     report._cost_figure(w, "stdlib_docs__smollm2-135m", title, costed, presses)
     for name in ("score.png", "win.png"):
