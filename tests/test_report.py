@@ -640,3 +640,21 @@ def test_every_press_of_a_large_grid_gets_its_own_colour():
         assert len(colors) == n and len(set(colors.values())) == n
     small = press_colors(["no_press", "a", "b"], "no_press")
     assert small["a"] != small["b"]
+
+
+def test_a_figure_with_nothing_labelled_gets_no_legend():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from evaluation.plotting import legend_below
+
+    fig, ax = plt.subplots(layout="constrained")
+    ax.plot([0, 1], [0, 1])  # unlabelled
+    legend_below(fig, ax)
+    assert fig.legends == []
+    ax.plot([0, 1], [1, 0], label="snapkv")
+    legend_below(fig, ax)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["snapkv"]
+    plt.close(fig)
