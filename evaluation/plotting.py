@@ -21,8 +21,9 @@ def press_colors(presses: list[str], baseline: str | None = None) -> dict[str, t
 def legend_below(fig, *axes) -> None:
     """One legend for ``fig``, of the labelled artists of ``axes`` (each label once, the first axes' first), below
     its panels (``fig`` must use the ``constrained`` layout), in as many columns as the figure's width holds for its
-    longest label (at 7 points a character takes ~4 points of width, and a column's marker and gaps ~32 more); none
-    when nothing is labelled."""
+    longest label (at 7 points a character takes ~4 points of width, and a column's marker and gaps ~32 more); the
+    figure grows by the legend's height (~10 points a row), so its panels keep their size; none when nothing is
+    labelled."""
     seen: dict = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
@@ -32,4 +33,6 @@ def legend_below(fig, *axes) -> None:
     labels, handles = list(seen), list(seen.values())
     column = (4 * max((len(label) for label in labels), default=1) + 32) / 72  # inches
     ncol = max(1, min(int(0.95 * fig.get_figwidth() // column), len(labels)))
+    rows = -(-len(labels) // ncol)
+    fig.set_figheight(fig.get_figheight() + (10 * rows + 16) / 72)
     fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=7)

@@ -626,14 +626,14 @@ def _figures(
     import matplotlib.pyplot as plt
 
     links = {}
-    fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")
+    fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
     _plot_lines(ax, summary, "score", presses, err=True)
     ax.set_ylabel("score (95% interval)")
     ax.set_title(title)
     legend_below(fig, ax)
     links["score"] = w.figure(f"plots/{stem}__score.png", fig)
     if wins:
-        fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")
+        fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
         _plot_lines(ax, wins, "win_score", presses)
         ax.set_ylabel("win score")
         ax.set_ylim(-0.02, 1.02)
@@ -645,7 +645,12 @@ def _figures(
         ncols = min(4, len(names))
         nrows = math.ceil(len(names) / ncols)
         fig, axes = plt.subplots(
-            nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows + 0.6), squeeze=False, sharey=True, layout="constrained"
+            nrows,
+            ncols,
+            figsize=(max(3.2 * ncols, 7), 2.6 * nrows + 0.6),  # 7 inches at least: the legend's columns
+            squeeze=False,
+            sharey=True,
+            layout="constrained",
         )
         for ax, name in zip(axes.flat, names):
             _plot_lines(ax, [r for r in tasks if r["group"] == name], "score", presses)
@@ -669,7 +674,7 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
 
     colors = press_colors(presses, BASELINE)
     ratios = sorted({r["ratio"] for r in costed})
-    fig, axes = plt.subplots(1, len(ratios), figsize=(4.2 * len(ratios), 5), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(1, len(ratios), figsize=(4.2 * len(ratios), 4), squeeze=False, layout="constrained")
     for ax, ratio in zip(axes.flat, ratios):
         rows = [r for r in costed if r["ratio"] == ratio]
         for r in rows:

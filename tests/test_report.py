@@ -658,3 +658,31 @@ def test_a_figure_with_nothing_labelled_gets_no_legend():
     legend_below(fig, ax)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["snapkv"]
     plt.close(fig)
+
+
+def test_a_one_task_grid_of_thirty_presses_keeps_its_panel():
+    """needle's report has one task and 30 presses: the per-task figure, one panel wide, must still hold its panel
+    (its 30-name legend once squeezed the panel to nothing: "constrained_layout not applied")."""
+    import warnings
+
+    from evaluation import report
+
+    presses = ["no_press"] + [f"page_entrokv_reconstruction_{i:02d}" for i in range(29)]
+    tasks = [
+        {"group": "needle", "press": p, "ratio": r, "score": 0.5}
+        for p in presses
+        for r in ((0.0,) if p == "no_press" else (0.5, 0.75, 0.9))
+    ]
+    summary = [{"press": p, "ratio": r["ratio"], "score": 0.5, "low": 0.4, "high": 0.6} for p, r in zip(presses, tasks)]
+    w = _Figures()
+    report._figures(w, "needle__smollm2-135m", "needle / smollm2-135m", summary, [], tasks, presses)
+    fig = w.figs["tasks.png"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns when the layout collapses
+        fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    (legend,) = fig.legends
+    assert ax.get_window_extent(renderer).height >= 1.5 * fig.dpi  # inches of panel left
+    box = legend.get_window_extent(renderer)
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width and 0 <= box.y0 and box.y1 < ax.get_window_extent(renderer).y0
