@@ -31,7 +31,7 @@ def legend_below(fig, *axes) -> None:
     if not seen:  # nothing labelled: no empty legend box
         return
     labels, handles = list(seen), list(seen.values())
-    column = (4 * max((len(label) for label in labels), default=1) + 32) / 72  # inches
+    column = (4 * max(len(label) for label in labels) + 32) / 72  # inches
     ncol = max(1, min(int(0.95 * fig.get_figwidth() // column), len(labels)))
     rows = -(-len(labels) // ncol)
     fig.set_figheight(fig.get_figheight() + (10 * rows + 16) / 72)

@@ -663,6 +663,11 @@ def _figures(
     return links
 
 
+def _plain_number(value: float, _position) -> str:
+    """A tick label without an exponent: ``2``, ``0.5``, ``10``."""
+    return f"{value:g}"
+
+
 def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses: list[str]) -> str:
     """Score against prefill cost, one panel per ratio, the frontier joined and its presses named on the panel, every
     press in the legend below (:func:`evaluation.frontier.cost_table`)."""
@@ -692,10 +697,9 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
         ax.set_xscale("log")
         # plain labels at 1, 2, 5, 10, ... (matplotlib's own labels of the minor ticks, 2x10^0, ran into each other)
         ax.xaxis.set_minor_locator(ticker.LogLocator(subs=(2, 5)))
-        for which in ("major", "minor"):
-            ax.xaxis.set_tick_params(which=which, labelsize=8)
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_tick_params(which="both", labelsize=8)
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(_plain_number))
+        ax.xaxis.set_minor_formatter(ticker.FuncFormatter(_plain_number))
         ax.set_xlabel("prefill time / uncompressed prefill (log)")
         ax.set_title(f"cr {ratio:g}", fontsize=9)
         ax.grid(alpha=0.3)
