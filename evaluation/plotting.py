@@ -36,3 +36,36 @@ def legend_below(fig, *axes) -> None:
     rows = -(-len(labels) // ncol)
     fig.set_figheight(fig.get_figheight() + (10 * rows + 16) / 72)
     fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=7)
+
+
+def name_points(ax, points: list[tuple[float, float]], names: list[str], fontsize: float = 6) -> None:
+    """Name each point of ``points`` (data coordinates ``(x, y)``, one name each) on ``ax``, beside it, no two names
+    on one line: the names go from the highest point down, each moved below the one above by a line's height
+    (``fontsize`` + 2 points) where it would overlap it, with a thin line to its point when moved; to the right of a
+    point in the panel's left 60 %, to the left of the others; a stack that runs below the panel is lifted into it.
+    Call it once everything else is on ``ax``: it reads ``ax``'s final limits (log axes too). Points of a quality-cost
+    frontier crowd near a cost of 1, where five names once printed over one another."""
+    if not points:
+        return
+    ax.get_xlim(), ax.get_ylim()  # settles the autoscaled limits the positions below are taken from
+    fractions = (ax.transScale + ax.transLimits).transform(points)  # data -> fraction of the axes
+    line = (fontsize + 2) / (ax.get_position().height * ax.figure.get_figheight() * 72)  # a line, in axes fractions
+    order = sorted(range(len(points)), key=lambda i: -fractions[i][1])
+    heights, above = {}, float("inf")
+    for i in order:
+        heights[i] = above = min(fractions[i][1], above - line)
+    lift = max(0.0, line / 2 - min(heights.values()))
+    for i in order:
+        x, y = fractions[i][0], heights[i] + lift
+        right = x <= 0.6
+        moved = abs(y - fractions[i][1]) > line / 2
+        ax.annotate(
+            names[i],
+            points[i],
+            xytext=(x + (0.02 if right else -0.02), y),
+            textcoords="axes fraction",
+            ha="left" if right else "right",
+            va="center",
+            fontsize=fontsize,
+            arrowprops={"arrowstyle": "-", "linewidth": 0.5, "color": "0.5"} if moved else None,
+        )

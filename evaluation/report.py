@@ -61,7 +61,7 @@ from evaluation.harness import (
     run_in_progress,
 )
 from evaluation.metrics import score_interval, t_interval, win_scores
-from evaluation.plotting import legend_below, press_colors
+from evaluation.plotting import legend_below, name_points, press_colors
 from evaluation.studies.tables import csv_text, markdown_table
 
 logger = logging.getLogger("evaluation.report")
@@ -688,12 +688,10 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
             elif r["prefill_cost"] is not None:
                 size = 40 if r["on_frontier"] else 18
                 ax.scatter(r["prefill_cost"], r["score"], color=colors.get(r["press"]), s=size, label=r["press"])
-                if r["on_frontier"]:  # named on the panel; every press in the legend (20 names ran into each other)
-                    xy = (r["prefill_cost"], r["score"])
-                    ax.annotate(r["press"], xy, fontsize=6, xytext=(3, 2), textcoords="offset points")
-        front = sorted((r["prefill_cost"], r["score"]) for r in rows if r["on_frontier"])
+        front = sorted((r["prefill_cost"], r["score"], r["press"]) for r in rows if r["on_frontier"])
         if front:
-            ax.plot(*zip(*front), color="black", linewidth=1, alpha=0.6, label="frontier")
+            costs, scores, _ = zip(*front)
+            ax.plot(costs, scores, color="black", linewidth=1, alpha=0.6, label="frontier")
         ax.set_xscale("log")
         # plain labels at 1, 2, 5, 10, ... (matplotlib's own labels of the minor ticks, 2x10^0, ran into each other)
         ax.xaxis.set_minor_locator(ticker.LogLocator(subs=(2, 5)))
@@ -703,6 +701,8 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
         ax.set_xlabel("prefill time / uncompressed prefill (log)")
         ax.set_title(f"cr {ratio:g}", fontsize=9)
         ax.grid(alpha=0.3)
+        # the frontier's presses named on the panel, apart (every press is in the legend: 20 names ran into each other)
+        name_points(ax, [f[:2] for f in front], [f[2] for f in front])
     axes.flat[0].set_ylabel("score")
     legend_below(fig, *axes.flat)
     fig.suptitle(f"{title}: quality against prefill cost")

@@ -630,6 +630,42 @@ def test_score_and_win_plots_keep_their_legend_below_and_cost_ticks_stay_apart()
         assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in labels]
 
 
+def test_the_cost_plot_names_crowded_frontier_presses_apart_and_inside_the_panel():
+    """The committed continuation-loss frontier at 0.5: five presses within 0.15 x of the full prefill and 0.01 of
+    score, then KVzip at 5 x near the top. Their names printed over one another; now no two overlap, each stays inside
+    its panel, and a name moved from its point has a line to it."""
+    from evaluation import report
+
+    front = [("tova", 0.96, 0.966), ("chunkkv32", 1.0, 0.973), ("page_entrokv_mean", 1.02, 0.9735)]
+    front += [("chunkkv", 1.05, 0.975), ("snis_min_h", 1.1, 0.976), ("page_entrokv_reconstruction", 5.2, 0.998)]
+    costed = [{"press": "no_press", "ratio": 0.5, "score": 1.0, "prefill_cost": 1.0, "on_frontier": False}]
+    costed += [{"press": p, "ratio": 0.5, "score": s, "prefill_cost": c, "on_frontier": True} for p, c, s in front]
+    costed += [{"press": "knorm", "ratio": 0.5, "score": 0.8, "prefill_cost": 1.05, "on_frontier": False}]
+    w = _Figures()
+    presses = ["no_press", "knorm"] + [f[0] for f in front]
+    report._cost_figure(w, "continuation_loss__smollm2-135m", "t", costed, presses)
+    fig = w.figs["cost.png"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    assert sorted(t.get_text() for t in ax.texts) == sorted(f[0] for f in front)
+    from matplotlib.text import Text
+
+    boxes = {t.get_text(): Text.get_window_extent(t, renderer) for t in ax.texts}  # the name, not its line
+    panel = ax.get_window_extent(renderer)
+    for name, box in boxes.items():
+        assert panel.x0 <= box.x0 and box.x1 <= panel.x1 and panel.y0 <= box.y0 and box.y1 <= panel.y1, name
+    names = sorted(boxes)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not boxes[a].overlaps(boxes[b]), (a, b)
+    moved = [t for t in ax.texts if t.arrow_patch is not None]
+    assert moved, "five names within a line's height of one another: some must move"
+    for t in moved:  # its name is off its point's height
+        box = boxes[t.get_text()]
+        assert abs((box.y0 + box.y1) / 2 - ax.transData.transform(t.xy)[1]) > box.height / 2
+
+
 def test_every_press_of_a_large_grid_gets_its_own_colour():
     """RULER's report plots 24 presses (Finch and the halo candidate with the 22 of the grid): tab20 alone gave the
     21st press the first one's colour."""
