@@ -632,8 +632,10 @@ def test_score_and_win_plots_keep_their_legend_below_and_cost_ticks_stay_apart()
 
 def test_the_cost_plot_names_crowded_frontier_presses_apart_and_inside_the_panel():
     """The committed continuation-loss frontier at 0.5: five presses within 0.15 x of the full prefill and 0.01 of
-    score, then KVzip at 5 x near the top. Their names printed over one another; now no two overlap, each stays inside
-    its panel, and a name moved from its point has a line to it."""
+    score, then the reconstruction press at 5 x near the top. Their names printed over one another and the last ran
+    off the panel; now no two overlap, each stays inside its panel, and a name moved from its point has a line to it."""
+    from matplotlib.text import Text
+
     from evaluation import report
 
     front = [("tova", 0.96, 0.966), ("chunkkv32", 1.0, 0.973), ("page_entrokv_mean", 1.02, 0.9735)]
@@ -649,8 +651,6 @@ def test_the_cost_plot_names_crowded_frontier_presses_apart_and_inside_the_panel
     renderer = fig.canvas.get_renderer()
     (ax,) = fig.axes
     assert sorted(t.get_text() for t in ax.texts) == sorted(f[0] for f in front)
-    from matplotlib.text import Text
-
     boxes = {t.get_text(): Text.get_window_extent(t, renderer) for t in ax.texts}  # the name, not its line
     panel = ax.get_window_extent(renderer)
     for name, box in boxes.items():
