@@ -709,7 +709,7 @@ def test_a_one_task_grid_of_thirty_presses_keeps_its_panel():
         for p in presses
         for r in ((0.0,) if p == "no_press" else (0.5, 0.75, 0.9))
     ]
-    summary = [{"press": p, "ratio": r["ratio"], "score": 0.5, "low": 0.4, "high": 0.6} for p, r in zip(presses, tasks)]
+    summary = [{"press": t["press"], "ratio": t["ratio"], "score": 0.5, "low": 0.4, "high": 0.6} for t in tasks]
     w = _Figures()
     report._figures(w, "needle__smollm2-135m", "needle / smollm2-135m", summary, [], tasks, presses)
     fig = w.figs["tasks.png"]
