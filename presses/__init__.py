@@ -6,6 +6,7 @@ from presses.entroprefill import EntroPrefillPress
 from presses.kvzip_pages import KVzipPagePress, KVzipSamplingPress
 from presses.page_entrokv import PageEntroKVPress, PageEntroKVReconstructionPress
 from presses.probabilistic import ProbabilisticEvictionPress
+from presses.scorer_pages import ScorerPagePress
 
 __all__ = [
     "EntroPrefillPress",
@@ -14,4 +15,5 @@ __all__ = [
     "PageEntroKVPress",
     "PageEntroKVReconstructionPress",
     "ProbabilisticEvictionPress",
+    "ScorerPagePress",
 ]

@@ -25,6 +25,8 @@ Dispatch function -> torch reference -> Triton implementation:
   :func:`presses.kernels.fused_prefill.attention_with_column_sums_triton`
 - :func:`row_chunk_masses` -> :func:`presses.core.row_masses.row_chunk_masses_reference` ->
   :func:`presses.kernels.row_masses.row_chunk_masses_triton`
+- :func:`scorer_page_scores` -> :func:`presses.kernels.references.scorer_page_scores_reference` ->
+  :func:`presses.kernels.scorer_pages.scorer_page_scores_triton`
 
 The references need no Triton: without it installed, the Triton modules are ``None`` and every call takes
 the reference (``KVPRESS_RESEARCH_KERNELS=triton`` then raises).
@@ -45,6 +47,7 @@ from presses.kernels.references import (
     biased_decode_reference,
     expected_unique_many_reference,
     pooled_page_scores_reference,
+    scorer_page_scores_reference,
 )
 
 try:  # the Triton implementations (an optional dependency: the ``triton`` extra)
@@ -55,9 +58,11 @@ try:  # the Triton implementations (an optional dependency: the ``triton`` extra
         fused_prefill,
         renyi_pages,
         row_masses,
+        scorer_pages,
     )
 except ImportError:  # pragma: no cover - only without triton
     attention_columns = biased_decode = expected_unique = fused_prefill = renyi_pages = row_masses = None
+    scorer_pages = None
 
 __all__ = [
     "KERNEL_MODES",
@@ -71,6 +76,7 @@ __all__ = [
     "biased_decode_attention",
     "attention_with_column_sums",
     "row_chunk_masses",
+    "scorer_page_scores",
 ]
 
 KERNEL_MODES = ("auto", "reference", "triton")
@@ -259,3 +265,12 @@ def row_chunk_masses(
     if softcap is None and use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
         return row_masses.row_chunk_masses_triton(queries, keys, rows, ids, num_chunks, row_weights, scaling)
     return row_chunk_masses_reference(queries, keys, rows, ids, num_chunks, row_weights, scaling, softcap)
+
+
+def scorer_page_scores(tokens: torch.Tensor, page_size: int, method: str, shared: bool = False) -> torch.Tensor:
+    """Dispatch for the page scores of a scorer's per-token scores (:class:`presses.scorer_pages.ScorerPagePress`,
+    docs/methods.md §1.17): ``(B, G, T)`` -> ``(B, G, P)`` float32, ``(B, 1, P)`` with ``shared`` (the heads' mean);
+    see :func:`presses.kernels.references.scorer_page_scores_reference` for the methods and errors."""
+    if use_triton(tokens) and tokens.dtype in _TRITON_DTYPES:
+        return scorer_pages.scorer_page_scores_triton(tokens, page_size, method, shared)
+    return scorer_page_scores_reference(tokens, page_size, method, shared)

@@ -7,6 +7,8 @@
   :func:`presses.core.coupon.expected_unique`.
 - :func:`biased_decode_reference`: one-token decode attention with a per-group logit bias
   (paper 003 Alg. 1, eq. 10; docs/methods.md §3 item 5), the math of :mod:`presses.attention_bias`'s sdpa path.
+- :func:`scorer_page_scores_reference`: page scores of a scorer's per-token scores, optionally averaged over the KV
+  heads first (:class:`presses.scorer_pages.ScorerPagePress`, docs/methods.md §1.17).
 
 The observer-attention and column-sum references are :func:`presses.core.observer.observer_attention_reference`
 and :func:`presses.core.columns.column_sums`.
@@ -27,6 +29,8 @@ __all__ = [
     "check_pooling_args",
     "broadcast_candidates",
     "check_decode_args",
+    "scorer_page_scores_reference",
+    "check_scorer_page_args",
 ]
 
 
@@ -146,3 +150,35 @@ def biased_decode_reference(
     logits = torch.matmul(q, key.float().transpose(-1, -2)) * scaling + bias.float().unsqueeze(2)
     out = torch.matmul(torch.softmax(logits, dim=-1), value.float())  # (B, G, r, d)
     return out.reshape(B, HQ, 1, d).to(query.dtype)
+
+
+def check_scorer_page_args(tokens: torch.Tensor, page_size: int, method: str) -> None:
+    """Validate the arguments of the scorer page-score functions (``ValueError`` naming the value)."""
+    if tokens.dim() != 3:
+        raise ValueError(f"token scores have shape {tuple(tokens.shape)}; expected (B, G, T)")
+    if isinstance(page_size, bool) or int(page_size) != page_size or page_size < 1:
+        raise ValueError(f"page_size={page_size} must be an integer >= 1")
+    if method not in PAGE_SCORES:
+        raise ValueError(f"page_score={method!r} is not one of {PAGE_SCORES}")
+
+
+def scorer_page_scores_reference(tokens: torch.Tensor, page_size: int, method: str, shared: bool) -> torch.Tensor:
+    """Page scores of per-token scores (docs/methods.md §1.17).
+
+    Args:
+        tokens: ``(B, G, T)`` token scores (higher = keep), any float dtype.
+        page_size: tokens per page, ``>= 1``.
+        method: one of :data:`presses.core.paging.PAGE_SCORES`.
+        shared: average the scores over the ``G`` heads first (one selection for every head).
+
+    Returns:
+        ``(B, G, P)`` float32 (``(B, 1, P)`` when ``shared``), ``P = ceil(T / page_size)``.
+
+    Raises:
+        ValueError: for a shape that is not 3-d, ``page_size < 1`` or an unknown ``method``.
+    """
+    check_scorer_page_args(tokens, page_size, method)
+    scores = tokens.float()
+    if shared:
+        scores = scores.mean(1, keepdim=True)
+    return page_scores(scores, int(page_size), method)
