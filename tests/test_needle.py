@@ -99,3 +99,34 @@ def test_scorer():
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         NeedleDataset(**kwargs)
+
+
+def test_docs_haystack_keeps_the_needle_and_seeds_and_reads_only_its_split(tokenizer):
+    """``haystack="docs"`` (issue 64 item 4): the same needles, depths and seeds as the prose haystack, in lines of
+    CPython's documentation of one split only; the prose examples are unchanged by the option."""
+    from evaluation.datasets.needle import haystack_units
+    from evaluation.datasets.stdlib import topic_text, topics_in_split
+
+    prose = NeedleDataset(context_length=1024).examples(tokenizer, 5, seed=3, query_aware=False)
+    docs = NeedleDataset(context_length=1024, haystack="docs").examples(tokenizer, 5, seed=3, query_aware=False)
+    dev = NeedleDataset(context_length=1024, haystack="docs", split="dev").examples(tokenizer, 5, 3, False)
+    assert [e.id for e in prose][0] == "needle-1024-d0-0" and docs[0].id == "needle-docs-test-1024-d0-0"
+    for p, d in zip(prose, docs):
+        assert (p.answers, p.question, p.metadata["depth"]) == (d.answers, d.question, d.metadata["depth"])
+        assert 1024 - 80 <= len(tokenizer.encode(d.context, add_special_tokens=False)) <= 1024
+        lines = d.context.split("\n")
+        assert d.metadata["needle"] in lines  # a whole line of its own
+    test_lines = set(haystack_units("docs", "test")[0])
+    dev_lines = set(haystack_units("docs", "dev")[0]) - test_lines
+    for d in docs:
+        hay = [line for line in d.context.split("\n") if line != d.metadata["needle"]]
+        assert set(hay) <= test_lines and not set(hay) & dev_lines
+    assert all(
+        set(d.context.split("\n")) - {d.metadata["needle"]} <= set(haystack_units("docs", "dev")[0]) for d in dev
+    )
+    whole = "\n".join(topic_text(t) for t in topics_in_split("test"))
+    assert docs[1].context.split("\n")[0] in whole
+    with pytest.raises(ValueError, match="haystack='web' is not one of"):
+        NeedleDataset(haystack="web")
+    with pytest.raises(ValueError, match="split='train' must be one of"):
+        NeedleDataset(haystack="docs", split="train")
