@@ -124,7 +124,7 @@ def _jieba():
     except ImportError:
         warnings.warn(
             "jieba is not installed: Chinese LongBench metrics segment text into single CJK characters "
-            "(official LongBench uses jieba words; `pip install jieba` to match it)",
+            "(official LongBench uses jieba words; it is a dependency of this project: `pip install jieba`)",
             stacklevel=3,
         )
         return None

@@ -72,6 +72,21 @@ def test_rouge_zh_character_fallback():
     assert M.rouge_zh_score("北京是中国的首都", "中国的首都是北京", use_jieba=False) == pytest.approx(5 / 8)
 
 
+def test_zh_metrics_segment_words_with_jieba_by_default():
+    """jieba is a dependency (pyproject.toml), so the zh metrics segment words as LongBench's scorer does, not the
+    single characters of the fallback."""
+    import jieba
+
+    assert M.zh_tokens("北京是中国的首都") == list(jieba.cut("北京是中国的首都", cut_all=False))
+    assert M.zh_tokens("北京是中国的首都") == ["北京", "是", "中国", "的", "首都"]
+    # words [北京 是 中国 的 首都] vs [中国 的 首都 是 北京]: LCS 中国 的 首都 = 3 of 5 each side -> F = 3/5 (5/8 in
+    # characters, test_rouge_zh_character_fallback)
+    assert M.rouge_zh_score("北京是中国的首都", "中国的首都是北京") == pytest.approx(3 / 5)
+    # 北京大学 is one word, so it shares nothing with 北京 (2/3 in characters)
+    assert M.qa_f1_zh_score("北京大学", "北京") == 0.0
+    assert M.qa_f1_zh_score("北京大学", "北京", use_jieba=False) == pytest.approx(2 / 3)
+
+
 CLASSES = ["Description of something", "Definition of something", "City", "Country", "Other location"]
 
 
