@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,30 @@ KNOWN_MODELS = sorted([*EMBEDDED, *HUB_IDS])
 def cache_dir() -> Path:
     """Where converted models live: ``$KVPRESS_RESEARCH_CACHE`` or ``~/.cache/kvpress-research``."""
     return Path(os.environ.get("KVPRESS_RESEARCH_CACHE", Path.home() / ".cache" / "kvpress-research"))
+
+
+@contextmanager
+def quiet_weight_loading():
+    """transformers' weight-loading progress bar off while a model loads, as it was afterwards.
+
+    That bar refreshes once per tensor (272 times for SmolLM2), and in a log file every refresh stays: it was ~90 % of
+    ``make eval``'s log. ``transformers.utils.logging.disable_progress_bar`` switches the hub's bars off too; those
+    (downloads, with their ETA) are switched back to what they were at once, so only the loading bar goes.
+    """
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    bars, hub_bars = hf_logging.is_progress_bar_enabled(), not hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    if hub_bars:
+        hub_utils.enable_progress_bars()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        if not hub_bars:
+            hub_utils.disable_progress_bars()
 
 
 def _resolve_dtype(dtype):
@@ -80,9 +105,10 @@ def embedded_model_dir(name: str = "smollm2-135m") -> Path:
         )
     pkg_dir = Path(list(found.submodule_search_locations)[0])
     logger.warning("Converting %s from %s (one time, ~20 s) into %s", spec["gguf_file"], pkg_dir, target)
-    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=spec["gguf_file"])
-    tokenizer.eos_token = spec["eos_token"]
-    model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=spec["gguf_file"], dtype=torch.float32)
+    with quiet_weight_loading():
+        tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=spec["gguf_file"])
+        tokenizer.eos_token = spec["eos_token"]
+        model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=spec["gguf_file"], dtype=torch.float32)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -188,10 +214,13 @@ def load_model(
     source = resolve_model(name_or_path, path)
     torch_dtype = _resolve_dtype(dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype if torch_dtype is not None else "auto", attn_implementation=attn_implementation
-        )
+        with quiet_weight_loading():  # the hub's download bars stay
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModelForCausalLM.from_pretrained(
+                source,
+                dtype=torch_dtype if torch_dtype is not None else "auto",
+                attn_implementation=attn_implementation,
+            )
     except OSError as err:
         if Path(source).is_dir():
             raise
