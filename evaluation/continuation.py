@@ -210,7 +210,8 @@ def shared_rows(
     against the shared prefill's uncompressed cache, then each ``masked`` run
     (``(run, cache, seconds, masks, state)``, :func:`evaluation.kvzip_path.selected_runs`) with its masked keys and
     decode-time state.
-    ``seconds``: the shared prefill, the press's replay and its forward; ``prefill_seconds`` the shared part.
+    ``seconds``: the shared prefill, the press's replay and its forward; ``prefill_seconds`` the shared part,
+    ``replay_seconds`` the press's.
 
     Returns:
         ``[(run, row), ...]`` in ``replayed`` order.
@@ -228,7 +229,7 @@ def shared_rows(
         hidden = teacher_forced_hidden(model, cache, ids, T)
         seconds = prefill_seconds + replay_s + time.perf_counter() - start
         stats = loss_stats(model, hidden, reference, ids)
-        return run, _row(run, ex, dataset, model, cache, T, n, stats, seconds, **extra)
+        return run, _row(run, ex, dataset, model, cache, T, n, stats, seconds, replay_seconds=replay_s, **extra)
 
     rows = []
     for run, cache, replay_s, state in replayed:

@@ -276,6 +276,7 @@ def _decode_group(
                     seconds,
                     run.press,
                     prefill_seconds=prefill_seconds,
+                    replay_seconds=replay_s,  # the press's own prefill work (evaluation.frontier.run_costs)
                     shared_prefill=True,
                     decode_batch=len(group),
                 ),
