@@ -1,4 +1,5 @@
-"""What every plot of the harness shares: one colour per press, and one legend below the panels.
+"""What every plot of the harness shares: one colour per press, and one legend below the panels; for the report, at
+most ten presses in colour per panel (tab10, with markers and line styles past ten) and titles that fit their figure.
 
 Used by the report (:mod:`evaluation.report`) and the speed benchmark's plots
 (:mod:`evaluation.studies.bench_speed_memory.report`), so a grid of 20-odd presses reads the same in both.
@@ -69,3 +70,47 @@ def name_points(ax, points: list[tuple[float, float]], names: list[str], fontsiz
             fontsize=fontsize,
             arrowprops={"arrowstyle": "-", "linewidth": 0.5, "color": "0.5"} if moved else None,
         )
+
+
+#: At most this many presses are drawn in colour in one panel: more are split into panels of their own (a plot of one
+#: panel) or drawn grey behind the leading ones (plots that already have a panel per task or length).
+MAX_LINES = 10
+
+_MARKERS = ("o", "s", "^", "D")
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def press_styles(presses: list[str], baseline: str | None = None) -> dict[str, dict]:
+    """One line style (``color``, ``marker``, ``linestyle``: keyword arguments of ``Axes.plot``) per press but
+    ``baseline``, fixed by its place ``i`` in ``presses``: tab10's colour ``i % 10``, and the marker and line style of
+    ``i // 10``; so any ten presses in a row have ten colours (a panel of :func:`press_groups`), and no two of 40
+    presses share both colour and marker (past 40 they repeat)."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10"].colors
+    others = [p for p in presses if p != baseline]
+    return {
+        p: {
+            "color": palette[i % 10],
+            "marker": _MARKERS[(i // 10) % len(_MARKERS)],
+            "linestyle": _LINESTYLES[(i // 10) % len(_LINESTYLES)],
+        }
+        for i, p in enumerate(others)
+    }
+
+
+def press_groups(presses: list[str], baseline: str | None = None, size: int = MAX_LINES) -> list[list[str]]:
+    """The presses but ``baseline``, in their order, cut into as few runs of consecutive presses as hold at most
+    ``size`` each, as even as possible (22 presses: 8, 7, 7); one group when they fit in one."""
+    others = [p for p in presses if p != baseline]
+    n = max(1, -(-len(others) // size))
+    cuts = [round(k * len(others) / n) for k in range(n + 1)]
+    return [others[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def fit_title(text: str, width: float, fontsize: float = 12) -> str:
+    """``text`` wrapped at spaces into lines that fit ``width`` inches at ``fontsize`` points (a character of
+    matplotlib's default font takes ~0.62 of the size on average), so a title wider than its figure is not cut."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, max(10, int(width * 72 / (0.62 * fontsize))), break_on_hyphens=False))

@@ -3,6 +3,7 @@
 Usage::
 
     python -m evaluation.report RESULTS_DIR [--out results/] [--confidence 0.95] [--no-plots]
+        [--costs SPEED_CSV | --own-costs]
 
 Reads every run below ``RESULTS_DIR`` laid out by ``evaluation.run``
 (``<dataset>/<model>/<press>/cr<ratio>/predictions.jsonl``, shards in ``cr<ratio>/shard_<i>_of_<n>/``, whose
@@ -21,10 +22,12 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
   presses run at that ratio (the uncompressed ``no_press`` baseline is left out), on the examples every one of
   them scored;
 * ``plots/<dataset>__<model>__{score,win,tasks}.png``: score vs ratio, win score vs ratio, per-task panels, and
-  ``__loss.png`` (NLL increase and KL vs ratio) for continuation rows;
+  ``__loss.png`` (NLL increase and KL vs ratio) for continuation rows; bars (one per press) when the presses were
+  run at one ratio; at most ten presses in colour per panel (:data:`evaluation.plotting.MAX_LINES`);
 * with ``--costs <speed sweep csv>``: ``tables/<dataset>__<model>__cost.csv`` and ``plots/...__cost.png``, each
   press's score against its prefill cost per ratio, and which presses lie on the quality-cost frontier
-  (:mod:`evaluation.frontier`);
+  (:mod:`evaluation.frontier`); with ``--own-costs`` the same from the runs' own timings (the shared prefill and
+  each press's replay that ``python -m evaluation.fused`` rows record), as ``make eval`` does;
 * ``tables/<dataset>__<model>__continuation.csv`` for rows scored by the loss of the text after the context
   (:mod:`evaluation.continuation`): per press, ratio, task (``all`` too) and, when the rows carry 2 to 12 target
   lengths, per length (``all`` too), the mean NLL increase over the uncompressed context and the mean KL of the
@@ -51,7 +54,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from evaluation.atomic import save_figure, write_atomic
-from evaluation.frontier import cost_table, read_costs
+from evaluation.frontier import COST_COLUMN, cost_table, read_costs, run_costs
 from evaluation.harness import (
     COMMANDS_NAME,
     CONTINUATION_FIELDS,
@@ -61,7 +64,7 @@ from evaluation.harness import (
     run_in_progress,
 )
 from evaluation.metrics import score_interval, t_interval, win_scores
-from evaluation.plotting import legend_below, name_points, press_colors
+from evaluation.plotting import MAX_LINES, fit_title, legend_below, name_points, press_groups, press_styles
 from evaluation.studies.tables import csv_text, markdown_table
 
 logger = logging.getLogger("evaluation.report")
@@ -554,9 +557,29 @@ class _Writer:
                     path.unlink()
 
 
-def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bool = False) -> None:
-    colors = press_colors(presses, BASELINE)
-    for press in presses:
+def _one_ratio(records: list[dict]) -> float | None:
+    """The compression ratio of ``records`` when the presses but the baseline were all run at one, else None."""
+    ratios = {r["ratio"] for r in records if r["press"] != BASELINE}
+    return next(iter(ratios)) if len(ratios) == 1 else None
+
+
+def _plot_lines(
+    ax, records: list[dict], value: str, presses: list[str], err: bool = False, shown: list[str] | None = None
+) -> None:
+    """``value`` of ``records`` (rows with ``press``, ``ratio``; ``low``/``high`` with ``err``) against the ratio,
+    one line per press, the baseline a dashed line; at one ratio, one bar per press instead (a line at one x hid
+    all but the top press).
+
+    ``presses``: every press of the report, in order (each keeps one style, :func:`evaluation.plotting.press_styles`,
+    in every plot drawn with the same list). ``shown``: the presses drawn in colour, in the styles of their own order
+    (at most :data:`evaluation.plotting.MAX_LINES`); the others are thin grey lines under them with one legend entry.
+    """
+    if _one_ratio(records) is not None:
+        _plot_bars(ax, records, value, presses, err)
+        return
+    styles = press_styles(presses if shown is None else shown, BASELINE)
+    grey = [p for p in presses if p != BASELINE and p not in styles]
+    for press in [*(p for p in presses if p not in grey), *grey]:  # the grey ones last in the legend, under in z
         pts = sorted((r["ratio"], r[value], r.get("low"), r.get("high")) for r in records if r["press"] == press)
         if not pts:
             continue
@@ -564,14 +587,63 @@ def _plot_lines(ax, records: list[dict], value: str, presses: list[str], err: bo
             ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=1, label=BASELINE)
             continue
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        if err:
+        if press in grey:  # an errorbar without bars where the others have them: its legend entry comes after theirs
+            label = f"{len(grey)} other presses" if press == grey[0] else None
+            (ax.errorbar if err else ax.plot)(xs, ys, color="0.75", linewidth=0.8, zorder=1, label=label)
+        elif err:
             # clipped at 0: an interval end can sit a rounding error inside the mean (matplotlib refuses < 0)
             yerr = [[max(0.0, y - p[2]) for y, p in zip(ys, pts)], [max(0.0, p[3] - y) for y, p in zip(ys, pts)]]
-            ax.errorbar(xs, ys, yerr=yerr, marker="o", capsize=3, label=press, color=colors[press])
+            ax.errorbar(xs, ys, yerr=yerr, capsize=3, label=press, markersize=5, **styles[press])
         else:
-            ax.plot(xs, ys, marker="o", label=press, color=colors[press])
+            ax.plot(xs, ys, label=press, markersize=5, **styles[press])
     ax.set_xlabel("compression ratio")
     ax.grid(alpha=0.3)
+
+
+def _plot_bars(ax, records: list[dict], value: str, presses: list[str], err: bool = False) -> None:
+    """:func:`_plot_lines` at one ratio: one bar per press, named below it, with its interval (``err``); the baseline
+    a dashed line across."""
+    styles = press_styles(presses, BASELINE)
+    names, heights, errors = [], [], []
+    for press in presses:
+        found = [r for r in records if r["press"] == press]
+        if not found:
+            continue
+        r = found[0]
+        if press == BASELINE:
+            ax.axhline(r[value], color="black", linestyle="--", linewidth=1, label=BASELINE)
+            continue
+        names.append(press)
+        heights.append(r[value])
+        # clipped at 0: an interval end can sit a rounding error inside the mean (matplotlib refuses < 0)
+        errors.append((max(0.0, r[value] - r["low"]), max(0.0, r["high"] - r[value])) if err else (0.0, 0.0))
+    xs = list(range(len(names)))
+    bars = ax.bar(
+        xs,
+        heights,
+        yerr=list(zip(*errors)) if err and names else None,
+        capsize=3,
+        color=[styles[p]["color"] for p in names],
+    )
+    ax.bar_label(bars, fmt="%.2f", fontsize=6, label_type="center" if err else "edge")  # a zero bar shows its 0
+    ax.set_xticks(xs, names, rotation=45 if len(names) <= 12 else 90, ha="right", fontsize=7)
+    ax.set_xlabel(f"press (compression ratio {_one_ratio(records):g})")
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _leading(records: list[dict], value: str, presses: list[str], lower: bool = False) -> list[str] | None:
+    """The :data:`evaluation.plotting.MAX_LINES` presses (the baseline apart) of best mean ``value`` over their
+    ratios, in the order of ``presses`` (``lower``: the lowest are best); None when every press fits."""
+    others = [p for p in presses if p != BASELINE]
+    if len(others) <= MAX_LINES:
+        return None
+    means = {}
+    for p in others:
+        vals = [r[value] for r in records if r["press"] == p]
+        if vals:
+            means[p] = sum(vals) / len(vals)
+    best = sorted(means, key=lambda p: means[p] if lower else -means[p])[:MAX_LINES]
+    return [p for p in others if p in best]
 
 
 def _loss_lengths(losses: list[dict]) -> list:
@@ -588,13 +660,16 @@ def _length_caption(length, lengths: list) -> str:
 
 def _loss_figure(w: _Writer, stem: str, title: str, losses: list[dict], presses: list[str]) -> str:
     """``plots/<stem>__loss.png``: the NLL increase and the KL against the ratio, per press, with intervals; a row of
-    panels per context length when the losses are broken down by length, the pooled row last; one legend below."""
+    panels per context length when the losses are broken down by length, the pooled row last; one legend below.
+    Past :data:`evaluation.plotting.MAX_LINES` presses, those of the lowest mean KL are drawn in colour, the rest
+    grey."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lengths = _loss_lengths(losses)
+    shown = _leading([r for r in losses if r["context_length"] == "all" and r["task"] == "all"], "kl", presses, True)
     fig, axes = plt.subplots(len(lengths), 2, figsize=(10, 4 * len(lengths)), layout="constrained", squeeze=False)
     for row, length in zip(axes, lengths):
         for ax, key, label in zip(row, ("nll_increase", "kl"), ("NLL increase (nats/token)", "KL (nats/token)")):
@@ -609,10 +684,10 @@ def _loss_figure(w: _Writer, stem: str, title: str, losses: list[dict], presses:
                 for r in losses
                 if r["task"] == "all" and r["context_length"] == length
             ]
-            _plot_lines(ax, recs, key, presses, err=True)
+            _plot_lines(ax, recs, key, presses, err=True, shown=shown)
             ax.set_ylabel(label)
             ax.set_title(f"{label.split(' (')[0]}{_length_caption(length, lengths)}")
-    fig.suptitle(title)
+    fig.suptitle(fit_title(title, fig.get_figwidth()))
     legend_below(fig, axes[0][0])
     return w.figure(f"plots/{stem}__loss.png", fig)
 
@@ -620,28 +695,57 @@ def _loss_figure(w: _Writer, stem: str, title: str, losses: list[dict], presses:
 def _figures(
     w: _Writer, stem: str, title: str, summary: list[dict], wins: list[dict], tasks: list[dict], presses: list[str]
 ) -> dict[str, str]:
+    """The score, win-score and per-task plots (``plots/<stem>__{score,win,tasks}.png``); returns their paths by kind.
+
+    At one ratio each draws bars (:func:`_plot_lines`). Past :data:`evaluation.plotting.MAX_LINES` presses the score
+    and win plots split the presses into panels of at most that many, one above the other, each with its legend
+    (:func:`evaluation.plotting.press_groups`), and the per-task plot draws the presses of the best mean score in
+    colour, the rest grey.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     links = {}
-    fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
-    _plot_lines(ax, summary, "score", presses, err=True)
-    ax.set_ylabel("score (95% interval)")
-    ax.set_title(title)
-    legend_below(fig, ax)
-    links["score"] = w.figure(f"plots/{stem}__score.png", fig)
-    if wins:
-        fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
-        _plot_lines(ax, wins, "win_score", presses)
-        ax.set_ylabel("win score")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(f"{title}: win score")
-        legend_below(fig, ax)
-        links["win"] = w.figure(f"plots/{stem}__win.png", fig)
+    for kind, records, value, label in (
+        ("score", summary, "score", "score (95% interval)"),
+        ("win", wins, "win_score", "win score"),
+    ):
+        if not records:
+            continue
+        groups = [None] if _one_ratio(records) is not None else press_groups(presses, BASELINE)
+        fig, axes = plt.subplots(
+            len(groups),
+            1,
+            figsize=(7, 4 if len(groups) == 1 else 3.2 * len(groups)),
+            squeeze=False,
+            sharex=True,
+            sharey=True,
+            layout="constrained",
+        )
+        for ax, group in zip(axes.flat, groups):
+            split = len(groups) > 1  # each panel its presses (and the baseline), in the styles of their own order
+            cut = [r for r in records if r["press"] in (BASELINE, *group)] if split else records
+            _plot_lines(ax, cut, value, presses, err=kind == "score", shown=group if split else None)
+            ax.set_ylabel(label)
+            if kind == "win":
+                ax.set_ylim(-0.02, 1.02)
+            if split:
+                ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7)
+        for ax in axes.flat[:-1]:  # the panels share their x axis: named once, below the last
+            ax.set_xlabel("")
+        head = title if kind == "score" else f"{title}: win score"
+        if len(groups) > 1:
+            count = sum(len(g) for g in groups)
+            fig.suptitle(fit_title(f"{head} ({count} presses in {len(groups)} panels)", 7))
+        else:
+            axes[0][0].set_title(fit_title(head, 7))
+            legend_below(fig, axes[0][0])
+        links[kind] = w.figure(f"plots/{stem}__{kind}.png", fig)
     names = sorted({r["group"] for r in tasks}, key=str)
     if names:
+        shown = _leading(summary, "score", presses)
         ncols = min(4, len(names))
         nrows = math.ceil(len(names) / ncols)
         fig, axes = plt.subplots(
@@ -653,12 +757,12 @@ def _figures(
             layout="constrained",
         )
         for ax, name in zip(axes.flat, names):
-            _plot_lines(ax, [r for r in tasks if r["group"] == name], "score", presses)
+            _plot_lines(ax, [r for r in tasks if r["group"] == name], "score", presses, shown=shown)
             ax.set_title(str(name), fontsize=9)
         for ax in list(axes.flat)[len(names) :]:
             ax.axis("off")
         legend_below(fig, axes.flat[0])
-        fig.suptitle(f"{title}: per task")
+        fig.suptitle(fit_title(f"{title}: per task", fig.get_figwidth()))
         links["tasks"] = w.figure(f"plots/{stem}__tasks.png", fig)
     return links
 
@@ -677,7 +781,7 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    colors = press_colors(presses, BASELINE)
+    styles = press_styles(presses, BASELINE)
     ratios = sorted({r["ratio"] for r in costed})
     fig, axes = plt.subplots(1, len(ratios), figsize=(4.2 * len(ratios), 4), squeeze=False, layout="constrained")
     for ax, ratio in zip(axes.flat, ratios):
@@ -687,7 +791,15 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
                 ax.axhline(r["score"], color="black", linestyle="--", linewidth=1, label=BASELINE)
             elif r["prefill_cost"] is not None:
                 size = 40 if r["on_frontier"] else 18
-                ax.scatter(r["prefill_cost"], r["score"], color=colors.get(r["press"]), s=size, label=r["press"])
+                style = styles.get(r["press"], {})
+                ax.scatter(
+                    r["prefill_cost"],
+                    r["score"],
+                    color=style.get("color"),
+                    marker=style.get("marker"),
+                    s=size,
+                    label=r["press"],
+                )
         front = sorted((r["prefill_cost"], r["score"], r["press"]) for r in rows if r["on_frontier"])
         if front:
             costs, scores, _ = zip(*front)
@@ -705,33 +817,76 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
         name_points(ax, [f[:2] for f in front], [f[2] for f in front])
     axes.flat[0].set_ylabel("score")
     legend_below(fig, *axes.flat)
-    fig.suptitle(f"{title}: quality against prefill cost")
+    fig.suptitle(fit_title(f"{title}: quality against prefill cost", fig.get_figwidth()))
     return w.figure(f"plots/{stem}__cost.png", fig)
 
 
+def _protocol(dataset: str) -> str:
+    """Which of the two protocols the runs of ``dataset`` follow (``<dataset>-qa``: the question inside the
+    compressed context, ``query_aware=true``; else after compression, kvpress's default)."""
+    return "question inside the context" if dataset.endswith(QA_SUFFIX) else "question after compression"
+
+
+def _counts(values) -> str:
+    """``5`` for one count, ``3-5`` for several; ``?`` for none."""
+    found = sorted({v for v in values if v is not None})
+    return "?" if not found else str(found[0]) if len(found) == 1 else f"{found[0]}-{found[-1]}"
+
+
 def _cost_section(
-    costed: list[dict], table: str, plot: str | None, costs: Path | None, length: float | None
+    costed: list[dict],
+    table: str,
+    plot: str | None,
+    costs: Path | None,
+    length: float | None,
+    protocol: str | None = None,
+    floor: float | None = None,
 ) -> list[str]:
     """The README lines of the quality-cost frontier (:mod:`evaluation.frontier`); ``length``: the runs' mean context
-    length (tokens), stated beside the lengths the costs were measured at."""
+    length (tokens), stated beside the lengths the costs were measured at. ``costs``: the speed sweep's csv the costs
+    come from, None for the runs' own timings (:func:`evaluation.frontier.run_costs`). Each ratio's line names the
+    ``protocol`` (None: none, e.g. continuation rows) and where its costs come from, with their repeats. ``floor``:
+    the uncompressed run's own measured cost (its replay rebuilds the cache as every press's does), when known."""
     measured = sorted({r["cost_length"] for r in costed if r.get("cost_length") is not None})
+    repeats = _counts(r.get("cost_repeats") for r in costed if r["prefill_cost"] is not None and r["press"] != BASELINE)
     at = f"at {' and '.join(str(t) for t in measured)} tokens" + (
-        f" (the runs' mean context length: {length:.0f})" if length is not None else ""
+        f" (the runs' mean context length: {length:.0f})" if length is not None and costs is not None else ""
     )
+    if costs is None:
+        how = (
+            "measured by these runs themselves: the example's uncompressed prefill plus the press's replay on it "
+            "(`replay_seconds`: its scoring and compression; KVzip's whole scoring pass), over that prefill, "
+            f"averaged over {repeats} examples per press {at}, on the machine and threads the runs had (other work "
+            "beside them shows as noise; what a press reuses from an earlier press's replay of the example is "
+            "charged to the earlier one"
+            + (
+                ""
+                if floor is None
+                else f"; the replay of `{BASELINE}`, which rebuilds the cache as every replay does but compresses "
+                f"nothing, costs {floor:.2f} x: the floor of these costs"
+            )
+            + ")"
+        )
+        source = f"costs of these runs, {repeats} examples"
+    else:
+        times = "" if repeats == "?" else f", {repeats} repeat(s) per press"  # a csv without the column
+        how = f"measured in one speed sweep (`{costs}`{times}) {at}"
+        source = f"costs of the speed sweep {Path(costs).name}" + ("" if repeats == "?" else f", {repeats} repeat(s)")
     md = [
         "### Quality against prefill cost",
         "",
-        "Each press's score beside its prefill time over the uncompressed prefill (compression included), measured "
-        f"in one speed sweep (`{costs}`) {at}; on the frontier: no other press at that ratio scores as much at no "
-        f"more cost (`{BASELINE}` holds the whole cache and is a reference, never on it).",
+        f"Each press's score beside its prefill time over the uncompressed prefill (compression included), {how}; "
+        f"on the frontier: no other press at that ratio scores as much at no more cost (`{BASELINE}` holds the whole "
+        "cache and is a reference, never on it).",
         "",
     ]
+    label = f"{protocol}; {source}" if protocol else source
     for ratio in sorted({r["ratio"] for r in costed}):
         rows = [r for r in costed if r["ratio"] == ratio]
         front = [f"`{r['press']}` ({r['score']:.3f}, {r['prefill_cost']:.2f} x)" for r in rows if r["on_frontier"]]
         unmeasured = sorted(r["press"] for r in rows if r["prefill_cost"] is None and r["press"] != BASELINE)
         md.append(
-            f"- cr {ratio:g}: on the frontier, by cost: {', '.join(front)}"
+            f"- cr {ratio:g} ({label}): on the frontier, by cost: {', '.join(front)}"
             + (f"; no cost measured: {', '.join(f'`{p}`' for p in unmeasured)}" if unmeasured else "")
         )
     md += ["", f"Table: [{table}]({table})" + (f" · plot:\n\n![quality against cost]({plot})" if plot else ""), ""]
@@ -750,17 +905,23 @@ def build_report(
     command: str | None = None,
     plots: bool = True,
     costs: Path | None = None,
+    own_costs: bool = False,
 ) -> Path:
     """Write the report of every run below ``results_dir`` into ``out``; returns ``out / "README.md"``.
 
     ``plots=False`` skips the PNGs (tables and README only; stale PNGs are then removed too). ``costs``: a speed
     sweep's csv, for the quality-cost sections (:mod:`evaluation.frontier`); none when None or missing.
+    ``own_costs``: those sections from the runs' own timings instead (:func:`evaluation.frontier.run_costs`: rows
+    of ``python -m evaluation.fused``), each dataset's from its own runs.
 
     Raises:
-        FileNotFoundError: ``results_dir`` does not exist. ValueError: ``confidence`` outside (0, 1).
+        FileNotFoundError: ``results_dir`` does not exist. ValueError: ``confidence`` outside (0, 1), or both
+        ``costs`` and ``own_costs``.
     """
     if not 0 < confidence < 1:
         raise ValueError(f"confidence={confidence} must be in (0, 1)")
+    if costs is not None and own_costs:
+        raise ValueError(f"costs={costs} and own_costs=True: the frontier reads one source of costs, not both")
     plots_on = plots
     cost_rows = read_costs(costs) if costs is not None else []
     runs = scan(Path(results_dir))
@@ -868,6 +1029,10 @@ def build_report(
         plots = _figures(w, stem, f"{dataset} / {model}", summary, wins, tasks, presses) if plots_on else {}
         lengths = [row["context_length"] for r in group for row in r.rows if row.get("context_length")]
         mean_length = sum(lengths) / len(lengths) if lengths else None
+        floor = None
+        if own_costs:
+            cost_rows = run_costs((r.model, r.press, r.ratio, r.rows) for r in group)
+            floor = next((c[COST_COLUMN] for c in cost_rows if c["press"] == BASELINE), None)
         costed = cost_table(summary, cost_rows, model, mean_length, BASELINE)
         if costed:
             links["cost"] = w.text(f"tables/{stem}__cost.csv", _csv(costed))
@@ -960,7 +1125,8 @@ def build_report(
                 "",
             ]
         if costed:
-            md += _cost_section(costed, links["cost"], plots.get("cost"), costs, mean_length)
+            protocol = None if losses else _protocol(dataset)  # continuation rows ask no question
+            md += _cost_section(costed, links["cost"], plots.get("cost"), costs, mean_length, protocol, floor)
         if provisional:
             n = {r["ratio"]: r["n_examples"] for r in provisional}
             md += [
@@ -1065,7 +1231,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results"), help="report directory (default: results/)")
     parser.add_argument("--confidence", type=float, default=0.95, help="interval confidence (default 0.95)")
     parser.add_argument("--no-plots", action="store_true", help="write tables and README only")
-    parser.add_argument("--costs", type=Path, default=None, help="a speed sweep's csv: quality-cost frontier sections")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--costs", type=Path, default=None, help="a speed sweep's csv: quality-cost frontier sections")
+    source.add_argument(
+        "--own-costs",
+        action="store_true",
+        help="quality-cost frontier sections from the runs' own timings (rows of python -m evaluation.fused)",
+    )
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     readme = build_report(
@@ -1075,6 +1247,7 @@ def main(argv: list[str] | None = None) -> int:
         command="python -m evaluation.report " + " ".join(argv),
         plots=not args.no_plots,
         costs=args.costs,
+        own_costs=args.own_costs,
     )
     print(f"wrote {readme}")
     return 0

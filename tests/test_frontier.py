@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
+import pytest
 from test_report import _write_run
 
-from evaluation.frontier import cost_table, frontier_rows, read_costs
-from evaluation.report import build_report
+from evaluation.frontier import COST_COLUMN, cost_table, frontier_rows, read_costs, run_costs
+from evaluation.report import build_report, main
 
 
 def test_frontier_keeps_the_points_no_other_point_dominates():
@@ -84,7 +86,8 @@ def test_the_report_lists_the_frontier_with_its_costs(tmp_path):
     readme = build_report(root, tmp_path / "out", plots=False, costs=costs).read_text()
     assert "### Quality against prefill cost" in readme
     assert "at 128 tokens (the runs' mean context length: 100)" in readme  # _write_run's rows: 100 tokens
-    line = next(line for line in readme.splitlines() if line.startswith("- cr 0.5: on the frontier"))
+    line = next(line for line in readme.splitlines() if line.startswith("- cr 0.5 (") and "on the frontier" in line)
+    assert line.startswith("- cr 0.5 (question after compression; costs of the speed sweep speed.csv): on the")
     assert "`fast` (0.500, 1.00 x)" in line and "`slow_better` (1.000, 5.00 x)" in line and "slow_worse" not in line
     table = list(csv.DictReader(open(tmp_path / "out" / "tables" / "ruler__tiny__cost.csv")))
     assert {r["press"]: r["on_frontier"] for r in table} == {
@@ -94,3 +97,56 @@ def test_the_report_lists_the_frontier_with_its_costs(tmp_path):
         "no_press": "False",
     }
     assert "Quality against prefill cost" not in build_report(root, tmp_path / "o2", plots=False).read_text()
+
+
+def _timed_run(root: Path, dataset: str, press: str, ratio: str, scores: list[float], replay: float) -> None:
+    """A shared-prefill run: rows with ``prefill_seconds`` (2 s and 4 s) and ``replay_seconds`` (``replay`` x each)."""
+    _write_run(root, press, ratio, [(f"e{i}", "A", s) for i, s in enumerate(scores)], dataset=dataset)
+    path = root / dataset / "tiny" / press / f"cr{ratio}" / "predictions.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    for row, prefill in zip(rows, (2.0, 4.0)):
+        row.update(prefill_seconds=prefill, replay_seconds=replay * prefill, seconds=prefill * (1 + replay) + 1)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_run_costs_are_the_replay_over_the_shared_prefill_of_the_same_examples():
+    rows = [
+        {"prefill_seconds": 2.0, "replay_seconds": 1.0, "context_length": 100},
+        {"prefill_seconds": 4.0, "replay_seconds": 5.0, "context_length": 300},
+        {"seconds": 9.0, "context_length": 500},  # evaluation.run's row: no prefill apart from the compression
+    ]
+    (cost,) = run_costs([("tiny", "kvzip", 0.5, rows), ("tiny", "snapkv", 0.5, rows[2:])])
+    assert cost[COST_COLUMN] == pytest.approx((3 + 3) / 3)  # (mean prefill 3 s + mean replay 3 s) / 3 s
+    assert (cost["press"], cost["compression_ratio"], cost["repeats"], cost["T"]) == ("kvzip", 0.5, 2, 200)
+
+
+def test_make_evals_frontier_uses_the_runs_own_costs_and_names_each_protocol(tmp_path):
+    """What `make eval` prints: one frontier line per protocol, each naming it and where its costs come from; a press
+    whose replay costs nothing is at 1.00 x, never cheaper than the uncompressed prefill (0.90 x came from another
+    machine's sweep)."""
+    root = tmp_path / "runs"
+    for dataset in ("needle", "needle-qa"):
+        _timed_run(root, dataset, "no_press", "0", [1, 1], 0.01)  # rebuilding the cache, no press
+        _timed_run(root, dataset, "tova", "0.75", [0, 0], 0.0)
+        _timed_run(root, dataset, "kvzip", "0.75", [1, 1], 3.0)
+        _timed_run(root, dataset, "knorm", "0.75", [0, 0], 0.5)  # dearer than tova, no better: off the frontier
+    readme = build_report(root, tmp_path / "out", plots=False, own_costs=True).read_text()
+    lines = [line for line in readme.splitlines() if line.startswith("- cr ") and "on the frontier" in line]
+    assert lines == [
+        f"- cr 0.75 (question {where}; costs of these runs, 2 examples): on the frontier, by cost: "
+        "`tova` (0.000, 1.00 x), `kvzip` (1.000, 4.00 x)"
+        for where in ("after compression", "inside the context")
+    ]
+    assert "averaged over 2 examples per press at 100 tokens, on the machine" in readme  # _write_run's 100 tokens
+    assert "compresses nothing, costs 1.01 x: the floor of these costs" in readme
+    table = list(csv.DictReader(open(tmp_path / "out" / "tables" / "needle-qa__tiny__cost.csv")))
+    assert {r["press"]: (r["prefill_cost"], r["cost_repeats"]) for r in table} == {
+        "no_press": ("1", ""),
+        "tova": ("1", "2"),
+        "knorm": ("1.5", "2"),
+        "kvzip": ("4", "2"),
+    }
+    with pytest.raises(ValueError, match="one source of costs"):
+        build_report(root, tmp_path / "o2", plots=False, own_costs=True, costs=tmp_path / "speed.csv")
+    with pytest.raises(SystemExit):  # the command line takes one source too
+        main([str(root), "--out", str(tmp_path / "o3"), "--no-plots", "--own-costs", "--costs", "x.csv"])

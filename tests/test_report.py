@@ -537,17 +537,23 @@ class _Figures:
 
 def test_loss_figure_titles_stay_apart_and_one_legend_sits_below_the_panels():
     """The loss plot of a dataset with three lengths and twenty presses (the committed grid's shape): its panel
-    titles do not run into each other, and the legend names every press once, below every panel."""
+    titles do not run into each other, the ten presses of the lowest KL are in colour and the rest grey, and the
+    legend names each coloured press once and the grey ones in one entry, below every panel."""
     from evaluation import report
 
     presses = ["no_press"] + [f"page_entrokv_reconstruction_{i:02d}" for i in range(19)]  # long names
+    kl = {p: 0.1 + 0.01 * ((7 * i) % 19) for i, p in enumerate(presses)}  # the lowest ten: not the first ten
     losses = [
         {
             "press": press,
             "ratio": ratio,
             "task": "all",
             "context_length": length,
-            **{key: v for k in ("nll_increase", "kl") for key, v in ((k, 0.1), (f"{k}_low", 0.05), (f"{k}_high", 0.2))},
+            **{
+                key: v
+                for k in ("nll_increase", "kl")
+                for key, v in ((k, kl[press]), (f"{k}_low", 0.05), (f"{k}_high", 0.3))
+            },
         }
         for length in (2048, 4096, 7680, "all")
         for press in presses
@@ -565,16 +571,29 @@ def test_loss_figure_titles_stay_apart_and_one_legend_sits_below_the_panels():
         assert a.x1 < b.x0, (left.get_title(), right.get_title())
     assert [ax.get_legend() for ax in fig.axes] == [None] * 8
     (legend,) = fig.legends
-    assert [t.get_text() for t in legend.get_texts()] == presses
+    lowest = sorted(presses[1:], key=kl.get)[:10]
+    assert [t.get_text() for t in legend.get_texts()] == ["no_press", *(p for p in presses if p in lowest)] + [
+        "9 other presses"
+    ]
+    coloured = [c.lines[0].get_color() for c in fig.axes[0].containers if c.get_label() in lowest]
+    assert len(coloured) == 10 and len(set(map(str, coloured))) == 10  # ten colours, apart
     box = legend.get_window_extent(renderer)
     assert all(box.y1 < ax.get_window_extent(renderer).y0 for ax in fig.axes)
     assert 0 <= box.x0 and box.x1 <= fig.bbox.width, "the legend is cut off at the figure's edges"
 
 
-def test_score_and_win_plots_keep_their_legend_below_and_cost_ticks_stay_apart():
-    """With twenty presses the score and win plots put their legend below the panel (inside, it hid the points at
-    0.75); the cost plot names its frontier's presses on the panel and every press in a legend below, and its log
-    axis labels its ticks with plain numbers that do not run into each other."""
+def _press_lines(ax, names: list[str]) -> dict:
+    """The lines of ``ax`` labelled with one of ``names``, by label: errorbar lines (a plot with intervals) or plain."""
+    found = {c.get_label(): c.lines[0] for c in ax.containers if c.get_label() in names}
+    found.update({ln.get_label(): ln for ln in ax.get_lines() if ln.get_label() in names})
+    return found
+
+
+def test_score_and_win_plots_split_many_presses_into_panels_and_cost_ticks_stay_apart():
+    """With 22 presses the score and win plots split them into three panels of at most ten lines, each press in one
+    panel in a colour no other press of its panel has, each panel's legend beside it and inside the figure (one
+    panel of 29 look-alike colours was unreadable); the cost plot names its frontier's presses on the panel and every
+    press in a legend below, and its log axis labels its ticks with plain numbers that do not run into each other."""
     from evaluation import report
 
     presses = ["no_press"] + [f"page_entrokv_reconstruction_{i:02d}" for i in range(22)]  # RULER's 23, long names
@@ -600,13 +619,21 @@ def test_score_and_win_plots_keep_their_legend_below_and_cost_ticks_stay_apart()
         fig = w.figs[name]
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
-        (ax,) = fig.axes
-        assert ax.get_legend() is None
-        (legend,) = fig.legends
-        assert [t.get_text() for t in legend.get_texts()] == (presses if name == "score.png" else presses[1:])
-        box = legend.get_window_extent(renderer)
-        assert box.y1 < ax.get_window_extent(renderer).y0
-        assert 0 <= box.x0 and box.x1 <= fig.bbox.width, "the legend is cut off at the figure's edges"
+        assert len(fig.axes) == 3 and not fig.legends
+        named = []
+        for ax in fig.axes:
+            lines = _press_lines(ax, presses[1:])
+            assert 1 <= len(lines) <= 10
+            assert len({str(ln.get_color()) for ln in lines.values()}) == len(lines)  # apart within the panel
+            legend = ax.get_legend()
+            assert [t.get_text() for t in legend.get_texts()] == (["no_press"] if name == "score.png" else []) + list(
+                lines
+            )
+            box = legend.get_window_extent(renderer)
+            assert 0 <= box.x0 and box.x1 <= fig.bbox.width and 0 <= box.y0 and box.y1 <= fig.bbox.height
+            assert box.x0 >= ax.get_window_extent(renderer).x1  # beside its panel, not over its lines
+            named += list(lines)
+        assert named == presses[1:]  # every press once, in order
     fig = w.figs["cost.png"]
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
@@ -722,3 +749,45 @@ def test_a_one_task_grid_of_thirty_presses_keeps_its_panel():
     assert ax.get_window_extent(renderer).height >= 1.5 * fig.dpi  # inches of panel left
     box = legend.get_window_extent(renderer)
     assert 0 <= box.x0 and box.x1 <= fig.bbox.width and 0 <= box.y0 and box.y1 < ax.get_window_extent(renderer).y0
+
+
+def test_one_ratio_draws_one_bar_per_press_and_no_title_is_cut():
+    """`make eval` runs five presses at one ratio: as lines they all sat at x = 0.75 and hid one another; as bars each
+    press has its own, named below it. The cost plot's one panel is narrower than its title, which was cut
+    ("edle-qa / smollm2-135m: ..."); now it wraps inside the figure."""
+    from matplotlib.patches import Rectangle
+
+    from evaluation import report
+
+    presses = ["no_press", "chunkkv", "kvzip", "page_entrokv", "snis_min_h_page", "tova"]
+    summary = [{"press": "no_press", "ratio": 0.0, "score": 1.0, "low": 0.6, "high": 1.0}] + [
+        {"press": p, "ratio": 0.75, "score": 0.2 * i, "low": 0.1 * i, "high": 0.3 * i}
+        for i, p in enumerate(presses[1:])
+    ]
+    wins = [{"press": p, "ratio": 0.75, "win_score": 0.2 * i} for i, p in enumerate(presses[1:])]
+    tasks = [{**r, "group": "needle"} for r in summary]
+    costed = [{"press": "no_press", "ratio": 0.75, "score": 1.0, "prefill_cost": 1.0, "on_frontier": False}]
+    costed += [
+        {"press": p, "ratio": 0.75, "score": 0.5, "prefill_cost": 1.0 + i, "on_frontier": i == 4}
+        for i, p in enumerate(presses[1:])
+    ]
+    w, title = _Figures(), "needle-qa / smollm2-135m"
+    report._figures(w, "needle-qa__smollm2-135m", title, summary, wins, tasks, presses)
+    report._cost_figure(w, "needle-qa__smollm2-135m", title, costed, presses)
+    for name in ("score.png", "win.png", "tasks.png"):
+        fig = w.figs[name]
+        fig.canvas.draw()
+        (ax,) = fig.axes
+        bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+        assert [t.get_text() for t in ax.get_xticklabels()] == presses[1:]
+        assert sorted(round(b.get_height(), 6) for b in bars) == [round(0.2 * i, 6) for i in range(5)]
+        assert len({round(b.get_x(), 6) for b in bars}) == 5  # side by side, not at one x
+    for name in ("score.png", "cost.png"):
+        fig = w.figs[name]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        titles = [t for t in (fig._suptitle, *(ax.title for ax in fig.axes)) if t is not None and t.get_text()]
+        assert any("needle-qa" in t.get_text() for t in titles)
+        for t in titles:
+            box = t.get_window_extent(renderer)
+            assert 0 <= box.x0 and box.x1 <= fig.bbox.width, f"{name}: title {t.get_text()!r} is cut"
