@@ -827,10 +827,13 @@ def _protocol(dataset: str) -> str:
     return "question inside the context" if dataset.endswith(QA_SUFFIX) else "question after compression"
 
 
-def _counts(values) -> str:
-    """``5`` for one count, ``3-5`` for several; ``?`` for none."""
+def _counts(values, noun: str) -> str:
+    """``1 example``, ``5 examples`` or ``3-5 examples`` (``noun``: the singular) for the distinct counts of
+    ``values``; empty for none."""
     found = sorted({v for v in values if v is not None})
-    return "?" if not found else str(found[0]) if len(found) == 1 else f"{found[0]}-{found[-1]}"
+    if not found:
+        return ""
+    return f"{found[0]} {noun}" if found == [1] else f"{found[0]}{'' if len(found) == 1 else f'-{found[-1]}'} {noun}s"
 
 
 def _cost_section(
@@ -848,7 +851,8 @@ def _cost_section(
     ``protocol`` (None: none, e.g. continuation rows) and where its costs come from, with their repeats. ``floor``:
     the uncompressed run's own measured cost (its replay rebuilds the cache as every press's does), when known."""
     measured = sorted({r["cost_length"] for r in costed if r.get("cost_length") is not None})
-    repeats = _counts(r.get("cost_repeats") for r in costed if r["prefill_cost"] is not None and r["press"] != BASELINE)
+    counted = [r.get("cost_repeats") for r in costed if r["prefill_cost"] is not None and r["press"] != BASELINE]
+    repeats = _counts(counted, "example" if costs is None else "repeat")
     at = f"at {' and '.join(str(t) for t in measured)} tokens" + (
         f" (the runs' mean context length: {length:.0f})" if length is not None and costs is not None else ""
     )
@@ -856,7 +860,7 @@ def _cost_section(
         how = (
             "measured by these runs themselves: the example's uncompressed prefill plus the press's replay on it "
             "(`replay_seconds`: its scoring and compression; KVzip's whole scoring pass), over that prefill, "
-            f"averaged over {repeats} examples per press {at}, on the machine and threads the runs had (other work "
+            f"averaged over {repeats} per press {at}, on the machine and threads the runs had (other work "
             "beside them shows as noise; what a press reuses from an earlier press's replay of the example is "
             "charged to the earlier one"
             + (
@@ -867,11 +871,10 @@ def _cost_section(
             )
             + ")"
         )
-        source = f"costs of these runs, {repeats} examples"
+        source = f"costs of these runs, {repeats}"
     else:
-        times = "" if repeats == "?" else f", {repeats} repeat(s) per press"  # a csv without the column
-        how = f"measured in one speed sweep (`{costs}`{times}) {at}"
-        source = f"costs of the speed sweep {Path(costs).name}" + ("" if repeats == "?" else f", {repeats} repeat(s)")
+        how = f"measured in one speed sweep (`{costs}`" + (f", {repeats} per press" if repeats else "") + f") {at}"
+        source = f"costs of the speed sweep {Path(costs).name}" + (f", {repeats}" if repeats else "")
     md = [
         "### Quality against prefill cost",
         "",

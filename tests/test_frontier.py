@@ -150,3 +150,12 @@ def test_make_evals_frontier_uses_the_runs_own_costs_and_names_each_protocol(tmp
         build_report(root, tmp_path / "o2", plots=False, own_costs=True, costs=tmp_path / "speed.csv")
     with pytest.raises(SystemExit):  # the command line takes one source too
         main([str(root), "--out", str(tmp_path / "o3"), "--no-plots", "--own-costs", "--costs", "x.csv"])
+
+
+def test_a_frontier_line_counts_its_repeats_in_words():
+    from evaluation.report import _counts
+
+    assert _counts([1, 1, None], "repeat") == "1 repeat"
+    assert _counts([5, 5], "example") == "5 examples"
+    assert _counts([5, 3, 4], "example") == "3-5 examples"
+    assert _counts([None], "repeat") == ""
