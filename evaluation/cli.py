@@ -7,18 +7,36 @@ line, the Hydra job directory the failed job made (``<output_dir>/.hydra/<time>/
 directories it leaves empty, and the process exits with status 1. With ``HYDRA_FULL_ERROR=1`` the error is
 raised with its full traceback instead, as Hydra does; other errors (bugs) keep Hydra's traceback and directory.
 An unknown config name on the command line (``press=nope``), which Hydra reports in some thirty lines before any
-job starts, gets the same one line (:func:`check_group_choices`, called before Hydra).
+job starts, gets the same one line with the closest names (:func:`check_command_line`, called before Hydra).
+
+Every command refuses what it does not read (issue 65 item 3), with one line and a "did you mean":
+
+- the Hydra entry points (``evaluation.run``, ``evaluation.fused``, ``evaluation.uor``,
+  ``evaluation.studies.bench_speed_memory``) check their command line before Hydra starts
+  (:func:`check_command_line`): a key that their config does not hold (``+presss=<press>``, which Hydra's own advice
+  for ``presss=<press>`` leads to and which it then accepts and ignores; ``model.enable_thinkin=true``), and a key
+  the command holds but does not read (``evaluation.fused press=<press>``: it reads ``presses=``);
+- the argparse entry points (``evaluation.report``, ``evaluation.migrate``, ``evaluation.merge_runs``, the studies)
+  parse with :class:`ArgumentParser`: an unknown option gets its closest options, and every usage error is one line.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["INPUT_ERRORS", "one_line_errors", "input_error", "check_group_choices"]
+__all__ = [
+    "INPUT_ERRORS",
+    "ArgumentParser",
+    "check_command_line",
+    "input_error",
+    "one_line_errors",
+    "refuse",
+]
 
 
 def _input_errors() -> tuple[type, ...]:
@@ -85,20 +103,180 @@ def one_line_errors():
         raise SystemExit(1) from None
 
 
-def check_group_choices(argv: list[str], groups: tuple[str, ...] = ("press", "dataset", "model")) -> None:
-    """Exit with one ``error:`` line when a command-line override names a config that ``configs/<group>/`` lacks.
+def refuse(message: str) -> None:
+    """Print ``error: <message>`` (one line) on stderr and exit with status 1."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
-    Plain choices and comma-separated sweeps (``press=a,b``) are checked; anything else (Hydra's sweep
-    functions, interpolations, ``+group=...``) is left to Hydra.
+
+def _hydra_overrides(argv: list[str], command: str) -> tuple[list[str], str | None] | None:
+    """The overrides and the ``--config-name`` of a Hydra command line (Hydra's own argument parser), or None when
+    it asks for help or cannot be parsed (Hydra then answers itself); an option Hydra does not know is refused
+    (:func:`refuse`), with the closest ones."""
+    from hydra._internal.utils import get_args_parser
+
+    from evaluation.harness import did_you_mean
+
+    parser = get_args_parser()
+    try:
+        with contextlib.redirect_stderr(None):
+            args, unknown = parser.parse_known_args(argv)
+    except SystemExit:
+        return None
+    if args.help or args.hydra_help or args.shell_completion:
+        return None
+    options = [s for a in parser._actions for s in a.option_strings]
+    for arg in unknown:
+        if arg.startswith("-"):
+            close = did_you_mean(arg.split("=")[0], options)
+            hint = f"did you mean {' or '.join(close)}?" if close else "Hydra's options: --help"
+            refuse(f"{command}: unrecognized option {arg} ({hint}); settings are key=value overrides")
+    return [*args.overrides, *unknown], args.config_name
+
+
+def _global_groups(config_dir: Path) -> set[str]:
+    """Config groups whose every config is ``# @package _global_`` (``experiment``): ``+group=name`` merges it into
+    the whole config (Hydra's sweeper settings), no key of its own."""
+    found = set()
+    for group in (p for p in config_dir.iterdir() if p.is_dir() and p.name != "hydra"):
+        files = sorted(group.glob("*.yaml"))
+        if files and all("@package _global_" in f.read_text(encoding="utf-8").split("\n", 1)[0] for f in files):
+            found.add(group.name)
+    return found
+
+
+def _unknown_key(key: str, known, command: str) -> str:
+    from evaluation.harness import did_you_mean
+
+    close = did_you_mean(key.rpartition(".")[2], known)
+    prefix = key.rpartition(".")[0]
+    close = [f"{prefix}.{c}" if prefix else c for c in close]
+    hint = f"did you mean {' or '.join(close)}?" if close else f"it reads: {', '.join(sorted(map(str, known)))}"
+    return f"{command} has no key {key!r} (a '+' would add it, and nothing would read it): {hint}"
+
+
+def check_command_line(
+    argv: list[str], config_name: str, command: str, not_read=None, config_dir: Path | None = None
+) -> None:
+    """Exit with one ``error:`` line (:func:`refuse`) for a Hydra command-line override the command does not read,
+    before Hydra starts (so before any model loads):
+
+    - a config name that its group lacks, alone or in a sweep (``press=<typo>``, ``-m press=<press>,<typo>``:
+      :func:`evaluation.harness.unknown_config`, the closest names);
+    - a key its config does not hold, added with ``+``/``++`` or not (``+presss=<press>``), at the top level or in a
+      section of settings (``model.enable_thinkin=true``); a section that builds an object (``press``, ``dataset``:
+      a ``_target_``) is left to its constructor, which refuses an unknown argument itself, and an empty mapping
+      (``press_overrides: {}``) takes any key; ``hydra`` keys, ``hydra/...`` groups and ``+experiment=...`` (a
+      group of ``@package _global_`` configs) are Hydra's;
+    - a key the config holds but the command ignores: ``not_read(override)`` returns why (e.g.
+      :func:`evaluation.fused.not_read_problem`), or None.
+
+    Args:
+        argv: the command line after the program (``sys.argv[1:]``).
+        config_name: the primary config (``configs/<config_name>.yaml``), unless the command line names another.
+        command: the command as the message names it (``evaluation.run``).
+        not_read: see above (default: every key of the config is read).
+        config_dir: the config directory (default :data:`evaluation.harness.CONFIG_DIR`).
     """
-    from evaluation.harness import config_choices
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, OverrideType
+    from omegaconf import DictConfig
 
-    for arg in argv:
-        group, sep, value = arg.partition("=")
-        if not sep or group not in groups or any(c in value for c in "()[]{}$*"):
+    from evaluation import harness
+
+    config_dir = Path(config_dir or harness.CONFIG_DIR)
+    parsed = _hydra_overrides(argv, command)
+    if parsed is None:
+        return
+    texts, named = parsed
+    try:
+        overrides = OverridesParser.create().parse_overrides(texts)
+    except Exception:  # a syntax error: Hydra's own message says where
+        return
+    groups = {p.name for p in config_dir.iterdir() if p.is_dir() and p.name != "hydra"}
+    global_groups = _global_groups(config_dir)
+    for o in overrides:
+        if o.key_or_group in groups and o.package is None and o.type != OverrideType.DEL:
+            value = o.value()
+            names = [value] if isinstance(value, str) else list(value.list) if isinstance(value, ChoiceSweep) else []
+            valid = harness.config_choices(o.key_or_group)
+            for name in names:
+                if str(name) not in valid:
+                    refuse(harness.unknown_config(o.key_or_group, str(name)))
+        problem = not_read(o.input_line) if not_read else None
+        if problem:
+            refuse(problem)
+    choices = [  # the plain group choices, so that each section is the one the command will compose
+        o.input_line
+        for o in overrides
+        if o.key_or_group in groups
+        and o.package is None
+        and o.type == OverrideType.CHANGE
+        and not o.is_sweep_override()
+    ]
+    try:
+        cfg = harness.compose_config(choices, named or config_name)
+    except Exception:  # a config that does not compose: Hydra's own message says why
+        return
+    for o in overrides:
+        key = o.key_or_group
+        top = key.split("/")[0].split(".")[0]
+        if o.package is not None or o.type == OverrideType.DEL or top == "hydra" or "/" in key:
             continue
-        valid = config_choices(group)
-        for name in (v.strip() for v in value.split(",")):
-            if name not in valid:
-                print(f"error: unknown {group} '{name}'; valid: {', '.join(valid)}", file=sys.stderr, flush=True)
-                raise SystemExit(1)
+        if top not in cfg.keys():
+            if top in global_groups and "." not in key and o.type != OverrideType.CHANGE:
+                continue
+            refuse(_unknown_key(top, [k for k in cfg.keys() if k != "hydra"], command))
+        node, path = cfg, []
+        for part in key.split("."):
+            if not isinstance(node, DictConfig) or "_target_" in node or (len(node) == 0 and path):
+                break  # a constructor's arguments, a list or value, or a free mapping
+            if part not in node.keys():  # keys() also holds a '???' value, which ``in`` does not see
+                refuse(_unknown_key(".".join([*path, part]), list(node.keys()), command))
+            node, path = node._get_node(part), [*path, part]  # the node itself: a '???' value is not read
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors are one line, ``error: <prog>: <message>`` on stderr and exit
+    status 1 (:func:`refuse`), and whose unknown options get the closest known ones (``--outt``: did you mean
+    ``--out``?), before any other usage error (a missing positional argument). Construct and use it as argparse's."""
+
+    def _named(self, extras: list[str]) -> list[str]:
+        """``extras``, each unknown option with its closest known ones."""
+        from evaluation.harness import did_you_mean
+
+        options = [s for a in self._actions for s in a.option_strings]
+        named = []
+        for extra in extras:
+            close = did_you_mean(extra.split("=")[0], options) if extra.startswith("-") else []
+            named.append(f"{extra} (did you mean {' or '.join(close)}?)" if close else extra)
+        return named
+
+    def _unknown_options(self, args: list[str]) -> list[str]:
+        """The ``--options`` of ``args`` (before a ``--``) that name no option, not even by a unique prefix."""
+        options = [s for a in self._actions for s in a.option_strings]
+        unknown = []
+        for arg in args:
+            if arg == "--":
+                break
+            name = arg.split("=")[0]
+            if not arg.startswith("--") or name in options:
+                continue
+            if not (self.allow_abbrev and len([o for o in options if o.startswith(name)]) == 1):
+                unknown.append(arg)
+        return unknown
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's; an argument it does not know is refused, an option with the closest known ones."""
+        args = sys.argv[1:] if args is None else list(args)
+        unknown = self._unknown_options(args)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(self._named(unknown))}")
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(self._named(extras))}")
+        return parsed
+
+    def error(self, message: str):
+        """One line and exit status 1, where argparse prints its usage and exits with 2 (``--help`` shows it)."""
+        refuse(f"{self.prog}: {message} (--help shows the usage)")

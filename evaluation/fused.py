@@ -27,9 +27,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from evaluation import harness, inputs
-from evaluation.cli import check_group_choices, one_line_errors
+from evaluation.cli import check_command_line, one_line_errors
 
-__all__ = ["run_fused", "compose_runs", "main"]
+__all__ = ["NOT_READ", "run_fused", "compose_runs", "not_read_problem", "main"]
 
 
 def run_fused(
@@ -60,22 +60,50 @@ def run_fused(
     )
 
 
+#: Keys of ``configs/config.yaml`` that this command does not read, with the key it reads instead: the command
+#: line refuses them (:func:`evaluation.cli.check_command_line`), as :func:`compose_runs` does.
+NOT_READ = {"press": "presses", "compression_ratio": "ratios"}
+
+
+def not_read_problem(override: str) -> str | None:
+    """Why the command-line ``override`` (``key=value``) would be ignored by this command (a key of
+    :data:`NOT_READ`), with the override it means; None for any other."""
+    key, sep, value = override.partition("=")
+    key = key.lstrip("+~")
+    if not sep or key not in NOT_READ:
+        return None
+    value = value.strip()
+    listed = value if value.startswith("[") else f"[{value}]"
+    return (
+        f"evaluation.fused reads {NOT_READ[key]}=, not {key}= (it would run the default {NOT_READ[key]} of "
+        f"configs/fused.yaml): did you mean {NOT_READ[key]}={listed}?"
+    )
+
+
 def compose_runs(cfg: DictConfig, overrides: list[str]) -> list[tuple[DictConfig, dict[str, str]]]:
     """Compose one harness config per (press, ratio) of ``cfg.presses`` x ``cfg.ratios`` (the uncompressed
     baseline ``no_press`` once), with the user's other ``overrides``, as ``python -m evaluation.run`` would.
 
+    Each ratio is written in its one spelling (:func:`evaluation.harness.check_ratio`: ``[0.5,0.50]`` is one ratio)
+    and a press or ratio given twice is one run.
+
     Raises:
-        ValueError: for an unknown press name or a ratio outside ``[0, 1)``.
+        ValueError: for an unknown press name, a ratio outside ``[0, 1)``, or an override of a key this command does
+            not read (``press=``, ``compression_ratio=``: :data:`NOT_READ`).
     """
+    for override in overrides:
+        problem = not_read_problem(override)
+        if problem:
+            raise ValueError(problem)
     choices = harness.config_choices("press")
     base = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("presses", "ratios")]
+    ratios = list(dict.fromkeys(harness.check_ratio(r) for r in cfg.ratios))  # one spelling, each once
     runs = []
-    for press in cfg.presses:
+    for press in dict.fromkeys(cfg.presses):
         if press not in choices:
-            raise ValueError(f"unknown press '{press}'; valid: {', '.join(choices)}")
-        for ratio in [0.0] if press == "no_press" else cfg.ratios:
-            harness.check_ratio(ratio)
-            run_cfg = compose(config_name="config", overrides=[*base, f"press={press}", f"compression_ratio={ratio}"])
+            raise ValueError(harness.unknown_config("press", press))
+        for ratio in [0.0] if press == "no_press" else ratios:
+            run_cfg = compose(config_name="config", overrides=[*base, f"press={press}", f"compression_ratio={ratio!r}"])
             names = {
                 "press": press,
                 "dataset": HydraConfig.get().runtime.choices["dataset"],
@@ -86,9 +114,9 @@ def compose_runs(cfg: DictConfig, overrides: list[str]) -> list[tuple[DictConfig
 
 
 @hydra.main(config_path=str(harness.CONFIG_DIR), config_name="fused", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point of the shared-prefill sweep (``configs/fused.yaml``). Bad input: one ``error:`` line and
-    exit status 1 (:mod:`evaluation.cli`)."""
+def _hydra_main(cfg: DictConfig) -> None:
+    """Hydra's task: the shared-prefill sweep (``configs/fused.yaml``). Bad input: one ``error:`` line and exit
+    status 1 (:mod:`evaluation.cli`)."""
     with one_line_errors():
         overrides = list(HydraConfig.get().overrides.task)
         run_fused(
@@ -99,6 +127,13 @@ def main(cfg: DictConfig) -> None:
         )
 
 
+def main() -> None:
+    """The command line (``sys.argv``): refused in one line, before Hydra starts, when it names a config or a key
+    this command does not have or does not read (``press=``, ``compression_ratio=``: :data:`NOT_READ`;
+    :func:`evaluation.cli.check_command_line`); else Hydra runs the sweep."""
+    check_command_line(sys.argv[1:], "fused", "evaluation.fused", not_read_problem)
+    _hydra_main()
+
+
 if __name__ == "__main__":
-    check_group_choices(sys.argv[1:])
     main()

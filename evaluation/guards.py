@@ -2,19 +2,21 @@
 ``ValueError`` naming the value and the limit, before anything is written (the README's Limits lists them all,
 each with its test).
 
-- the run's settings (:func:`check_settings`): ``n_samples >= 1``, ``max_new_tokens >= 1``, a CUDA device
-  that exists;
+- the run's settings (:func:`check_setting_values`, :func:`check_settings`): ``n_samples >= 1``,
+  ``max_new_tokens >= 1``, an integer ``seed``, switches that are true or false, a CUDA device that exists;
 - the dataset (:func:`check_dataset`): ``n_samples`` within what it can give (``Dataset.sample_limit``);
   its own parameters (unknown LongBench or RULER task, a RULER length below a task's smallest prompt, a needle
   context too short for the needle, ...) are checked by the dataset itself when it is built;
 - the run's examples (:func:`check_examples`): at least one (a shard past the last example, or filters that
   drop every example, give none);
 - the model (:func:`check_model`): the decoder layout every press hooks into (:func:`check_model_layout`) and a
-  stop token (:func:`evaluation.pipeline.stop_token_ids`);
+  stop token (:func:`evaluation.pipeline.stop_token_ids`); ``model.enable_thinking=true`` only for a chat template
+  with a thinking switch (:func:`check_thinking`);
 - each example on the model (:func:`check_model_input`): prompt plus answer within the model's positions, and
   token ids within its vocabulary;
-- each press on the model (:func:`check_press_downloads`): the weights, statistics or data a kvpress press
-  downloads when its prefill starts are cached or reachable (:func:`evaluation.registry.press_download_problem`);
+- each press on the model (:func:`check_press_downloads`): the project's trained scorers attached
+  (:mod:`evaluation.scorers`), and the weights, statistics or data a kvpress press downloads when its prefill starts
+  cached or reachable (:func:`evaluation.registry.press_download_problem`);
 - each example under a press (:func:`check_press_input`): the press's limits, from the registry
   (:func:`evaluation.registry.press_input_problem`; kvpress's baselines check their inputs with ``assert``,
   skipped under ``python -O``, or not at all). This project's presses validate their own input.
@@ -25,12 +27,14 @@ each with its test).
 from __future__ import annotations
 
 __all__ = [
+    "check_setting_values",
     "check_settings",
     "check_dataset",
     "check_examples",
     "check_model",
     "check_model_layout",
     "check_model_input",
+    "check_thinking",
     "check_press_input",
     "check_press_downloads",
     "max_positions",
@@ -48,16 +52,39 @@ def _text_config(model):
     return getattr(model.config, "text_config", None) or model.config
 
 
+def check_setting_values(cfg) -> None:
+    """Raise for a run setting whose value is of no use, read in its one spelling
+    (:func:`evaluation.settings.normal_value`; call on a normalised config): ``n_samples`` and
+    ``max_new_tokens`` integers >= 1 or null, ``seed`` an integer, the switches (``query_aware``, ``overwrite``,
+    ``grow``, ``model.enable_thinking``) true or false. Reads no file and imports nothing heavy.
+
+    Raises:
+        ValueError: naming the key, the value and what it must be.
+    """
+    from omegaconf import OmegaConf
+
+    from evaluation.settings import SETTING_KINDS, normal_value
+
+    for key in ("n_samples", "max_new_tokens"):
+        value = normal_value(key, cfg.get(key))
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{key}={value!r} must be an integer >= 1 (or null for the dataset's default)")
+    seed = normal_value("seed", cfg.get("seed", 0))
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed={seed!r} must be an integer")
+    for key, kind in SETTING_KINDS.items():
+        value = OmegaConf.select(OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg, key, default=None)
+        if kind == "switch" and value is not None and not isinstance(normal_value(key, value), bool):
+            raise ValueError(f"{key}={value!r} must be true or false")
+
+
 def check_settings(cfg) -> None:
     """Raise for run settings no dataset or model can take (called before anything is loaded).
 
     Raises:
-        ValueError: ``n_samples`` or ``max_new_tokens`` below 1, or a ``cuda`` device that torch does not see.
+        ValueError: a value :func:`check_setting_values` refuses, or a ``cuda`` device that torch does not see.
     """
-    for key in ("n_samples", "max_new_tokens"):
-        value = cfg.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{key}={value!r} must be an integer >= 1 (or null for the dataset's default)")
+    check_setting_values(cfg)
     device = str(cfg.get("device", "cpu"))
     if device.startswith("cuda"):
         import torch
@@ -161,6 +188,23 @@ def check_model(model, tokenizer) -> None:
     stop_token_ids(model, tokenizer)
 
 
+def check_thinking(tokenizer, enable_thinking: bool, model_name: str = "the model") -> None:
+    """Raise for ``model.enable_thinking=true`` on a tokenizer whose chat template has no thinking switch
+    (:func:`evaluation.pipeline.has_thinking_switch`): the prompt would be the one of ``false``, under another
+    run setting. ``false`` (the default) is every template's prompt of today.
+
+    Raises:
+        ValueError: naming the model and the setting.
+    """
+    from evaluation.pipeline import has_thinking_switch  # kvpress only once a model is loaded
+
+    if enable_thinking and not has_thinking_switch(tokenizer):
+        raise ValueError(
+            f"model.enable_thinking=true, but the chat template of {model_name} has no thinking switch (it never "
+            "reads enable_thinking), so the prompt would not change: leave model.enable_thinking=false"
+        )
+
+
 def max_positions(model) -> int | None:
     """The most positions ``model`` takes: ``max_position_embeddings``, or ``factor x
     original_max_position_embeddings`` when a YaRN / dynamic / LongRoPE scaling extends it further; None when
@@ -237,17 +281,25 @@ def check_press_input(press, model, context_length: int, multi_token_forward: bo
 
 
 def check_press_downloads(press, model) -> None:
-    """Raise when ``press`` (None: nothing to check) needs weights, statistics or data for ``model`` that it cannot
-    download here (kvpress fetches them when the prefill starts; :func:`evaluation.registry.press_download_problem`).
-    Call once per run, after the model is loaded and before any run directory is created.
+    """Attach the project's trained scorers to ``press`` (None: nothing to do) for ``model``
+    (:func:`evaluation.scorers.attach_kvzap`: every KVzapPress it is or holds, so kvpress downloads nothing), then
+    raise when it needs weights, statistics or data for ``model`` that it cannot download here (kvpress fetches them
+    when the prefill starts; :func:`evaluation.registry.press_download_problem`). Call once per run, after the model
+    is loaded and before any run directory is created.
 
     Raises:
-        OSError: naming the press, what it needs (the hub repository or URL) and how to get it.
+        OSError: naming the press, what it needs (the hub repository or URL, or the project's scorer file and the
+            command that makes it) and how to get it.
     """
     if press is None:
         return
     from evaluation.registry import press_download_problem  # kvpress only when a press is checked
+    from evaluation.scorers import attach_kvzap
 
+    try:
+        attach_kvzap(press, model, required=False)
+    except FileNotFoundError as err:  # a scorer made for another model
+        raise OSError(str(err)) from None
     problem = press_download_problem(press, model)
     if problem:
         raise OSError(problem)

@@ -48,6 +48,29 @@ def config_choices(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
+#: A group with at most this many configs is listed whole when a name is not among them; a longer one (the ~90
+#: presses) gets its closest names only (:func:`unknown_config`).
+SHORT_LIST = 20
+
+
+def did_you_mean(name: str, valid, n: int = 3) -> list[str]:
+    """The names of ``valid`` closest to ``name`` (at most ``n``, closest first; ``difflib.get_close_matches``)."""
+    import difflib
+
+    return difflib.get_close_matches(str(name), [str(v) for v in valid], n=n, cutoff=0.6)
+
+
+def unknown_config(group: str, name: str) -> str:
+    """The one-line message for a ``name`` that ``configs/<group>/`` lacks: every valid name when the group is
+    short (:data:`SHORT_LIST`), else the closest ones (:func:`did_you_mean`) and where the whole list is."""
+    valid = config_choices(group)
+    if len(valid) <= SHORT_LIST:
+        return f"unknown {group} '{name}'; valid: {', '.join(valid)}"
+    close = did_you_mean(name, valid)
+    hint = f"did you mean {', '.join(close)}?" if close else "no name is close to it"
+    return f"unknown {group} '{name}'; {hint} (all {len(valid)} are the files of configs/{group}/: ls configs/{group})"
+
+
 def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
     """Compose ``configs/<config_name>.yaml`` with ``overrides`` as Hydra would (defaults lists included), from
     inside a Hydra app or outside one."""
@@ -61,13 +84,16 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
 
 
 def check_ratio(compression_ratio) -> float:
-    """Return ``compression_ratio`` as a float.
+    """Return ``compression_ratio`` as a float, in its one spelling (:func:`evaluation.settings.normal_value`:
+    ``0.50``, ``5e-1`` and ``'0.5'`` are 0.5).
 
     Raises:
         ValueError: if it is not a number in ``[0, 1)``.
     """
+    from evaluation.settings import normal_value
+
     try:
-        ratio = float(compression_ratio)
+        ratio = float(normal_value("compression_ratio", compression_ratio))
     except (TypeError, ValueError):
         raise ValueError(f"compression_ratio={compression_ratio!r} must be a number in [0, 1)") from None
     if not 0 <= ratio < 1:
@@ -81,7 +107,10 @@ def parse_shard(shard) -> tuple[int, int] | None:
     Raises:
         ValueError: unless ``0 <= i < n``.
     """
-    if shard in (None, "", "null"):
+    from evaluation.settings import normal_value
+
+    shard = normal_value("shard", shard)
+    if shard is None:
         return None
     try:
         i, n = (int(x) for x in str(shard).split("/"))
@@ -99,9 +128,13 @@ def run_label(names: dict[str, str]) -> str:
 
 
 def run_dir(cfg: DictConfig, names: dict[str, str]) -> Path:
-    """The directory of one run (see the module docstring)."""
+    """The directory of one run (see the module docstring); its ratio, protocol and shard are read in their one
+    spelling (:func:`evaluation.settings.normal_value`), so every spelling of one run names one directory."""
+    from evaluation.settings import normal_value
+
     ratio = 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio)
-    dataset = names["dataset"] + (QA_SUFFIX if cfg.get("query_aware") else "")  # the two protocols never mix
+    query_aware = normal_value("query_aware", cfg.get("query_aware", False)) is True
+    dataset = names["dataset"] + (QA_SUFFIX if query_aware else "")  # the two protocols never mix
     out = Path(cfg.output_dir) / dataset / names["model"] / run_label(names) / f"cr{ratio:g}"
     shard = parse_shard(cfg.get("shard"))
     return out / f"shard_{shard[0]}_of_{shard[1]}" if shard else out
@@ -225,12 +258,12 @@ def check_names(names: dict[str, str]) -> None:
     """Raise unless the ``press``, ``dataset`` and ``model`` of ``names`` are configs of their groups.
 
     Raises:
-        ValueError: naming the unknown name and the valid ones.
+        ValueError: naming the unknown name and the valid or the closest ones (:func:`unknown_config`).
     """
     for group in ("press", "dataset", "model"):  # "run_name" labels a variant: not a config (run_label)
         name = names[group]
         if name not in config_choices(group):
-            raise ValueError(f"unknown {group} '{name}'; valid: {', '.join(config_choices(group))}")
+            raise ValueError(unknown_config(group, name))
 
 
 #: The lock file of a run directory (:func:`claim_runs`).

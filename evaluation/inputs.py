@@ -5,6 +5,9 @@ the data.
 ``python -m evaluation.fused`` call it before they import the per-example loop, and
 :func:`evaluation.loop.evaluate` calls it when given no prepared inputs. Its checks, in order:
 
+0. every run setting is written in its one spelling, in place (:func:`evaluation.settings.normalise`), before it
+   names a directory, is compared or saved, and values of no use are refused
+   (:func:`evaluation.guards.check_setting_values`);
 1. the runs agree on :data:`SHARED_KEYS`; each run's names, ratio and shard are valid, and a run directory that
    holds rows or metrics of other settings is refused (read-only: :func:`evaluation.harness.check_existing_run`);
    finished runs are set aside, and when none is left nothing else happens;
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from evaluation import guards, harness, models
+from evaluation import guards, harness, models, settings
 
 __all__ = ["SHARED_KEYS", "Prepared", "prepare"]
 
@@ -48,7 +51,8 @@ class Prepared:
 
 
 def prepare(cfgs: list[tuple[DictConfig, dict[str, str]]]) -> Prepared:
-    """Resolve the inputs of the runs ``cfgs`` (``(cfg, names)`` each) in the order of the module docstring.
+    """Resolve the inputs of the runs ``cfgs`` (``(cfg, names)`` each) in the order of the module docstring; each
+    ``cfg`` (a ``DictConfig``) is normalised in place.
 
     Raises:
         ValueError: runs that disagree on a shared setting, a bad name, ratio, shard or setting, a run directory
@@ -56,6 +60,9 @@ def prepare(cfgs: list[tuple[DictConfig, dict[str, str]]]) -> Prepared:
         FileNotFoundError, ImportError, OSError: a model that cannot be found (the message says how to fix it).
         FileNotFoundError, evaluation.datasets.base.DataUnavailableError: data that cannot be found.
     """
+    for cfg, _ in cfgs:
+        settings.normalise(cfg)  # in place: the loop, the run directories and config.yaml read the one spelling
+        guards.check_setting_values(cfg)
     first, first_names = cfgs[0]
     for cfg, names in cfgs[1:]:
         for key in SHARED_KEYS:

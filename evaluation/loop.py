@@ -4,7 +4,8 @@
 it) and, before any run directory is created:
 
 1. resolves the inputs (:func:`evaluation.inputs.prepare`: names, ratios, settings, the model's and the data's
-   sources; finished runs are skipped), instantiates each press and reads its capabilities from the registry;
+   sources; finished runs are skipped), instantiates each press, checks the fields kvpress leaves unchecked
+   (:func:`evaluation.registry.press_field_problem`) and reads its capabilities from the registry;
 2. loads the model (:func:`evaluation.guards.check_model`), builds the examples, and checks every example against
    the model's positions and every press's limits (:mod:`evaluation.guards`);
 
@@ -12,7 +13,8 @@ then holds the run directories (:func:`evaluation.harness.claim_runs`: one proce
 checked and written before any row) and for every example some run still lacks:
 
 3. tokenises it (kvpress's ``preprocess`` through :class:`evaluation.pipeline.TextGenerationPipeline`; the chat
-   template is dropped where the dataset says so);
+   template is dropped where the dataset says so; a template's thinking switch gets ``model.enable_thinking``, on
+   this path and on the pipeline's alike);
 4. produces each pending run's prediction:
 
    - ``shared_prefill=False`` (``evaluation.run``): each run through kvpress's pipeline, as a user would;
@@ -49,7 +51,7 @@ from transformers import DynamicCache
 from evaluation import continuation, guards, harness, inputs, kvzip_path, prompt_delimiter
 from evaluation.memo import ReplayMemo
 from evaluation.pipeline import TextGenerationPipeline
-from evaluation.registry import capabilities, export_decode_state, run_ratio_problem, sharing
+from evaluation.registry import capabilities, export_decode_state, press_field_problem, run_ratio_problem, sharing
 from evaluation.replay import (
     PrefillCapture,
     check_capture_memory,
@@ -95,7 +97,7 @@ def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
                 raise
             raise ValueError(f"press {names['press']} ({cfg.press._target_}): {err.__cause__}") from err
         caps = capabilities(press)
-        problem = run_ratio_problem(press, cfg.compression_ratio)
+        problem = press_field_problem(press) or run_ratio_problem(press, cfg.compression_ratio)  # no model needed
         if problem:
             raise ValueError(f"press {names['press']}: {problem}")
         if shared_prefill and not caps.scores_once:  # scored once per example instead (evaluation.kvzip_path)
@@ -331,11 +333,15 @@ def evaluate(
     attn = "eager" if eager else first.model.get("attn_implementation", "sdpa")
     model, tokenizer = harness.get_model(first.model, first.device, attn, prompt_delimiter.model_variant(runs))
     guards.check_model(model, tokenizer)
+    thinking = first.model.enable_thinking  # every prompt below states it (evaluation.pipeline)
+    guards.check_thinking(tokenizer, thinking, f"model {runs[0].names['model']}")
     if any(run.caps.uneven_layers for run in runs):
         attention.install()  # one attention mask per layer, from its own cache length (presses.attention)
     for run in runs:
         guards.check_press_downloads(run.press, model)
-    pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(first.device))
+    pipe = TextGenerationPipeline(
+        model=model, tokenizer=tokenizer, device=torch.device(first.device), enable_thinking=thinking
+    )
     examples = harness.run_examples(first, dataset, tokenizer)
     examples, delimiter = prompt_delimiter.setup(runs, model, tokenizer, examples, first.seed)  # Finch
     tokens = _check_inputs(examples, runs, pipe, model, tokenizer, first.max_new_tokens, shared_prefill and eager)

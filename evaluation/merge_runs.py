@@ -30,7 +30,6 @@ directory only (one grid whole while the next still runs beside it under ``SOURC
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from evaluation.atomic import write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.harness import (
     COMMANDS_NAME,
     config_changes,
@@ -177,7 +177,7 @@ def merge_runs(source: Path, results: Path, command: str, dataset: str | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evaluation.merge_runs", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m evaluation.merge_runs", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", type=Path, help="runs of more lengths (e.g. results/.staging/4k)")
     parser.add_argument("results", type=Path, help="the finished runs they join (e.g. results)")
     parser.add_argument("--dataset", help="only SOURCE/DATASET/ (a dataset directory, e.g. stdlib_docs-qa)")

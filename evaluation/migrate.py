@@ -27,7 +27,6 @@ that would change what the name means is refused before anything moves.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from evaluation.atomic import write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.settings import saved_run_settings
 
 __all__ = ["migrate", "rename_press"]
@@ -95,7 +95,7 @@ def rename_press(root: Path, old: str, new: str) -> list[Path]:
     from evaluation import harness
 
     if new not in harness.config_choices("press"):
-        raise ValueError(f"unknown press config {new!r}; valid: {', '.join(harness.config_choices('press'))}")
+        raise ValueError(harness.unknown_config("press", new))
     press = harness.compose_config([f"press={new}"]).press
     sources = sorted(d for d in Path(root).glob(f"*/*/{old}") if d.is_dir())
     for src in sources:
@@ -127,7 +127,7 @@ def rename_press(root: Path, old: str, new: str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("root", type=Path, help="a results or output directory")
     parser.add_argument("--rename-press", nargs=2, metavar=("OLD", "NEW"), help="rename a press config's runs")
     args = parser.parse_args(argv)

@@ -13,13 +13,23 @@ another (Llama 3's ``<|eot_id|>`` next to ``<|end_of_text|>``) runs to ``max_new
 in its prediction. The harness stops on :func:`stop_token_ids`, the union of the model config's, the generation
 config's and the tokenizer's ``eos_token_id`` and the chat template's end-of-turn token
 (:func:`end_of_turn_token`), and refuses a model for which that union is empty.
+
+The thinking switch (issue 63 item 4): a chat template may read ``enable_thinking`` (Qwen3's writes an empty
+``<think>\n\n</think>\n\n`` block after the assistant header when it is false, and lets the model think when it is
+true or undefined). kvpress's pipeline passes ``enable_thinking=False`` unless told otherwise; the harness states
+it: :class:`TextGenerationPipeline` takes ``enable_thinking`` (the run's ``model.enable_thinking``, off by default in
+``configs/model/base/chat.yaml``) and passes it to every prompt it builds, through the pipeline call and through
+``preprocess`` alike. A template without the switch (:func:`has_thinking_switch`) renders the same prompt either way;
+the harness refuses ``model.enable_thinking=true`` for it (:func:`evaluation.guards.check_thinking`). The one prompt
+the harness does not build is KVzip's reconstruction prompt: kvpress's ``KVzipPress`` renders its chat-template
+suffix itself, with ``enable_thinking=False`` whatever the run's setting (kvpress 0.5.5).
 """
 
 from __future__ import annotations
 
 from kvpress import KVPressTextGenerationPipeline
 
-__all__ = ["TextGenerationPipeline", "end_of_turn_token", "stop_token_ids"]
+__all__ = ["TextGenerationPipeline", "end_of_turn_token", "has_thinking_switch", "stop_token_ids"]
 
 _ANSWER = "kvpress-research answer marker"  # an assistant message whose end the chat template closes
 
@@ -43,6 +53,27 @@ def end_of_turn_token(tokenizer) -> int | None:
     ids = tokenizer.encode(text[text.rindex(_ANSWER) + len(_ANSWER) :], add_special_tokens=False)
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     return ids[0] if ids and ids[0] in special else None
+
+
+def has_thinking_switch(tokenizer) -> bool:
+    """Whether the tokenizer's chat template reads ``enable_thinking`` (a variable it does not set itself, found with
+    ``jinja2.meta.find_undeclared_variables``; a template jinja cannot parse here is searched for the name). False
+    without a template. A tokenizer with several named templates has the switch when one of them has it."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return False
+    templates = template.values() if isinstance(template, dict) else [template]
+    found = False
+    for text in templates:
+        try:
+            from jinja2 import ext, meta
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(extensions=[ext.loopcontrols])
+            found |= "enable_thinking" in meta.find_undeclared_variables(env.parse(text))
+        except Exception:  # transformers' own tags ({% generation %}) or a newer jinja syntax
+            found |= "enable_thinking" in text
+    return found
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -89,16 +120,24 @@ class _EmptyBos:
 
 
 class TextGenerationPipeline(KVPressTextGenerationPipeline):
-    """kvpress's ``KVPressTextGenerationPipeline`` that also takes tokenizers without a BOS token and stops on every
-    stop token (see the module docstring); construct it as kvpress's (``model=``, ``tokenizer=``, ``device=``).
+    """kvpress's ``KVPressTextGenerationPipeline`` that also takes tokenizers without a BOS token, stops on every
+    stop token and states the thinking switch (see the module docstring); construct it as kvpress's (``model=``,
+    ``tokenizer=``, ``device=``) plus ``enable_thinking``: the value every prompt it builds passes to the chat
+    template (default False, kvpress's own; a call's ``enable_thinking=`` still wins).
 
     Raises:
         ValueError: at construction, for a model without a stop token (:func:`stop_token_ids`).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, enable_thinking: bool = False, **kwargs):
+        self.enable_thinking = bool(enable_thinking)
         super().__init__(*args, **kwargs)
         self.stop_token_ids = stop_token_ids(self.model, self.tokenizer)  # with the chat template the model has
+
+    def _sanitize_parameters(self, *args, enable_thinking: bool | None = None, **kwargs):
+        """kvpress's, with ``enable_thinking`` defaulting to this pipeline's (kvpress's defaults to False)."""
+        thinking = getattr(self, "enable_thinking", False) if enable_thinking is None else enable_thinking
+        return super()._sanitize_parameters(*args, enable_thinking=thinking, **kwargs)
 
     def generate_answer(self, *args, **kwargs) -> str:
         """kvpress's greedy ``generate_answer``, stopping on :attr:`stop_token_ids` (the generation config's
@@ -111,12 +150,14 @@ class TextGenerationPipeline(KVPressTextGenerationPipeline):
         finally:
             config.eos_token_id = saved
 
-    def preprocess(self, context: str, *args, **kwargs):
-        """kvpress's ``preprocess``; without a chat template and without a BOS token nothing is prepended.
+    def preprocess(self, context: str, *args, enable_thinking: bool | None = None, **kwargs):
+        """kvpress's ``preprocess`` with ``enable_thinking`` (default: this pipeline's); without a chat template and
+        without a BOS token nothing is prepended.
 
         Returns:
             ``{"context_ids": (1, T), "questions_ids": [(1, n_q), ...]}`` as kvpress's.
         """
+        kwargs["enable_thinking"] = self.enable_thinking if enable_thinking is None else enable_thinking
         tokenizer = self.tokenizer
         if tokenizer.chat_template is not None or getattr(tokenizer, "bos_token", None) is not None:
             return super().preprocess(context, *args, **kwargs)

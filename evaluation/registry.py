@@ -17,6 +17,7 @@ model layout is checked for it.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 
@@ -72,7 +73,9 @@ __all__ = [
     "research_presses",
     "sharing",
     "inner_press",
+    "KVPRESS_FIELD_MINIMA",
     "press_download_problem",
+    "press_field_problem",
     "press_input_problem",
     "run_ratio_problem",
     "sharing_problem",
@@ -266,6 +269,75 @@ def run_ratio_problem(press, ratio: float) -> str | None:
     return None
 
 
+#: kvpress's press fields (kvpress 0.5.5) that it takes unchecked and that fail or silently go wrong below a bound,
+#: by field name, with the least value: a window or kernel of the last queries (SnapKV, PyramidKV, ThinK, FastKVzip:
+#: 0 fails in SnapKV's pooling and makes ThinK's ``[-0:]`` take every query; below 0 fails), a count of protected
+#: first tokens (StreamingLLM, ExpectedAttention, CapPress, LagKV, KVzip, FastKVzip, KVgrad, Compactor: a negative
+#: count protects the wrong entries and the run goes on), the sizes a press cuts the context or its sketch into (0:
+#: a division by zero), the future positions ExpectedAttention averages RoPE over (0: a mean over none, NaN scores,
+#: and the run goes on). :func:`press_field_problem` reads them.
+KVPRESS_FIELD_MINIMA = {
+    "window_size": 1,
+    "kernel_size": 1,
+    "n_sink": 0,
+    "sink_size_start": 0,
+    "sink_size_end": 0,
+    "lag_size": 1,
+    "chunk_length": 1,
+    "low_entropy_chunk_length": 1,
+    "block_size": 1,
+    "chunk_size": 1,
+    "sketch_dimension": 1,
+    "n_future_positions": 1,
+}
+
+
+def _kvpress_fields(press) -> dict:
+    """The dataclass fields of ``press`` that a kvpress class declares (the first kvpress class of its MRO: this
+    project's subclasses of kvpress presses keep kvpress's fields unchecked too), by name."""
+    for cls in type(press).__mro__:
+        if cls.__module__.split(".")[0] == "kvpress" and dataclasses.is_dataclass(cls):
+            return {f.name: f for f in dataclasses.fields(cls) if f.init}
+    return {}
+
+
+def press_field_problem(press, where: str = "press") -> str | None:
+    """Why a field of ``press`` (or of a press it holds: ``press.press``, ``press.presses[i]``, ...) has a value
+    kvpress cannot use, or None. Needs no model: the harness asks before the model loads.
+
+    Checked on the fields kvpress declares (:func:`_kvpress_fields`): an ``int`` field holds an int (not a float, a
+    bool or a string; None where its default is None), a field of :data:`KVPRESS_FIELD_MINIMA` is at least its
+    bound, and SnapKV's and PyramidKV's ``kernel_size`` is odd (an even one changes the length of the pooled
+    scores, a shape error). This project's presses validate their own fields.
+
+    Returns:
+        One line naming the press class, the field as a command-line key (``press.press.window_size``), its value
+        and the limit.
+    """
+    if not dataclasses.is_dataclass(press) or isinstance(press, type):
+        return None
+    label = type(press).__name__
+    for name, f in _kvpress_fields(press).items():
+        value = getattr(press, name, None)
+        key = f"{where}.{name}"
+        if f.type in (int, "int") and not (value is None and f.default is None):
+            if not isinstance(value, int) or isinstance(value, bool):
+                return f"{label}: {key}={value!r} must be an integer"
+        if name in KVPRESS_FIELD_MINIMA and isinstance(value, int) and value < KVPRESS_FIELD_MINIMA[name]:
+            return f"{label}: {key}={value} must be >= {KVPRESS_FIELD_MINIMA[name]}"
+        if name == "kernel_size" and isinstance(press, SnapKVPress) and isinstance(value, int) and value % 2 == 0:
+            return f"{label}: {key}={value} must be odd (its pooling keeps the scores' length only for odd kernels)"
+    for f in dataclasses.fields(press):  # the presses it holds, any class
+        value = getattr(press, f.name, None)
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for i, item in items:
+            if dataclasses.is_dataclass(item) and not isinstance(item, type) and hasattr(item, "compress"):
+                problem = press_field_problem(item, f"{where}.{f.name}" + ("" if i is None else f"[{i}]"))
+                if problem:
+                    return problem
+    return None
+
+
 def press_input_problem(press, model, context_length: int, multi_token_forward: bool = False) -> str | None:
     """Why kvpress's ``press`` cannot compress a ``T``-token context on ``model``, or None.
 
@@ -293,6 +365,9 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
     Returns:
         A one-line message naming the press, the value and the limit, or None.
     """
+    problem = press_field_problem(press)
+    if problem:
+        return problem
     inner = inner_press(press)
     label = type(press).__name__ if inner is press else f"{type(press).__name__}({type(inner).__name__})"
     eager = getattr(model.config, "_attn_implementation", None) == "eager"
@@ -333,10 +408,6 @@ def press_input_problem(press, model, context_length: int, multi_token_forward: 
     if problem:
         return problem
     where = "press.window_size" if inner is press else "press.press.window_size"
-    for name in ("chunk_length", "block_size"):
-        size = getattr(press, name, None) if isinstance(press, _NO_ATTENTION) else None
-        if size is not None and size < 1:
-            return f"{label}: {name}={size} must be >= 1"
     if isinstance(press, ChunkPress):  # the scorer sees each chunk on its own, the last one shortest
         n = T % press.chunk_length or min(T, press.chunk_length)
         what = f"its last chunk has {n} tokens (T={T} in chunks of chunk_length={press.chunk_length})"
@@ -452,7 +523,9 @@ def press_download_problem(press, model) -> str | None:
 
     kvpress 0.5.5 fetches them in ``post_init_from_model``, i.e. when the prefill starts, from the model's name
     (``model.config.name_or_path``): QFilterPress (``nthngdy/<model>_qfilt``), KVzapPress
-    (``nvidia/KVzap-<model_type>-<model>``, also inside DMSPress), FastKVzipPress (``Jang-Hyun/Fast-KVzip``),
+    (``nvidia/KVzap-<model_type>-<model>``, also inside DMSPress; none when the project trained its own,
+    :mod:`evaluation.scorers`, which the harness attaches first: a missing one is then named with the command that
+    makes it), FastKVzipPress (``Jang-Hyun/Fast-KVzip``),
     ExpectedAttentionStatsPress (``alessiodevoto/exp_att_stats_...``, unless ``stats_folder`` is set),
     DuoAttentionPress (attention patterns from GitHub for six models, or the BookSum dataset with
     ``on_the_fly_scoring``) and LUKVPress (a budget curve from GitHub, for Llama-3.1-8B-Instruct with
@@ -471,9 +544,15 @@ def press_download_problem(press, model) -> str | None:
         return _hub_file_problem(
             label, "Q-filters trained for the model", f"nthngdy/{short}_qfilt", "model.safetensors"
         )
-    if isinstance(press, KVzapPress):
+    if isinstance(press, KVzapPress):  # the project's own scorer (evaluation.scorers, attached first), else the hub's
+        from evaluation.scorers import kvzap_dir, kvzap_problem
+
+        own = kvzap_problem(model, press.model_type)
+        if own is None or (kvzap_dir(model, press.model_type) / "config.json").is_file():
+            return own  # None, or a scorer made for another model
         repo = f"nvidia/KVzap-{press.model_type}-{short}"
-        return _hub_file_problem(label, "the KVzap scorer trained for the model", repo, "model.safetensors")
+        hub = _hub_file_problem(label, "the KVzap scorer trained for the model", repo, "model.safetensors")
+        return None if hub is None else f"{own}; nor can kvpress load its own: {hub}"
     if isinstance(press, FastKVzipPress):
         groups = config.num_attention_heads // config.num_key_value_heads
         gate = f"{short.lower()}/q{groups}_dim16_sink16.pt"

@@ -43,7 +43,6 @@ did not write are removed from ``tables/`` and ``plots/``. The output is regener
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -54,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from evaluation.atomic import save_figure, write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.frontier import COST_COLUMN, cost_table, read_costs, run_costs
 from evaluation.harness import (
     COMMANDS_NAME,
@@ -1229,7 +1229,7 @@ def _anchor(dataset: str, model: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m evaluation.report", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m evaluation.report", description=__doc__.split("\n")[0])
     parser.add_argument("results_dir", type=Path, help="directory holding <dataset>/<model>/<press>/cr<ratio>/ runs")
     parser.add_argument("--out", type=Path, default=Path("results"), help="report directory (default: results/)")
     parser.add_argument("--confidence", type=float, default=0.95, help="interval confidence (default 0.95)")

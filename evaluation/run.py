@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from evaluation import inputs
-from evaluation.cli import check_group_choices, one_line_errors
+from evaluation.cli import check_command_line, one_line_errors
 from evaluation.harness import CONFIG_DIR, command_line
 
 __all__ = ["run", "main"]
@@ -45,13 +45,19 @@ def run(cfg: DictConfig, names: dict[str, str] | None = None) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float:
-    """Hydra entry point; returns the score so sweepers can optimise it. Bad input: one ``error:`` line and exit
+def _hydra_main(cfg: DictConfig) -> float:
+    """Hydra's task: one run; returns the score so sweepers can optimise it. Bad input: one ``error:`` line and exit
     status 1 (:mod:`evaluation.cli`)."""
     with one_line_errors():
         return run(cfg)["score"]
 
 
+def main() -> None:
+    """The command line (``sys.argv``): refused in one line, before Hydra starts, when it names a config or a key
+    this command does not have (:func:`evaluation.cli.check_command_line`); else Hydra runs the job(s)."""
+    check_command_line(sys.argv[1:], "config", "evaluation.run")
+    _hydra_main()
+
+
 if __name__ == "__main__":
-    check_group_choices(sys.argv[1:])
     main()

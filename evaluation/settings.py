@@ -7,10 +7,18 @@ included, nested presses alike. Two configs are the same run when these settings
 a yaml that moves, renames or stops restating a default changes nothing, while a changed class default or field
 value is a changed setting.
 Building the press imports kvpress and torch, which happens only when a run directory already holds settings.
+
+Every run setting is written one way (:func:`normalise`, issue 63 item 3) before it names a directory, is saved or
+is compared: a value can reach the harness in several spellings (``compression_ratio=0.50``, ``5e-1``, ``'0.5'``,
+a float of a Hydra ``range(...)`` sweep such as ``0.30000000000000004``, ``seed=42.0``, ``shard=00/4``,
+``query_aware='true'``), and each spelling of one value is one run: one directory, one ``config.yaml``, and a
+finished run is found whichever spelling the next command uses. A run setting added after runs were saved
+(:data:`SETTINGS_SAVED_BEFORE`) is read, where a config lacks it, as the value every earlier run ran with.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -18,9 +26,155 @@ import json
 import logging
 import math
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-__all__ = ["press_settings", "public_path", "run_settings", "saved_run_settings"]
+__all__ = [
+    "RATIO_DIGITS",
+    "SETTING_KINDS",
+    "SETTINGS_SAVED_BEFORE",
+    "normal_value",
+    "normalise",
+    "press_settings",
+    "public_path",
+    "run_settings",
+    "saved_run_settings",
+]
+
+#: Significant digits a compression ratio keeps (:func:`normal_value`): enough for any ratio typed by hand, few
+#: enough to drop the float error of a Hydra ``range(0.1, 0.5, 0.1)`` sweep (``0.30000000000000004`` is ``0.3``).
+RATIO_DIGITS = 12
+
+#: The run settings a config may spell in several ways, by dotted key, and the kind of value each one is
+#: (:func:`normal_value` says what each kind accepts and gives).
+SETTING_KINDS = {
+    "compression_ratio": "ratio",
+    "seed": "integer",
+    "n_samples": "integer",
+    "max_new_tokens": "integer",
+    "shard": "shard",
+    "query_aware": "switch",
+    "overwrite": "switch",
+    "grow": "switch",
+    "model.enable_thinking": "switch",
+}
+
+#: Run settings added to the configs after runs were saved without them, by dotted key, with the value those runs
+#: ran with: a config that lacks one (a ``config.yaml`` saved before it existed) is read with this value.
+#: ``model.enable_thinking``: before the harness stated it, kvpress's pipeline passed ``enable_thinking=False`` to
+#: every chat template.
+SETTINGS_SAVED_BEFORE = {"model.enable_thinking": False}
+
+_SWITCH_WORDS = {"true": True, "false": False}
+
+
+def normal_value(key: str, value):
+    """The one spelling of the run setting ``key`` (a key of :data:`SETTING_KINDS`) with value ``value``.
+
+    - ``ratio``: a number (an int, a float, a string holding one) becomes a float rounded to
+      :data:`RATIO_DIGITS` significant digits (``0.50``, ``5e-1``, ``'0.5'`` and ``0.5000000000000001`` are 0.5;
+      ``0`` is 0.0);
+    - ``integer``: an integral float or a string holding an integer becomes an int (``seed=42.0`` is 42); None
+      stays None;
+    - ``shard``: ``"i/n"`` with integers becomes ``f"{i}/{n}"`` (``00/4`` and ``' 0 / 4'`` are ``0/4``); ``""`` and
+      ``"null"`` are None;
+    - ``switch``: a bool, ``"true"`` / ``"false"`` in any case, or the ints 0 and 1 becomes a bool.
+
+    Anything else (``compression_ratio='abc'``, ``seed=42.5``, ``shard=x/2``) is returned unchanged, for the check
+    of that setting to refuse with its own message (:func:`evaluation.harness.check_ratio`,
+    :func:`evaluation.harness.parse_shard`, :func:`evaluation.guards.check_setting_values`).
+
+    Raises:
+        KeyError: for a key that :data:`SETTING_KINDS` does not list.
+    """
+    kind = SETTING_KINDS[key]
+    if kind == "switch":
+        if isinstance(value, str) and value.strip().lower() in _SWITCH_WORDS:
+            return _SWITCH_WORDS[value.strip().lower()]
+        if isinstance(value, int) and value in (0, 1):  # bools are ints too
+            return bool(value)
+        return value
+    if value is None or isinstance(value, bool):
+        return value
+    if kind == "shard":
+        text = str(value).strip()
+        if text in ("", "null"):
+            return None
+        parts = text.split("/")
+        if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
+            return f"{int(parts[0])}/{int(parts[1])}"
+        return value
+    try:
+        number = float(value) if isinstance(value, (int, float, str)) else None
+    except ValueError:
+        return value
+    if number is None or not math.isfinite(number):
+        return value
+    if kind == "ratio":
+        return float(f"{number:.{RATIO_DIGITS}g}")
+    if number.is_integer() and abs(number) < 2**53:  # beyond 2**53 a float no longer holds every integer
+        return int(number)
+    return value
+
+
+def _runs_uncompressed(node) -> bool:
+    """Whether a run config's press section builds no press (the uncompressed baseline: ``_target_: null``)."""
+    press = node.get("press") if hasattr(node, "get") else None
+    return hasattr(press, "get") and press.get("_target_", "missing") is None
+
+
+def normalise(cfg):
+    """Every run setting of ``cfg`` in its one spelling (:func:`normal_value`); a config that builds no press (the
+    uncompressed baseline) has ``compression_ratio`` 0.0, the ratio its directory is named by, whatever was typed;
+    a setting of :data:`SETTINGS_SAVED_BEFORE` that ``cfg`` lacks (where its parent section exists) is added with
+    the value runs had before it existed. Idempotent.
+
+    Args:
+        cfg: a run config, a ``DictConfig`` (changed in place, so that an interpolation that reads a setting, e.g.
+            ``press.compression_ratio: ${compression_ratio}``, reads its one spelling) or a plain dict (a saved
+            ``config.yaml``; a normalised copy is returned, the dict itself is left as it is).
+
+    Returns:
+        ``cfg`` itself (a ``DictConfig``) or the normalised copy (a dict).
+    """
+    if not isinstance(cfg, DictConfig):
+        return _normalise_dict(cfg)
+    with open_dict(cfg):
+        for key, value in SETTINGS_SAVED_BEFORE.items():
+            parent, _, leaf = key.rpartition(".")
+            section = OmegaConf.select(cfg, parent) if parent else cfg
+            if isinstance(section, DictConfig) and leaf not in section.keys():
+                section[leaf] = value
+        for key in SETTING_KINDS:
+            parent, _, leaf = key.rpartition(".")
+            section = OmegaConf.select(cfg, parent) if parent else cfg
+            if isinstance(section, DictConfig) and leaf in section and not OmegaConf.is_missing(section, leaf):
+                value = section[leaf]
+                new = normal_value(key, value)
+                if type(new) is not type(value) or new != value:
+                    section[leaf] = new
+        if "compression_ratio" in cfg and _runs_uncompressed(cfg):
+            cfg.compression_ratio = 0.0
+    return cfg
+
+
+def _normalise_dict(node: dict) -> dict:
+    """:func:`normalise` of a plain dict, on a copy (the sections it changes are copied, the others shared).
+    The settings are top-level keys or keys of a top-level section (``model.enable_thinking``)."""
+    node = dict(node)
+    for key, value in SETTINGS_SAVED_BEFORE.items():
+        parent, _, leaf = key.rpartition(".")
+        if parent and isinstance(node.get(parent), dict) and leaf not in node[parent]:
+            node[parent] = {**node[parent], leaf: value}
+    for key in SETTING_KINDS:
+        parent, _, leaf = key.rpartition(".")
+        section = node.get(parent) if parent else node
+        if isinstance(section, dict) and leaf in section:
+            if parent:
+                node[parent] = section = dict(section)
+            section[leaf] = normal_value(key, section[leaf])
+    if "compression_ratio" in node and _runs_uncompressed(node):
+        node["compression_ratio"] = 0.0
+    return node
 
 
 def public_path(cls: type) -> str:
@@ -73,12 +227,16 @@ def _built_settings(press_json: str) -> str:
 
 def run_settings(cfg) -> dict:
     """The settings of a run config (a ``DictConfig`` or a plain dict, e.g. a saved ``config.yaml``): the resolved
-    config, its ``press`` section replaced by :func:`press_settings` of the press it builds.
+    config with every run setting in its one spelling (:func:`normalise`; ``cfg`` itself is left as it is), its
+    ``press`` section replaced by :func:`press_settings` of the press it builds.
 
     Raises:
         ValueError: if the press section cannot be built (naming its ``_target_`` and why).
     """
-    node = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    if isinstance(cfg, DictConfig):  # normalised before it is resolved: the press reads the one spelling too
+        node = OmegaConf.to_container(normalise(copy.deepcopy(cfg)), resolve=True)
+    else:
+        node = normalise(dict(cfg))
     press = node.get("press")
     if isinstance(press, DictConfig):
         press = OmegaConf.to_container(press, resolve=True)
@@ -121,7 +279,8 @@ def _fill_saved_before(node):
 def saved_run_settings(saved) -> dict:
     """:func:`run_settings` of a config saved in a run directory: a press field the saved section lacks takes the
     value it had before it existed (its :data:`presses.base.SAVED_BEFORE` metadata) where it has one, else today's
-    default.
+    default; a run setting it lacks, the value of :data:`SETTINGS_SAVED_BEFORE` (as for any config,
+    :func:`normalise`).
 
     Raises:
         ValueError: as :func:`run_settings`.

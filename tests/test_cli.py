@@ -69,10 +69,23 @@ def _left(path: Path) -> list[str]:
             ["evaluation.run", "model=qwen2.5-1.5b", "model.path=/no/such/dir"],
             "model.path=/no/such/dir is not a directory",
         ),
-        (["evaluation.run", "-m", "press=snapkv,nope"], "unknown press 'nope'; valid: adakv,"),
-        (["evaluation.fused", "presses=[snapkv,nope]"], "unknown press 'nope'; valid: adakv,"),
+        (["evaluation.run", "-m", "press=snapkv,page_entrokvv"], "unknown press 'page_entrokvv'; did you mean "),
+        (["evaluation.fused", "presses=[snapkv,nope]"], "unknown press 'nope'; did you mean no_press?"),
+        # issue 65 item 3: what a command does not read is refused before any model loads
+        (["evaluation.fused", "press=entroprefill", "n_samples=1"], "did you mean presses=[entroprefill]?"),
+        (["evaluation.run", "+presss=snapkv"], "evaluation.run has no key 'presss'"),
     ],
-    ids=["ratio", "fused-ratio", "n_samples", "longbench-task", "model-path", "press-name", "fused-press-name"],
+    ids=[
+        "ratio",
+        "fused-ratio",
+        "n_samples",
+        "longbench-task",
+        "model-path",
+        "press-name",
+        "fused-press-name",
+        "fused-press",
+        "unknown-key",
+    ],
 )
 def test_bad_input_is_one_error_line_in_seconds_and_leaves_nothing(args, message, tmp_path):
     out = tmp_path / "runs"
@@ -197,3 +210,149 @@ def test_joblib_multirun_of_two_seeds_refuses_one(qwen2_dir, tmp_path):
     assert len(rows) == len({r["id"] for r in rows}) <= 2
     if (run_dir / "metrics.json").exists():
         assert json.loads((run_dir / "metrics.json").read_text())["n"] == len(rows) == 2
+
+
+# -- Every command refuses what it does not read (issue 65 item 3), in this process (each entry point's ``main``
+# with ``sys.argv``, as ``python -m`` calls it): one ``error:`` line, exit status 1, before any model loads.
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("the command line must be refused before any model loads")
+
+    monkeypatch.setattr(harness, "get_model", load)
+    monkeypatch.setattr("evaluation.models.load_model", load)
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()
+
+
+def _refused(main, argv: list[str], capsys, monkeypatch) -> str:
+    """The one line ``main()`` prints when it refuses ``argv`` (exit status 1)."""
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and err.splitlines() == [err.strip()] and err.startswith("error: "), err
+    return err.strip()
+
+
+def _hydra_mains():
+    from evaluation import fused
+    from evaluation.studies.bench_speed_memory import sweep
+    from evaluation.uor import study
+
+    return {"run": entry.main, "fused": fused.main, "uor": study.main, "bench_speed_memory": sweep.main}
+
+
+@pytest.mark.parametrize(
+    "command, args, message",
+    [
+        ("fused", ["press=entroprefill", "n_samples=1"], "evaluation.fused reads presses=, not press= "),
+        ("fused", ["press=entroprefill"], "did you mean presses=[entroprefill]?"),
+        ("fused", ["-m", "compression_ratio=0.5,0.75"], "did you mean ratios=[0.5,0.75]?"),
+        ("run", ["+presss=snapkv"], "evaluation.run has no key 'presss' (a '+' would add it, and nothing would read"),
+        ("run", ["+presss=snapkv"], "did you mean press?"),
+        ("run", ["presss=snapkv"], "did you mean press?"),
+        ("run", ["++batch_decode=false"], "it reads: compression_ratio, dataset, device,"),
+        ("run", ["model.enable_thinkin=true"], "has no key 'model.enable_thinkin' "),
+        ("run", ["+model.enable_thinkin=true"], "did you mean model.enable_thinking?"),
+        ("run", ["--multirn", "press=snapkv"], "unrecognized option --multirn (did you mean --multirun?)"),
+        ("fused", ["+presses_=[snapkv]"], "did you mean presses or press?"),
+        ("uor", ["+presss.x=1"], "evaluation.uor has no key 'presss' "),
+        ("uor", ["+presss.x=1"], "did you mean presses?"),
+        ("uor", ["prompts.needle.lenghts=[512]"], "did you mean prompts.needle.lengths?"),
+        ("bench_speed_memory", ["+presss=[snapkv]"], "did you mean presses?"),
+        ("run", ["press=page_entrokvv"], "unknown press 'page_entrokvv'; did you mean page_entrokv, "),
+        ("run", ["-m", "press=snapkv,page_entrokvv"], "did you mean page_entrokv, "),
+        ("fused", ["dataset=needel"], "unknown dataset 'needel'; valid: continuation_loss, "),
+        ("run", ["+experiment=gird"], "unknown experiment 'gird'; valid: baseline, grid, grid_paper003"),
+    ],
+)
+def test_hydra_entry_points_refuse_what_they_do_not_read(
+    command, args, message, no_model, capsys, monkeypatch, tmp_path
+):
+    line = _refused(_hydra_mains()[command], [command, *args, f"output_dir={tmp_path}"], capsys, monkeypatch)
+    assert message in line
+    assert len(line) < 400  # the closest names, not the ~90 configs of a group
+    assert _left(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["+experiment=grid", "dataset=ruler", "hydra/launcher=joblib_local"],
+        ["press=page_entrokv", "++press.page_size=16", "model=qwen3-4b", "model.path=/x", "model.enable_thinking=true"],
+        ["-m", "press=snapkv,knorm", "compression_ratio=range(0.25,1,0.25)", "shard=0/2,1/2"],
+        ["dataset=longbench", "dataset.tasks=[trec]", "+dataset.source=/x", "hydra.run.dir=/tmp/x", "--cfg", "job"],
+        ["press=per_layer_compression", "press.compression_ratios=[0.0,0.5]", "~press.press"],
+    ],
+)
+def test_hydra_entry_points_take_every_key_they_read(args):
+    """What the README's commands use passes the check (Hydra then composes it)."""
+    from evaluation.cli import check_command_line
+
+    check_command_line(args, "config", "evaluation.run")
+    fused_args = [a for a in args if not a.startswith(("press=", "compression_ratio="))]
+    check_command_line(["presses=[snapkv]", "ratios=[0.5]", *fused_args], "fused", "evaluation.fused")
+    check_command_line(["+press_overrides.snapkv.window_size=32", "presses=[snapkv]"], "bench_speed_memory", "bench")
+
+
+def _argparse_mains():
+    from evaluation import merge_runs, migrate, report
+    from evaluation.studies import kvzip_cost, paired
+
+    return {
+        "python -m evaluation.report": (report.main, ["results", "--outt", "x"], "--outt (did you mean --out "),
+        "evaluation.migrate": (
+            migrate.main,
+            ["results", "--rename_press", "a", "b"],
+            "(did you mean --rename-press?)",
+        ),
+        "python -m evaluation.merge_runs": (merge_runs.main, ["a", "b", "--datset", "x"], "did you mean --dataset?"),
+        "python -m evaluation.studies.paired": (paired.main, ["--presss", "x"], "--presss (did you mean --press"),
+        "python -m evaluation.studies.kvzip_cost": (kvzip_cost.cli, ["2", "512", "out", "extra"], "arguments: extra"),
+    }
+
+
+@pytest.mark.parametrize("command", list(_argparse_mains()))
+def test_argparse_entry_points_refuse_unknown_arguments_in_one_line(command, no_model, capsys, monkeypatch):
+    main, args, message = _argparse_mains()[command]
+    line = _refused(main, [command, *args], capsys, monkeypatch)
+    assert "unrecognized arguments: " in line and message in line
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in (ROOT / "scripts").glob("*.py")))
+def test_every_script_refuses_an_option_it_does_not_have(script, no_model, capsys, monkeypatch):
+    """``python scripts/<name>.py --no-such-option``: one line naming it (the Hydra-based benchmark names Hydra's
+    options), for every study reached through ``scripts/``."""
+    import ast
+    import importlib
+
+    tree = ast.parse((ROOT / "scripts" / f"{script}.py").read_text())
+    (module, function) = [(n.module, n.names[0].name) for n in tree.body if isinstance(n, ast.ImportFrom)][-1:][0]
+    main = getattr(importlib.import_module(module), function)
+    line = _refused(main, [f"scripts/{script}.py", "--no-such-option"], capsys, monkeypatch)
+    assert "--no-such-option" in line
+
+
+def test_a_kvpress_field_kvpress_does_not_check_is_refused_before_the_model_loads(no_model, tmp_path):
+    names = {"press": "snapkv", "dataset": "needle", "model": "smollm2-135m"}
+    for override, message in [
+        ("++press.window_size=-5", r"press snapkv: SnapKVPress: press.window_size=-5 must be >= 1"),
+        ("++press.window_size=0", r"press.window_size=0 must be >= 1"),
+        ("++press.kernel_size=4", r"press.kernel_size=4 must be odd"),
+        ("++press.window_size=64.5", r"press.window_size=64.5 must be an integer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            entry.run(composed("press=snapkv", override, f"output_dir={tmp_path}"), names)
+    chunkkv = {**names, "press": "chunkkv"}
+    with pytest.raises(ValueError, match=r"ChunkKVPress: press.chunk_length=0 must be >= 1"):
+        entry.run(composed("press=chunkkv", "++press.chunk_length=0", f"output_dir={tmp_path}"), chunkkv)
+    with pytest.raises(ValueError, match=r"SnapKVPress: press.press.window_size=-1 must be >= 1"):
+        entry.run(composed("press=chunkkv", "++press.press.window_size=-1", f"output_dir={tmp_path}"), chunkkv)
+    streaming = {**names, "press": "streaming_llm"}
+    with pytest.raises(ValueError, match=r"StreamingLLMPress: press.n_sink=-2 must be >= 0"):
+        entry.run(composed("press=streaming_llm", "++press.n_sink=-2", f"output_dir={tmp_path}"), streaming)
+    assert _left(tmp_path) == []

@@ -75,12 +75,14 @@ def test_ratio_outside_range_is_rejected(ratio):
         harness.check_ratio(ratio)
 
 
-def test_unknown_press_lists_valid_names():
+def test_unknown_press_names_the_closest_ones():
     with pytest.raises(ConfigCompositionException, match="snapkv"):
         composed("press=nope")
     cfg = composed("press=snapkv")
-    with pytest.raises(ValueError, match=r"unknown press 'nope'; valid: .*page_entrokv"):
-        entry.run(cfg, {"press": "nope", "dataset": "needle", "model": "smollm2-135m"})
+    with pytest.raises(ValueError, match=r"unknown press 'xyzzy'; no name is close to it \(all \d+ are the files of"):
+        entry.run(cfg, {"press": "xyzzy", "dataset": "needle", "model": "smollm2-135m"})
+    with pytest.raises(ValueError, match=r"unknown press 'page_entrokvv'; did you mean page_entrokv, "):
+        entry.run(cfg, {"press": "page_entrokvv", "dataset": "needle", "model": "smollm2-135m"})
 
 
 def test_unknown_model_lists_valid_names():
@@ -324,7 +326,7 @@ def test_rename_press_moves_runs_whose_settings_the_new_config_states(tmp_path, 
     harness.note_command(shard, command)
     with pytest.raises(ValueError, match=r"other settings than config 'page_entrokv_reconstruction' builds: "):
         rename_press(tmp_path, old["press"], "page_entrokv_reconstruction")  # pooling entropy -> max
-    with pytest.raises(ValueError, match="unknown press config 'nope'"):
+    with pytest.raises(ValueError, match="unknown press 'nope'"):
         rename_press(tmp_path, old["press"], "nope")
     assert out.exists()  # nothing moved
     (tmp_path / "needle/smollm2-135m/snapkv").mkdir(parents=True)

@@ -25,7 +25,6 @@ of the Triton interpreter on toy shapes and mean nothing.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -34,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from evaluation.cli import ArgumentParser
 from evaluation.studies import REPO
 from evaluation.studies.tables import write_rows
 
@@ -79,7 +79,7 @@ class Case:
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET, tiny shapes: plumbing only")
     p.add_argument("--lengths", default=None, help="comma-separated T values (default 4096,16384,65536)")
     p.add_argument("--out", default=str(REPO / "results" / "kernels"))

@@ -27,7 +27,6 @@ Usage (``python -m evaluation.studies.entroprefill_attention_probe`` is the same
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -37,12 +36,13 @@ from pathlib import Path
 import torch
 
 from evaluation.atomic import write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.studies import tables
 from evaluation.studies.entroprefill_bench import reverse_passages, spearman
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
     ap.add_argument("--n", type=int, default=10)

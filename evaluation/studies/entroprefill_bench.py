@@ -42,7 +42,6 @@ Usage (``OMP_NUM_THREADS=1``; the committed runs list their commands in results/
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import re
@@ -54,6 +53,7 @@ from pathlib import Path
 import torch
 
 from evaluation.atomic import write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.studies import tables
 
 
@@ -134,7 +134,7 @@ def spearman(x: list[float]) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dataset", choices=["keyfacts", "multidoc"], default="keyfacts")

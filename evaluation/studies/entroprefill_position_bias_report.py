@@ -16,12 +16,12 @@ Every study listed ran BEFORE EntroPrefill's defaults changed to ``proposal_obse
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 from pathlib import Path
 
 from evaluation.atomic import write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.studies import REPO as ROOT
 from evaluation.studies.tables import fmt, num, read_rows
 
@@ -95,7 +95,7 @@ def variant_specs(cmd: str) -> dict[str, list[str]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=f"{BASE}/position_bias/README.md")
     args = ap.parse_args(argv)
     base = ROOT / BASE

@@ -63,7 +63,6 @@ tables.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import json
@@ -78,6 +77,7 @@ import time
 from pathlib import Path
 
 from evaluation.atomic import write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.studies import REPO
 from evaluation.studies.bench_speed_memory.rows import COLUMNS
 from evaluation.studies.tables import write_rows
@@ -564,7 +564,7 @@ def versions() -> dict:
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(REPO / "results" / "gpu" / "end_to_end"))
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, Triton interpreted: plumbing only")
     p.add_argument("--lengths", default=None, help="timing lengths T (default 8192,32768; dry run 128)")

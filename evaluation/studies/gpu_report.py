@@ -20,13 +20,13 @@ Usage (``python -m evaluation.studies.gpu_report`` is the same)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from evaluation.atomic import write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.studies.tables import fmt, markdown_table, num, read_rows
 
 #: The issue's goals (issue 19): kernel tests, kernel speed and bandwidth at the largest T, agreement.
@@ -363,7 +363,7 @@ def write_readme(out: Path, mode: str, command: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="the check's output folder (results/gpu)")
     p.add_argument("--mode", choices=("gpu", "dry-run"), default="gpu")
     p.add_argument("--command", default="bash scripts/gpu_check.sh")

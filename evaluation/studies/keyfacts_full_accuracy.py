@@ -24,8 +24,12 @@ import torch
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 5:
-        print(__doc__, file=sys.stderr)
-        return 2
+        from evaluation.cli import refuse
+
+        refuse(
+            f"python -m evaluation.studies.keyfacts_full_accuracy takes 5 arguments (length n seed passage_tokens "
+            f"distractor_facts), got {len(argv)}: {' '.join(argv)}"
+        )
     length, n, seed, passage_tokens, mode = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     torch.set_num_threads(1)
     from kvpress import KVPressTextGenerationPipeline

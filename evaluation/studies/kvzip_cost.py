@@ -150,9 +150,16 @@ def main(n_examples: int = 2, context_length: int = 2048, output: str = "results
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """``[n_examples] [context_length] [output]`` from the command line."""
-    args = sys.argv[1:] if argv is None else argv
-    main(*(int(a) for a in args[:2]), *args[2:3])
+    """``[n_examples] [context_length] [output]`` from the command line (:func:`main`'s defaults where left out;
+    a fourth argument is refused, :class:`evaluation.cli.ArgumentParser`)."""
+    from evaluation.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m evaluation.studies.kvzip_cost", description=__doc__.split("\n")[0])
+    parser.add_argument("n_examples", type=int, nargs="?", help="examples (default: main's)")
+    parser.add_argument("context_length", type=int, nargs="?", help="needle context tokens (default: main's)")
+    parser.add_argument("output", nargs="?", help="output directory (default: main's)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    main(**{k: v for k, v in vars(args).items() if v is not None})
 
 
 if __name__ == "__main__":

@@ -21,12 +21,12 @@ Writes ``<out>/<name>.csv`` (one row per example: task, answer tokens, straddle,
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 from evaluation.atomic import write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.studies import tables
 
 __all__ = ["straddles", "main"]
@@ -56,7 +56,7 @@ def _runs(root: Path, press: str, ratio: float) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", type=Path, help="<results>/<dataset>/<model>: one protocol's runs")
     parser.add_argument("--ratio", type=float, required=True)
     parser.add_argument("--presses", nargs="+", required=True)

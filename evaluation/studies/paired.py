@@ -27,12 +27,12 @@ say ``complete = False``. Writes ``<out>/<A>.csv`` (one row per dataset, model, 
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
 
 from evaluation.atomic import write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.metrics import t_interval
 from evaluation.report import Run, row_length, scan
 from evaluation.studies.tables import markdown_table, write_rows
@@ -172,7 +172,7 @@ def _table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line (the module docstring). Returns 0, or 1 when no pair of runs was found."""
-    parser = argparse.ArgumentParser(prog="python -m evaluation.studies.paired", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m evaluation.studies.paired", description=__doc__.split("\n")[0])
     parser.add_argument("results_dir", type=Path)
     parser.add_argument("--press", required=True)
     parser.add_argument("--against", nargs="+", required=True)

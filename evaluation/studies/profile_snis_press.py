@@ -27,12 +27,12 @@ other threads' work. Rows:
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from evaluation.cli import ArgumentParser
 from evaluation.studies import tables
 
 
@@ -162,7 +162,7 @@ def _null():
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--proposal", default="h2o_h")
     parser.add_argument("--ratio", type=float, default=0.5)

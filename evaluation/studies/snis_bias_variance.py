@@ -32,7 +32,6 @@ and the command that produced it). A run stopped by ``--time-limit`` says which 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from evaluation.atomic import save_figure, write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.studies import tables
 from presses.probabilistic.budget import sample_counts, search_num_samples
 from presses.probabilistic.correction import snis_bias
@@ -258,7 +258,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--seeds", type=int, default=16, help="draws per (layer, ratio)")
     parser.add_argument("--out", default="results/snis")

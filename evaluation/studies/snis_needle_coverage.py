@@ -28,7 +28,6 @@ depth, and the command).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from transformers import DynamicCache
 
 import presses.probabilistic.press as snis_module
 from evaluation import harness
+from evaluation.cli import ArgumentParser
 from evaluation.studies import tables
 from presses.core.paging import num_pages
 from presses.probabilistic.page_sampling import expand_pages
@@ -112,7 +112,7 @@ def kept_masks(model, press, context_ids: torch.Tensor) -> tuple[list[torch.Tens
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--presses", nargs="+", default=["snis_min", "snis_min_h", "snis_h2o", "snis_h2o_h", "snapkv"])
     parser.add_argument("--ratio", type=float, default=0.5)

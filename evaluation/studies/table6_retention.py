@@ -27,7 +27,6 @@ prompt, layer and group), ``table6_reproduction.md`` (the tables, the paper's nu
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -36,6 +35,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from evaluation.cli import ArgumentParser
 
 # read by transformers when it is first imported, so set before the imports below
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no weight-loading progress bars in the log
@@ -384,7 +385,7 @@ def plot_fig9b(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--lengths", type=int, nargs="+", default=[959, 1474, 1990])
     p.add_argument("--depths", type=float, nargs="+", default=[0, 25, 50, 75, 100])

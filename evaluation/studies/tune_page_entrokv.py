@@ -28,11 +28,12 @@ never chosen: its wins would be bought with a larger cache. Every candidate and 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
 import sys
+
+from evaluation.cli import ArgumentParser
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -327,7 +328,7 @@ def report() -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", choices=["A", "B"])
     p.add_argument("--shard", default=None, help="i/n: this process's share of the examples")
     p.add_argument("--report", action="store_true")

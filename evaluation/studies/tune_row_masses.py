@@ -20,11 +20,11 @@ Usage (on a CUDA machine; ``--dry-run`` checks the plumbing on CPU under ``TRITO
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
 from pathlib import Path
 
+from evaluation.cli import ArgumentParser
 from evaluation.studies import REPO
 from evaluation.studies.tables import write_rows
 
@@ -58,7 +58,7 @@ def parse_config(text: str) -> dict:
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET, toy shapes: plumbing only")
     p.add_argument("--lengths", default=None, help="comma-separated T values (default 65536,16384)")
     p.add_argument("--out", default=str(REPO / "results" / "kernels" / "tune_row_masses"))

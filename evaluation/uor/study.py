@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from evaluation.atomic import save_figure, write_atomic
+from evaluation.cli import check_command_line
 from evaluation.harness import CONFIG_DIR, command_line
 from evaluation.uor.pages import allocation_bytes, page_union, union_bytes
 from evaluation.uor.replay import (
@@ -852,6 +854,7 @@ def run(cfg: DictConfig) -> dict:
     """Capture, analyse and write every output (see the module docstring); returns ``run.json``'s dict."""
     from hydra.utils import instantiate
 
+    from evaluation.guards import check_thinking
     from evaluation.models import load_model
     from evaluation.pipeline import TextGenerationPipeline
 
@@ -872,7 +875,10 @@ def run(cfg: DictConfig) -> dict:
     HQ, G = mc.num_attention_heads, mc.num_key_value_heads
     r = HQ // G
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // HQ
-    pipe = TextGenerationPipeline(model=model, tokenizer=tokenizer, device=torch.device(cfg.device))
+    check_thinking(tokenizer, cfg.model.enable_thinking, f"model {cfg.model.name}")
+    pipe = TextGenerationPipeline(
+        model=model, tokenizer=tokenizer, device=torch.device(cfg.device), enable_thinking=cfg.model.enable_thinking
+    )
     prompts, needle_ds = build_prompts(cfg, pipe, tokenizer)
     t_load = time.perf_counter() - t0
     logger.info(
@@ -1352,9 +1358,16 @@ def table6(retention: list[dict], presses: list[str], page_size: int) -> str:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="uor", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point (``configs/uor.yaml``)."""
+def _hydra_main(cfg: DictConfig) -> None:
+    """Hydra's task (``configs/uor.yaml``)."""
     run(cfg)
+
+
+def main() -> None:
+    """The command line (``sys.argv``): refused in one line, before Hydra starts, when it names a config or a key
+    ``configs/uor.yaml`` does not have (:func:`evaluation.cli.check_command_line`); else Hydra runs the study."""
+    check_command_line(sys.argv[1:], "uor", "evaluation.uor")
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -7,13 +7,22 @@ import copy
 import dataclasses
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from evaluation.harness import CONFIG_DIR, check_ratio, command_line, compose_config, config_choices
+from evaluation.cli import check_command_line
+from evaluation.harness import (
+    CONFIG_DIR,
+    check_ratio,
+    command_line,
+    compose_config,
+    config_choices,
+    unknown_config,
+)
 from evaluation.prompt_delimiter import delimited
 from evaluation.registry import capabilities, install_delimiter
 from evaluation.studies.bench_speed_memory.measure import measure_row
@@ -31,10 +40,10 @@ def press_config(name: str, overrides: dict | None = None) -> DictConfig:
     """The ``configs/press/<name>.yaml`` node, with ``overrides`` merged in.
 
     Raises:
-        ValueError: for a name with no config (lists the valid ones).
+        ValueError: for a name with no config (names the closest ones, :func:`evaluation.harness.unknown_config`).
     """
     if name not in config_choices("press"):
-        raise ValueError(f"unknown press '{name}'; valid: {', '.join(config_choices('press'))}")
+        raise ValueError(unknown_config("press", name))
     # composed by Hydra, so a config's defaults list (e.g. configs/press/base/snis.yaml) is merged in
     node = OmegaConf.create(OmegaConf.to_container(compose_config([f"press={name}"]).press, resolve=False))
     if overrides:
@@ -374,7 +383,7 @@ def load_bench_model(cfg: DictConfig, device: str, attn_implementation: str | No
         names = [str(cfg.model)]
     for i, name in enumerate(names):
         if name not in config_choices("model"):
-            raise ValueError(f"unknown model '{name}'; valid: {', '.join(config_choices('model'))}")
+            raise ValueError(unknown_config("model", name))
         mcfg = OmegaConf.load(CONFIG_DIR / "model" / f"{name}.yaml")
         try:
             model, tok = load_model(
@@ -396,9 +405,17 @@ def load_bench_model(cfg: DictConfig, device: str, attn_implementation: str | No
     raise AssertionError("unreachable")
 
 
+def main() -> None:
+    """The command line (``sys.argv``): refused in one line, before Hydra starts, when it names a key
+    ``configs/bench_speed_memory.yaml`` does not have (:func:`evaluation.cli.check_command_line`); else Hydra runs
+    the sweep."""
+    check_command_line(sys.argv[1:], "bench_speed_memory", "evaluation.studies.bench_speed_memory")
+    _hydra_main()
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="bench_speed_memory", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point (``configs/bench_speed_memory.yaml``)."""
+def _hydra_main(cfg: DictConfig) -> None:
+    """Hydra's task (``configs/bench_speed_memory.yaml``)."""
     import torch
 
     t0 = time.perf_counter()

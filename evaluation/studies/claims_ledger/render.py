@@ -3,13 +3,13 @@ counterpart resolved, and ``results/claims.md`` written."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from evaluation.atomic import write_atomic
+from evaluation.cli import ArgumentParser
 from evaluation.studies import REPO
 from evaluation.studies.claims_ledger.analytic import ANALYTIC
 from evaluation.studies.claims_ledger.derived import DERIVED
@@ -261,7 +261,7 @@ def build(claims_path: Path, root: Path) -> tuple[list[dict], list[Outcome]]:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(description=DESCRIPTION)
+    ap = ArgumentParser(description=DESCRIPTION)
     ap.add_argument("--claims", default=DEFAULT_CLAIMS, help="the hand-curated YAML (relative to --root)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="the ledger to write (relative to --root)")
     ap.add_argument("--root", default=str(REPO), help="the repository whose artifacts are read")
