@@ -523,9 +523,7 @@ def press_download_problem(press, model) -> str | None:
 
     kvpress 0.5.5 fetches them in ``post_init_from_model``, i.e. when the prefill starts, from the model's name
     (``model.config.name_or_path``): QFilterPress (``nthngdy/<model>_qfilt``), KVzapPress
-    (``nvidia/KVzap-<model_type>-<model>``, also inside DMSPress; none when the project trained its own,
-    :mod:`evaluation.scorers`, which the harness attaches first: a missing one is then named with the command that
-    makes it), FastKVzipPress (``Jang-Hyun/Fast-KVzip``),
+    (``nvidia/KVzap-<model_type>-<model>``, also inside DMSPress), FastKVzipPress (``Jang-Hyun/Fast-KVzip``),
     ExpectedAttentionStatsPress (``alessiodevoto/exp_att_stats_...``, unless ``stats_folder`` is set),
     DuoAttentionPress (attention patterns from GitHub for six models, or the BookSum dataset with
     ``on_the_fly_scoring``) and LUKVPress (a budget curve from GitHub, for Llama-3.1-8B-Instruct with
@@ -544,15 +542,9 @@ def press_download_problem(press, model) -> str | None:
         return _hub_file_problem(
             label, "Q-filters trained for the model", f"nthngdy/{short}_qfilt", "model.safetensors"
         )
-    if isinstance(press, KVzapPress):  # the project's own scorer (evaluation.scorers, attached first), else the hub's
-        from evaluation.scorers import kvzap_dir, kvzap_problem
-
-        own = kvzap_problem(model, press.model_type)
-        if own is None or (kvzap_dir(model, press.model_type) / "config.json").is_file():
-            return own  # None, or a scorer made for another model
+    if isinstance(press, KVzapPress):
         repo = f"nvidia/KVzap-{press.model_type}-{short}"
-        hub = _hub_file_problem(label, "the KVzap scorer trained for the model", repo, "model.safetensors")
-        return None if hub is None else f"{own}; nor can kvpress load its own: {hub}"
+        return _hub_file_problem(label, "the KVzap scorer trained for the model", repo, "model.safetensors")
     if isinstance(press, FastKVzipPress):
         groups = config.num_attention_heads // config.num_key_value_heads
         gate = f"{short.lower()}/q{groups}_dim16_sink16.pt"
