@@ -21,7 +21,7 @@ it: :class:`TextGenerationPipeline` takes ``enable_thinking`` (the run's ``model
 ``configs/model/base/chat.yaml``) and passes it to every prompt it builds, through the pipeline call and through
 ``preprocess`` alike. A template without the switch (:func:`has_thinking_switch`) renders the same prompt either way;
 the harness refuses ``model.enable_thinking=true`` for it (:func:`evaluation.guards.check_thinking`). The one prompt
-the harness does not build is KVzip's reconstruction prompt: kvpress's ``KVzipPress`` renders its chat-template
+the harness does not build is KVzip's reconstruction prompt: kvpress's KVzip press renders its chat-template
 suffix itself, with ``enable_thinking=False`` whatever the run's setting (kvpress 0.5.5).
 """
 
