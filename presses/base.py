@@ -42,13 +42,14 @@ from transformers import DynamicCache, QuantizedCache
 from transformers.cache_utils import DynamicLayer
 
 from presses import attention, blocks
-from presses.core.model import language_model
+from presses.core.model import language_model, max_positions
 
 __all__ = [
     "Capabilities",
     "KEPT_ENTRIES",
     "SAVED_BEFORE",
     "cache_problem",
+    "check_prompt_positions",
     "ResearchPress",
     "held_presses",
     "kept_entries_text",
@@ -178,6 +179,31 @@ def cache_problem(cache, quantized: bool = False) -> str | None:
     if not isinstance(cache, DynamicCache) or any(not isinstance(layer, DynamicLayer) for layer in cache.layers):
         return f"{name} stores entries at fixed slots, which a shorter layer cannot follow"
     return None
+
+
+def check_prompt_positions(model, args: tuple, kwargs: dict, name: str) -> None:
+    """Refuse a prefill longer than the model's positions (:func:`presses.core.model.max_positions`), as the harness
+    refuses such an example (``evaluation.guards.check_model_input``): a RoPE model computes positions past
+    ``max_position_embeddings`` without an error, on rotations it was never trained on.
+
+    Args:
+        model: the causal LM or its decoder stack.
+        args, kwargs: the decoder stack's forward arguments (``input_ids`` or ``inputs_embeds``, ``(B, T, ...)``).
+        name: the press, for the message.
+
+    Raises:
+        ValueError: naming the prompt length ``T`` and ``max_position_embeddings``.
+    """
+    x = kwargs.get("input_ids")
+    x = kwargs.get("inputs_embeds") if x is None else x
+    x = args[0] if x is None and args else x
+    limit = max_positions(model)
+    if x is not None and limit is not None and x.shape[1] > limit:
+        raise ValueError(
+            f"{name}: the prompt has {x.shape[1]} tokens, more than the model's max_position_embeddings={limit} "
+            f"(positions past it were never trained, and the model computes them without an error); use a prompt "
+            f"of at most {limit} tokens"
+        )
 
 
 def kept_entries_text(kept) -> str:
@@ -330,15 +356,17 @@ class ResearchPress(BasePress):
 
         Returns:
             ``(module, kind, function)`` triples, ``kind`` one of ``"forward_pre"`` or ``"forward"`` (both
-            registered ``with_kwargs=True``). The default is one forward pre-hook on the language model that
-            calls :meth:`check_wrappers` and :meth:`reset` when a prefill starts (an empty or absent cache);
-            subclasses extend the list.
+            registered ``with_kwargs=True``). The default is one forward pre-hook on the language model that,
+            when a prefill starts (an empty or absent cache), refuses a prompt longer than the model's positions
+            (:func:`check_prompt_positions`) and calls :meth:`check_cache`, :meth:`check_wrappers` and
+            :meth:`reset`; subclasses extend the list.
         """
         return [(language_model(model), "forward_pre", self._prefill_start_hook)]
 
     def _prefill_start_hook(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
         if cache is None or cache.get_seq_length() == 0:
+            check_prompt_positions(module, args, kwargs, type(self).__name__)
             self.check_cache(cache)
             self.check_wrappers(self.__dict__.get("_wrapper_path") or [self])
             self.reset()

@@ -7,7 +7,14 @@ and the studies import these instead of re-deriving it.
 
 from __future__ import annotations
 
-__all__ = ["attention_modules", "decoder_layers", "language_model", "sliding_layers", "text_config"]
+__all__ = [
+    "attention_modules",
+    "decoder_layers",
+    "language_model",
+    "max_positions",
+    "sliding_layers",
+    "text_config",
+]
 
 
 def language_model(model):
@@ -31,6 +38,23 @@ def text_config(model):
     """The text model's config (``config.text_config`` for multimodal wrappers, else ``config``)."""
     config = model.config
     return getattr(config, "text_config", None) or config
+
+
+def max_positions(model) -> int | None:
+    """The most positions ``model`` takes: ``max_position_embeddings``, or ``factor x
+    original_max_position_embeddings`` when a YaRN / dynamic / LongRoPE scaling extends it further; None when
+    the config does not say.
+
+    Args:
+        model: a causal LM, or its decoder stack (:func:`language_model`; its ``config`` is the text config).
+    """
+    cfg = text_config(model)
+    limit = getattr(cfg, "max_position_embeddings", None)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if limit and kind in ("yarn", "dynamic", "longrope") and rope.get("factor"):
+        limit = max(limit, int(rope["factor"] * rope.get("original_max_position_embeddings", limit)))
+    return int(limit) if limit else None
 
 
 def sliding_layers(model) -> dict[int, int]:

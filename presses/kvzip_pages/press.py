@@ -40,8 +40,9 @@ class KVzipPagePress(KVzipResearchPress):
 
     Each page of each KV head scores its highest-scoring position (block max, docs/methods.md §1 step 6); kvpress's
     selection then runs unchanged on those page scores: the ``int(L B G T ratio)`` lowest-scored pairs over all
-    layers and heads are masked (per layer with ``layerwise=True``), the first ``n_sink`` positions never. So whole
-    pages go, except where the budget's cut falls inside a page (at most the pages tied at the cut). The
+    layers and heads are masked (per layer with ``layerwise=True``), the first ``n_sink`` positions last, and a head
+    that would lose every entry (a prompt of a few tokens) keeps its best one. So whole pages go, except where the
+    budget's cut falls inside a page (at most the pages tied at the cut). The
     reconstruction pass, its cost (about 6 x a prefill here, ``results/kvzip_cost/``) and the masking are kvpress's
     ``KVzipPress``: the reconstruction queries observe every page, whatever the question, so pages are chosen
     without it.
@@ -75,7 +76,10 @@ class KVzipPagePress(KVzipResearchPress):
         super().__post_init__()
 
     def compress_post(self, model):
-        """kvpress's selection on page scores (see the class)."""
+        """kvpress's selection on page scores (see the class); a head that would lose every entry keeps its best
+        one (:meth:`presses.kvzip_pages.base.KVzipResearchPress.keep_one_per_head`)."""
         if self.compression_ratio > 0:
             self.score_val = page_expanded(self.score_val, self.page_size).to(self.score_val.dtype)
         super().compress_post(model)
+        if self.compression_ratio > 0:
+            self.keep_one_per_head(model)
