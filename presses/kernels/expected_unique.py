@@ -31,11 +31,12 @@ def _expected_unique_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_T], tl.float64)
     for start in range(0, t, BLOCK_T):
         offs_t = start + tl.arange(0, BLOCK_T)
-        p = tl.load(pi_ptr + row * s_pi + offs_t, mask=offs_t < t, other=0.0)
+        p = tl.minimum(tl.load(pi_ptr + row * s_pi + offs_t, mask=offs_t < t, other=0.0), 1.0)  # 1 + round-off
         # log1p(-p) (Kahan): u = 1 - p; log(u) * (-p) / (u - 1), or -p when u rounds to 1
         u = 1.0 - p
         lq = tl.where(u == 1.0, -p, tl.log(u) * (-p / tl.where(u == 1.0, -1.0, u - 1.0)))
-        x = m[:, None] * lq[None, :]
+        # m = 0 draws nothing: 0, not 0 * -inf = NaN where p = 1 (presses.core.coupon.log_miss)
+        x = tl.where(m[:, None] == 0.0, 0.0, tl.where(m == 0.0, 1.0, m)[:, None] * lq[None, :])
         # expm1(x) (Kahan): e = e^x; (e - 1) x / log(e), or x when e rounds to 1, -1 when e - 1 == -1
         e = tl.exp(x)
         em1 = e - 1.0

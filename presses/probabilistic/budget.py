@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from presses.core.coupon import expected_unique_from_log
+from presses.core.coupon import expected_unique_from_log, log_miss
 from presses.core.paging import check_compression_ratio
 from presses.kernels import expected_unique_many, use_triton  # dispatch: Triton on CUDA, presses.core.coupon elsewhere
 
@@ -73,7 +73,7 @@ def search_num_samples(
 
     pi = pi.double()
     # without Triton, log(1 - pi_i) is taken once for all midpoints (expected_unique_from_log: the same values)
-    log_q = None if use_triton(pi) else torch.log1p(-pi)
+    log_q = None if use_triton(pi) else log_miss(pi)
     buf = None if log_q is None else torch.empty_like(log_q)
     j_star = (1.0 - compression_ratio) * pi.shape[-1] if target is None else float(target)
     out_shape = [1 if d in dims else s for d, s in enumerate(pi.shape[:-1])]
@@ -89,6 +89,8 @@ def search_num_samples(
             e = expected_unique_from_log(log_q, mid, buf)
         if dims:
             e = e.mean(dim=dims, keepdim=True)
+        if bool(e.isnan().any()):  # a NaN would never hit, rise or fall: the search would never end
+            raise ValueError(f"E[J(m)] is NaN for m={mid.flatten()[:4].tolist()}: pi must be finite, in [0, 1]")
         hit = active & ((e - j_star).abs() <= tol)
         result = torch.where(hit, mid, result)
         below = active & ~hit & (e < j_star)
