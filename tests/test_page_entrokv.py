@@ -160,11 +160,13 @@ def test_no_compression_short_context_and_conflicts(tiny_llama, caplog):
     ids = rand_ids(100)
     full = prefill(model, ids, PageEntroKVPress(compression_ratio=0.0))
     assert full.get_seq_length() == 100
-    # T <= window_size compresses too (docs/methods.md §1.12): T=64, b=6, two full pages, both protected;
-    # protection shrinks to nothing (window page 3 first, ..., sink page 0 last) and K = floor(6/16) = 0
+    # T <= window_size compresses too (docs/methods.md §1.12): T=64, b=6, four full pages, all protected;
+    # protection shrinks to nothing (window page 3 first, ..., sink page 0 last) and K = floor(6/16) = 0: whole
+    # pages would keep nothing, so one partial page keeps the b = 6 best tokens
     press = PageEntroKVPress(compression_ratio=0.9, window_size=64, page_size=16)
     short = prefill(model, ids[:, :64], press)
-    assert short.get_seq_length() == 0 and press.summary()["protection_shrunk"] == 1
+    assert short.get_seq_length() == 6 and press.summary()["protection_shrunk"] == 1
+    assert press.summary()["partial_page"] == 1
     # T=100, W=64, B=16: protected 84 tokens > b = 50: shrinks to pages {0, 5, 6} = 36 by default
     press = PageEntroKVPress(compression_ratio=0.5, window_size=64, page_size=16)
     assert prefill(model, ids, press).get_seq_length() == 36 and press.summary()["protected_tokens"] == 36

@@ -154,8 +154,9 @@ def test_budget_conflict_message_and_keep_protected(caplog):
         (23, 0.8, {"protected": [1], "K": 0, "kept": 7}),
         # T=23, b=11: the same, and 11 - 7 leaves no room for a full page.
         (23, 0.5, {"protected": [1], "K": 0, "kept": 7}),
-        # T=32, b=3, two full pages: both drop (window first, then the sink page); nothing protected, K = 0.
-        (32, 0.9, {"protected": [], "K": 0, "kept": 0}),
+        # T=32, b=3, two full pages: both drop (window first, then the sink page); nothing protected, K = 0: whole
+        # pages would keep nothing, so a partial page keeps the 3 best tokens (never an empty layer).
+        (32, 0.9, {"protected": [], "K": 0, "kept": 3}),
     ],
 )
 def test_protection_shrinks_window_first_sink_last(T, ratio, expected):

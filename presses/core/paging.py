@@ -8,6 +8,7 @@ UOR study's, :mod:`evaluation.uor.pages`); paper 000 Theorem 3 (cardinality exac
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -26,7 +27,9 @@ __all__ = [
     "expand_pages",
     "protected_page_mask",
     "page_budget",
+    "min_prompt_length",
     "select_pages",
+    "select_tokens",
     "pages_to_positions",
     "select_positions",
 ]
@@ -225,9 +228,13 @@ class PageBudget:
         protected: ``(P,)`` bool mask of protected pages.
         protected_tokens: tokens on protected pages.
         num_selected: ``K``, unprotected pages kept per group.
-        kept_tokens: ``protected_tokens + K * B`` (``<= budget`` unless ``conflict``).
+        kept_tokens: ``protected_tokens + K * B`` (``<= budget`` unless ``conflict``, or by less than one page for
+            a protected partial last page), or ``partial``.
         conflict: True when the protected pages alone exceed ``budget`` (``keep_protected`` mode).
         shrunk: True when pages lost their protection to fit ``budget`` (``shrink`` mode).
+        partial: 0, or the tokens of the one partial page kept when whole pages would keep nothing (a budget below
+            one page and no protected page left): ``max(1, budget)``, each group's best tokens by token score
+            (:func:`select_tokens`; docs/methods.md §1.12). Then ``protected`` is empty and ``num_selected`` 0.
     """
 
     seq_len: int
@@ -239,6 +246,7 @@ class PageBudget:
     kept_tokens: int
     conflict: bool
     shrunk: bool = False
+    partial: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -266,6 +274,11 @@ def page_budget(
     Keeps all protected pages plus ``K = floor((b - protected_tokens) / B)`` unprotected pages (capped by the
     number of unprotected pages), so the kept count never exceeds ``b``, except by less than one page when a
     partial last page alone exceeds it. Unprotected pages are always full: a partial last page is protected.
+    Never an empty layer: when that keeps nothing of a non-empty prompt (``b < B`` and no page left protected),
+    the plan keeps one partial page of ``max(1, b)`` tokens instead (``partial``: each group's best tokens, as
+    kvpress's ``ScorerPress`` keeps ``int(T (1 - ratio))`` tokens, at least one; docs/methods.md §1.12).
+    Prompts shorter than :func:`min_prompt_length` may keep less than ``b - B`` (protection shrunk) or a
+    partial page.
 
     Args:
         seq_len: ``T``.
@@ -286,32 +299,28 @@ def page_budget(
 
     Raises:
         ValueError: when the protected tokens exceed ``b`` in ``"raise"`` mode (the message names ``T``, ``b``,
-            the protected tokens, ``page_size``, ``n_sink`` and ``window_size``), or for invalid arguments.
+            the protected tokens, ``page_size``, ``n_sink``, ``window_size`` and :func:`min_prompt_length`), or for
+            invalid arguments.
     """
     if on_budget_conflict not in BUDGET_CONFLICT_MODES:
         raise ValueError(f"on_budget_conflict={on_budget_conflict!r} is not one of {BUDGET_CONFLICT_MODES}")
-    if budget not in BUDGETS:
-        raise ValueError(f"budget={budget!r} is not one of {BUDGETS}")
-    b = token_budget(seq_len, compression_ratio)
-    if budget == "pages" and seq_len:  # ChunkKV's expression, float for float
-        b = max(1, int(num_pages(seq_len, page_size) * (1 - compression_ratio))) * page_size
+    b = _budget_tokens(seq_len, compression_ratio, page_size, budget)
     protected = protected_page_mask(seq_len, page_size, n_sink, window_size, protect)
-    P = protected.numel()
-    page_len = torch.full((P,), page_size, dtype=torch.long)
-    if P:
-        page_len[-1] = seq_len - (P - 1) * page_size
+    page_len = _page_lengths(seq_len, page_size)
     protected_tokens = int(page_len[protected].sum())
     shrunk = False
     if protected_tokens > b:
-        msg = (
-            f"Page-EntroKV budget conflict: the protected pages hold {protected_tokens} tokens but the "
-            f"budget is b={b} (T={seq_len}, compression_ratio={compression_ratio}, page_size={page_size}, "
-            f"n_sink={n_sink}, window_size={window_size}); lower compression_ratio, window_size, n_sink "
-            f"or page_size, or set on_budget_conflict='shrink' or 'keep_protected'"
-        )
-        if on_budget_conflict == "raise":
-            raise ValueError(msg)
-        if on_budget_conflict == "keep_protected":
+        if on_budget_conflict in ("raise", "keep_protected"):
+            shortest = min_prompt_length(compression_ratio, page_size, n_sink, window_size, protect, budget)
+            msg = (
+                f"Page-EntroKV budget conflict: the protected pages hold {protected_tokens} tokens but the "
+                f"budget is b={b} (T={seq_len}, compression_ratio={compression_ratio}, page_size={page_size}, "
+                f"n_sink={n_sink}, window_size={window_size}; prompts of at least {shortest} tokens fit); lower "
+                f"compression_ratio, window_size, n_sink or page_size, or set on_budget_conflict='shrink' or "
+                f"'keep_protected'"
+            )
+            if on_budget_conflict == "raise":
+                raise ValueError(msg)
             logger.warning("%s. Keeping only the protected pages (effective budget %d tokens).", msg, protected_tokens)
             return PageBudget(seq_len, b, page_size, protected, protected_tokens, 0, protected_tokens, True)
         n_sink_pages = num_pages(min(n_sink, seq_len), page_size) if protect == "sink_window" else 0
@@ -320,9 +329,94 @@ def page_budget(
         protected, protected_tokens = shrunk_mask, int(page_len[shrunk_mask].sum())
     n_free = int((~protected).sum())
     K = min(max(b - protected_tokens, 0) // page_size, n_free)
-    return PageBudget(
-        seq_len, b, page_size, protected, protected_tokens, K, protected_tokens + K * page_size, False, shrunk
-    )
+    kept = protected_tokens + K * page_size
+    partial = max(1, b) if kept == 0 and seq_len > 0 else 0  # never an empty layer (docs/methods.md §1.12)
+    return PageBudget(seq_len, b, page_size, protected, protected_tokens, K, kept or partial, False, shrunk, partial)
+
+
+def _budget_tokens(seq_len: int, compression_ratio: float, page_size: int, budget: str) -> int:
+    """``b`` of :func:`page_budget`: ``floor(T (1 - ratio))`` tokens, or ChunkKV's ``max(1, int(P (1 - ratio)))``
+    pages of ``B`` tokens for ``budget="pages"``.
+
+    Raises:
+        ValueError: for an unknown ``budget`` or an invalid ratio.
+    """
+    if budget not in BUDGETS:
+        raise ValueError(f"budget={budget!r} is not one of {BUDGETS}")
+    b = token_budget(seq_len, compression_ratio)
+    if budget == "pages" and seq_len:  # ChunkKV's expression, float for float
+        b = max(1, int(num_pages(seq_len, page_size) * (1 - compression_ratio))) * page_size
+    return b
+
+
+def _page_lengths(seq_len: int, page_size: int) -> torch.Tensor:
+    """``(P,)`` long: the tokens of every page, ``B`` but for a partial last page."""
+    P = num_pages(seq_len, page_size)
+    page_len = torch.full((P,), page_size, dtype=torch.long)
+    if P:
+        page_len[-1] = seq_len - (P - 1) * page_size
+    return page_len
+
+
+@functools.lru_cache(maxsize=1024)
+def min_prompt_length(
+    compression_ratio: float,
+    page_size: int,
+    n_sink: int,
+    window_size: int,
+    protect: str = "sink_window",
+    budget: str = "tokens",
+) -> int:
+    """The shortest prompt from which every longer one keeps its budget by whole pages (docs/methods.md §1.12).
+
+    A prompt of ``T`` tokens keeps its budget when its protected pages fit ``b`` (:func:`page_budget` shrinks no
+    protection and has no conflict) and ``b`` is at least one page (``b >= B``): it then keeps
+    ``b - B < kept <= b`` tokens by whole pages (or more, by less than one page, for a protected partial last
+    page). Shorter prompts may not: they keep fewer tokens than ``b`` (protection shrunk) or a partial page.
+    The protected tokens are at most ``ceil(n_sink / B) B + W + B - 1`` (sink pages and the pages touching the
+    last ``W`` positions; ``B - 1``, a partial last page, with ``protect="none"``), and ``b`` never decreases
+    with ``T``, so the answer is found by a short scan below the first ``T`` whose ``b`` covers that bound.
+
+    Args:
+        compression_ratio, page_size, n_sink, window_size, protect, budget: as :func:`page_budget`.
+
+    Returns:
+        ``T0 >= 1``: every ``T >= T0`` keeps its budget, ``T0 - 1`` does not (1 when ``compression_ratio`` is 0:
+        nothing is evicted).
+
+    Raises:
+        ValueError: for invalid arguments (as :func:`page_budget`).
+    """
+    check_compression_ratio(compression_ratio)
+    protected_page_mask(1, page_size, n_sink, window_size, protect)  # validates page_size, n_sink, W, protect
+    _budget_tokens(1, compression_ratio, page_size, budget)  # validates budget
+    if compression_ratio == 0:
+        return 1
+
+    def keeps_budget(T: int) -> bool:
+        b = _budget_tokens(T, compression_ratio, page_size, budget)
+        mask = protected_page_mask(T, page_size, n_sink, window_size, protect)
+        return b >= page_size and int(_page_lengths(T, page_size)[mask].sum()) <= b
+
+    if protect == "sink_window":
+        most = num_pages(n_sink, page_size) * page_size + window_size + page_size - 1
+    else:
+        most = page_size - 1
+    bound = max(most, page_size)
+    high = max(1, math.ceil(bound / (1.0 - compression_ratio)))  # b(high) >= bound, up to round-off
+    while _budget_tokens(high, compression_ratio, page_size, budget) < bound:
+        high *= 2
+    low = 1  # b never decreases with T: the first T whose b covers the bound, by bisection
+    while low < high:
+        mid = (low + high) // 2
+        if _budget_tokens(mid, compression_ratio, page_size, budget) >= bound:
+            high = mid
+        else:
+            low = mid + 1
+    T0 = high
+    while T0 > 1 and keeps_budget(T0 - 1):
+        T0 -= 1
+    return T0
 
 
 def select_pages(scores: torch.Tensor, protected: torch.Tensor, num_selected: int) -> torch.Tensor:
@@ -356,6 +450,29 @@ def select_pages(scores: torch.Tensor, protected: torch.Tensor, num_selected: in
     order = torch.sort(cand, dim=-1, descending=True, stable=True).indices[..., :num_selected]
     chosen = free[order]
     return torch.sort(torch.cat([prot, chosen], dim=-1), dim=-1).values
+
+
+def select_tokens(scores: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The ``num_tokens`` best positions of every row, ascending: a plan's partial page (:attr:`PageBudget.partial`).
+
+    Ties go to the lower position; NaN scores rank last.
+
+    Args:
+        scores: ``(..., T)`` per-position scores.
+        num_tokens: ``n``, ``1 <= n <= T``.
+
+    Returns:
+        ``(..., n)`` long positions, ascending in every row.
+
+    Raises:
+        ValueError: if ``n`` is outside ``[1, T]``.
+    """
+    T = scores.shape[-1]
+    if not 1 <= num_tokens <= T:
+        raise ValueError(f"num_tokens={num_tokens} must be in [1, {T}] (the prompt's positions)")
+    cand = scores.float().nan_to_num(nan=float("-inf"))
+    order = torch.sort(cand, dim=-1, descending=True, stable=True).indices[..., :num_tokens]
+    return torch.sort(order, dim=-1).values
 
 
 def pages_to_positions(pages: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
@@ -411,13 +528,16 @@ def select_positions(
 
     Returns:
         ``(positions, pages, budget)``: ``(B, G, n_kept)`` ascending kept positions, the same count
-        for every row; ``(B, G, n_kept_pages)`` ascending kept page ids; the :class:`PageBudget`.
+        for every row; ``(B, G, n_kept_pages)`` ascending kept page ids (``(B, G, 0)`` for a plan's partial page,
+        whose positions are each group's best tokens, :func:`select_tokens`); the :class:`PageBudget`.
 
     Raises:
         ValueError: see :func:`page_budget` and :func:`page_scores`.
     """
     T = scores.shape[-1]
     plan = page_budget(T, compression_ratio, page_size, n_sink, window_size, on_budget_conflict, protect)
+    if plan.partial:
+        return select_tokens(scores, plan.partial), scores.new_zeros(*scores.shape[:-1], 0, dtype=torch.long), plan
     ps = page_scores(scores, page_size, page_score)
     pages = select_pages(ps, plan.protected, plan.num_selected)
     return pages_to_positions(pages, T, page_size), pages, plan

@@ -4,6 +4,7 @@ token budget (paper 000; page policy paper 001 section 7; pooling paper 001 sect
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -21,11 +22,13 @@ from presses.core.paging import (
     PageBudget,
     check_compression_ratio,
     expand_pages,
+    min_prompt_length,
     page_budget,
     page_scores,
     pages_to_positions,
     protected_page_mask,
     select_pages,
+    select_tokens,
     token_budget,
 )
 from presses.core.pooling import POOLINGS
@@ -33,6 +36,8 @@ from presses.kernels import column_sums, pooled_page_scores
 from presses.observers import memoized_observers, observer_attention
 
 __all__ = ["PageEntroKVPress", "GROUP_SELECTIONS", "MAX_OBSERVERS", "SCORE_POOLINGS"]
+
+logger = logging.getLogger(__name__)
 
 GROUP_SELECTIONS = ("group", "union", "shared")
 #: The press's ``pooling`` values: the observer-attention poolings of :data:`presses.core.pooling.POOLINGS`, and
@@ -57,7 +62,13 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     Every group keeps the same count, so the cache stays dense and the intra-group UOR is exactly 1. Kept
     positions keep their original RoPE; decoding must continue at position ``T`` (kvpress's pipeline and
     ``model.generate`` do). Any prompt length compresses at any ratio: when the protected pages exceed the
-    budget, protection shrinks (window pages first, the sink page last; docs/methods.md §1.12).
+    budget, protection shrinks (window pages first, the sink page last; docs/methods.md §1.12), and no layer is
+    ever left empty: a budget below one page keeps one partial page of the ``max(1, b)`` best tokens of each
+    group (by the pooled token score; kvpress's ``ScorerPress`` keeps ``int(T (1 - ratio))`` tokens). Prompts
+    shorter than :func:`presses.core.paging.min_prompt_length` (for the defaults: 224 tokens at ratio 0.5, 608 at
+    0.8, 1248 at 0.9) may therefore keep fewer tokens than the budget by up to a page (effective compression
+    above the ratio) or a partial page; the press logs it once per press and setting with the numbers, and
+    ``summary()`` reports ``protection_shrunk``, ``budget_tokens`` and ``effective_compression``.
 
     Parameters:
         compression_ratio: fraction of the prompt to evict, in ``[0, 1)``; 0 leaves the cache untouched.
@@ -113,7 +124,9 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     ``selected_pages`` ``(G, n)`` (each group's own selection, before a union), ``weights`` ``(G, r)``
     (``None`` for ``"max"``), ``entropy`` ``(H_Q,)`` (sink-isolated), ``raw_entropy`` ``(H_Q,)``, ``z``
     ``(H_Q,)`` (non-sink mass), ``fallback`` ``(G,)`` (groups pooled by max), ``observers``,
-    ``effective_compression``, ``conflict``, ``shrunk``, ``bypass`` (empty string or the reason nothing was
+    ``effective_compression``, ``conflict``, ``shrunk``, ``partial`` (the tokens of a partial page kept instead of
+    whole pages, else 0; then ``kept_pages`` and ``selected_pages`` are ``None`` and ``kept_positions``
+    ``(G, n_kept)`` holds the kept positions), ``bypass`` (empty string or the reason nothing was
     scored). Tensors are on the CPU; the statistic entries are ``None`` when nothing was scored.
     """
 
@@ -334,8 +347,8 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         ``(B, H_Q, T)`` and observer count instead of the layer's own queries.
 
         Returns:
-            ``(page scores (B, G, P), or (B, 1, P) for "shared"; diagnostics or None; fallback (B, G) or None;
-            observers)``.
+            ``(page scores (B, G, P), or (B, 1, P) for "shared"; token scores (B, G, T), or (B, 1, T) for "shared";
+            diagnostics or None; fallback (B, G) or None; observers)``.
 
         Raises:
             ValueError: for ``pooling="snapkv"`` on fewer than 2 query rows (SnapKV needs more rows than its window).
@@ -357,10 +370,11 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             attn = self._observer_attention(module, hidden_states, keys, attentions, kwargs)
             tokens, pages, diag, fallback = self._page_scores(attn, G)
         if self.group_selection == "shared":  # one selection for every group (ChunkKV: summed over the KV heads)
-            pages = page_scores(tokens.sum(1, keepdim=True), self.page_size, self.page_score)
+            tokens = tokens.sum(1, keepdim=True)
+            pages = page_scores(tokens, self.page_size, self.page_score)
         elif pages is None:
             pages = page_scores(tokens, self.page_size, self.page_score)
-        return pages, diag, fallback, observers
+        return pages, tokens, diag, fallback, observers
 
     def score(
         self,
@@ -386,7 +400,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         B, G, T, _ = keys.shape
         if self.n_sink >= T:
             return keys.new_zeros(B, G, T, dtype=torch.float32)
-        pages, _, _, _ = self._scores(module, hidden_states, keys, values, attentions, kwargs)
+        pages = self._scores(module, hidden_states, keys, values, attentions, kwargs)[0]
         return self._token_scores(pages, B, G, T)
 
     def score_observed(self, attn: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -410,7 +424,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         if self.n_sink >= T:
             return attn.new_zeros(B, num_groups, T, dtype=torch.float32)
         keys = attn.new_empty(B, num_groups, T, 0)  # only the shape is read
-        pages, _, _, _ = self._scores(None, None, keys, None, None, {}, (attn, 0))
+        pages = self._scores(None, None, keys, None, None, {}, (attn, 0))[0]
         return self._token_scores(pages, B, num_groups, T)
 
     def protected_positions(self, seq_len: int, device=None) -> torch.Tensor:
@@ -439,7 +453,40 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         )
         if args not in self._plan_cache:
             self._plan_cache = {args: page_budget(*args)}
+            self._warn_short_prompt(self._plan_cache[args])
         return self._plan_cache[args]
+
+    def _warn_short_prompt(self, plan: PageBudget) -> None:
+        """Log once per press and setting when a prompt cannot keep the budget by whole pages: protection shrank
+        to fit it, or the budget is below one page (docs/methods.md §1.12). A ``keep_protected`` conflict is logged
+        by :func:`presses.core.paging.page_budget` itself."""
+        T, B = plan.seq_len, self.page_size
+        if T == 0 or plan.conflict or not (plan.shrunk or plan.budget < B):
+            return
+        setting = (self.compression_ratio, B, self.n_sink, self.window_size, self.protect, self.budget)
+        warned = self.__dict__.setdefault("_warned_settings", set())  # not a field: outlives reset()
+        if setting in warned:
+            return
+        warned.add(setting)
+        shortest = min_prompt_length(*setting)
+        how = (
+            f"a partial page of its {plan.partial} best tokens"
+            if plan.partial
+            else f"{plan.kept_tokens} tokens ({plan.protected_tokens} protected)"
+        )
+        logger.warning(
+            "%s: a prompt of T=%d tokens cannot keep compression_ratio=%s by pages of page_size=%d: budget b=%d, "
+            "kept %s, effective compression %.3f; prompts of at least %d tokens keep it (docs/methods.md §1.12; "
+            "logged once per press and setting)",
+            type(self).__name__,
+            T,
+            self.compression_ratio,
+            B,
+            plan.budget,
+            how,
+            plan.effective_compression,
+            shortest,
+        )
 
     @staticmethod
     def _union(pages: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -548,6 +595,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
                     "protected": T,
                     "conflict": False,
                     "shrunk": False,
+                    "partial": 0,
                     "bypass": bypass,
                     "observers": 0,
                     "fallback": 0,
@@ -557,17 +605,26 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             return keys, values
 
         plan = self._plan(T)
-        need_scores = plan.num_selected > 0 or self.record
+        need_scores = plan.num_selected > 0 or 0 < plan.partial < T or self.record
         can_score = self.n_sink < T  # with n_sink >= T nothing is left to isolate: pages tie, lower ids win
         diag, fallback, selected, observers = None, None, None, 0
         if need_scores and can_score:
-            scores, diag, fallback, observers = scored()
+            scores, tokens, diag, fallback, observers = scored()
         else:
             scores = torch.zeros(Bsz, G, plan.num_pages, device=keys.device)
-        pages = select_pages(scores, plan.protected, plan.num_selected).expand(Bsz, G, -1)  # "shared": one row
-        if self.group_selection == "union" and G > 1 and plan.num_selected > 0:
-            selected, pages = pages, self._union(pages, scores)
-        kept = pages_to_positions(pages, T, self.page_size).shape[-1]
+            tokens = torch.zeros(Bsz, G, T, device=keys.device)
+        union = self.group_selection == "union" and G > 1
+        if plan.partial:  # a budget below one page: each group's best tokens, one partial page (§1.12)
+            pages = None
+            positions = select_tokens(tokens, plan.partial).expand(Bsz, G, -1)  # "shared": one row
+            if union:
+                selected, positions = positions, self._union(positions, tokens)
+        else:
+            pages = select_pages(scores, plan.protected, plan.num_selected).expand(Bsz, G, -1)  # "shared": one row
+            if union and plan.num_selected > 0:
+                selected, pages = pages, self._union(pages, scores)
+            positions = pages_to_positions(pages, T, self.page_size)  # (B, G, n_kept)
+        kept = positions.shape[-1]
         self._stats.append(
             {
                 "T": T,
@@ -576,6 +633,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
                 "protected": plan.protected_tokens,
                 "conflict": plan.conflict,
                 "shrunk": plan.shrunk,
+                "partial": plan.partial,
                 "bypass": "",
                 "observers": observers,
                 "fallback": 0 if fallback is None else int(fallback.sum()),
@@ -592,10 +650,10 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             fallback,
             "" if can_score else f"n_sink={self.n_sink}>=T={T}",
             observers,
+            positions,
         )
         if kept == T:
             return keys, values
-        positions = pages_to_positions(pages, T, self.page_size)  # (B, G, n_kept)
         index = positions.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         return keys.gather(2, index).contiguous(), values.gather(2, index).contiguous()
 
@@ -612,16 +670,19 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         fallback: torch.Tensor | None,
         bypass: str,
         observers: int = 0,
+        positions: torch.Tensor | None = None,
     ) -> None:
-        """Append one diagnostics dict per batch row to ``self.records`` (only when ``record``)."""
+        """Append one diagnostics dict per batch row to ``self.records`` (only when ``record``); ``positions``
+        ``(B, G, n_kept)`` the kept positions (``None``: the whole prompt)."""
         if not self.record:
             return
 
         def row(x, b):
             return None if x is None else x[b].detach().cpu()
 
+        partial = plan.partial if plan is not None else 0
+        kept = T if positions is None else positions.shape[-1]
         for b in range(Bsz):
-            kept = T if pages is None else pages_to_positions(pages[b : b + 1], T, self.page_size).shape[-1]
             self.records.append(
                 {
                     "layer_idx": layer_idx,
@@ -632,7 +693,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
                     "page_size": self.page_size,
                     "protected_pages": None if plan is None else plan.protected.nonzero().squeeze(-1),
                     "kept_pages": row(pages, b),
-                    "selected_pages": row(selected if selected is not None else pages, b),
+                    "selected_pages": None if partial else row(selected if selected is not None else pages, b),
                     "weights": None if not diag or diag.get("weights") is None else row(diag["weights"], b).float(),
                     "entropy": None if not diag or diag.get("entropy") is None else row(diag["entropy"], b).float(),
                     "raw_entropy": None
@@ -644,6 +705,8 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
                     "effective_compression": 1.0 - kept / T if T else 0.0,
                     "conflict": bool(plan.conflict) if plan is not None else False,
                     "shrunk": bool(plan.shrunk) if plan is not None else False,
+                    "partial": partial,
+                    "kept_positions": row(positions, b) if partial else None,
                     "bypass": bypass,
                 }
             )
@@ -653,9 +716,11 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         ``1 - kept / T``), ``kept_tokens`` (per layer and group, mean over layers), ``context_length`` ``T``,
         ``budget_tokens`` ``b``, ``protected_tokens`` (after any shrinking), ``protection_shrunk`` (1 when
         protection shrank to fit the budget), ``budget_conflict`` (1 if the protected pages exceeded ``b`` in
-        ``keep_protected`` mode), ``observers`` (observer queries), ``fallback_groups`` (groups pooled by max,
-        over all layers), ``layers``, ``bypass`` (why nothing was evicted, or ``""``) and ``kept_entries`` (per
-        layer, the contract's :data:`presses.base.KEPT_ENTRIES`). Empty before the first prefill."""
+        ``keep_protected`` mode), ``observers`` (observer queries), ``fallback_groups`` (groups pooled by max, over
+        all layers), ``layers``, ``bypass`` (why nothing was evicted, or ``""``), ``kept_entries`` (per layer, the
+        contract's :data:`presses.base.KEPT_ENTRIES`) and, only when a budget below one page kept a partial page of
+        the best tokens instead of whole pages (docs/methods.md §1.12), ``partial_page`` = 1. Empty before the first
+        prefill."""
         if not self._stats:
             return {}
         n = len(self._stats)
@@ -673,4 +738,5 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             "layers": n,
             "bypass": last["bypass"],
             KEPT_ENTRIES: kept_entries_text(s["kept"] for s in self._stats),
+            **({"partial_page": 1} if any(s["partial"] for s in self._stats) else {}),
         }

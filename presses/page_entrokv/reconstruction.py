@@ -61,10 +61,12 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
 
     - ``layerwise=False`` (default, KVzip's): the ``int(L G T ratio)`` lowest-scored entries over all layers and
       groups are masked (kvpress's ``KVzipPress.compress_post`` on the page scores; the cache stays dense, as
-      KVzip's), so layers whose pages the reconstruction needs keep more of them;
+      KVzip's), so layers whose pages the reconstruction needs keep more of them; a group that would lose every
+      entry (a prompt of a few tokens) keeps its best one;
     - ``layerwise=True``: Page-EntroKV's own selection in every layer, the strict budget
       ``floor(T (1 - compression_ratio))`` per layer and group (:meth:`presses.PageEntroKVPress.compress_observed`),
-      the cache cut to the kept pages.
+      the cache cut to the kept pages (a budget below one page: a partial page of the best tokens, as
+      Page-EntroKV's, docs/methods.md §1.12).
 
     Why a max and not Page-EntroKV's mean over observers: the mean over thousands of reconstruction queries favours
     the tokens every query glances at, while a needle's digits are attended by the one query that copies them
@@ -132,9 +134,12 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
         super().__post_init__()
 
     def pages(self) -> PageEntroKVPress:
-        """A Page-EntroKV press with this press's page fields: the pooling, paging and selection."""
+        """A Page-EntroKV press with this press's page fields: the pooling, paging and selection (its short-prompt
+        warnings logged once per setting of this press, not of each new page press)."""
         fields = {name: getattr(self, name) for name in SELECTION_FIELDS if name != "layerwise"}
-        return PageEntroKVPress(n_sink=self.n_sink, **fields)
+        press = PageEntroKVPress(n_sink=self.n_sink, **fields)
+        press.__dict__["_warned_settings"] = self.__dict__.setdefault("_warned_settings", set())
+        return press
 
     def prepare(self, model, tokenizer, prev_postfix_size=8):
         """kvpress's chunks, with the scores kept per query head (:meth:`empty_scores`)."""
@@ -185,6 +190,8 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
             protected = pages.protected_positions(T, scores.device)
             self.score_val = scores.masked_fill(protected, float(scores.amax()) + 1.0)  # above every layer's pages
             KVzipPress.compress_post(self, model)  # the sinks raised too, the lowest masked over all layers
+            if self.compression_ratio > 0:
+                self.keep_one_per_head(model)  # never an empty head (docs/methods.md §1.12)
             return
         # the statistics' observer count: the context positions the pass reconstructed (one copy query each; the
         # chat template's prefix, which it does not reconstruct, scores 0)
