@@ -207,14 +207,11 @@ def check_thinking(tokenizer, enable_thinking: bool, model_name: str = "the mode
 def max_positions(model) -> int | None:
     """The most positions ``model`` takes: ``max_position_embeddings``, or ``factor x
     original_max_position_embeddings`` when a YaRN / dynamic / LongRoPE scaling extends it further; None when
-    the config does not say."""
-    cfg = _text_config(model)
-    limit = getattr(cfg, "max_position_embeddings", None)
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if limit and kind in ("yarn", "dynamic", "longrope") and rope.get("factor"):
-        limit = max(limit, int(rope["factor"] * rope.get("original_max_position_embeddings", limit)))
-    return int(limit) if limit else None
+    the config does not say (:func:`presses.core.model.max_positions`, the one source: every press of the project
+    refuses a longer prefill with it)."""
+    from presses.core.model import max_positions as positions  # presses import torch: only once a model is loaded
+
+    return positions(model)
 
 
 def check_model_input(
