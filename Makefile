@@ -24,7 +24,7 @@ LAUNCH = $(if $(LAUNCHER),-m hydra/launcher=$(LAUNCHER) shard=$(shell seq -s, -f
 SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean,snis_min,snis_min_uncorrected,snis_min_h,snis_min_h_uncorrected,snis_h2o,snis_h2o_uncorrected,snis_h2o_h,snis_h2o_h_uncorrected
 SWEEP_RATIOS ?= 0.5,0.75
 
-.PHONY: install eval sweep report test lint clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check claims paper003-grid
+.PHONY: install eval sweep report test lint clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check claims paper003-grid scorers
 
 install: $(VENV)/.installed
 
@@ -96,6 +96,16 @@ gpu-check: install           # kernels compiled + benchmark + presses end to end
 
 bench-speed: install         # speed and memory of every press at T in {1k,2k,4k,8k} -> results/speed_memory/
 	$(PY) scripts/bench_speed_memory.py
+
+# make scorers: KVzap's linear and MLP surrogates for MODEL (python -m evaluation.train_scorers kvzap, issue 64): KVzip+
+# targets from the project's KVzip path on the committed corpus (evaluation/train_scorers/data/), the ridge and the
+# MLP, results/scorers/$(MODEL)/kvzap_{linear,mlp}/ and the held-out fit table. SCORER_WORKERS processes of one
+# thread; resumable (targets in ~/.cache/kvpress-research/scorers/). The embedded model's linear surrogate is
+# committed; its MLP (36 MB) is not: this rebuilds both, bit-equal (results/scorers/README.md: time).
+SCORER_WORKERS ?= 2
+SCORER_ARGS ?=
+scorers: install
+	$(PY) -m evaluation.train_scorers kvzap --model $(MODEL) --workers $(SCORER_WORKERS) $(SCORER_ARGS)
 
 claims: install              # the claims ledger -> results/claims.md (from results/claims/claims.yaml and the artifacts)
 	$(PY) scripts/claims_ledger.py

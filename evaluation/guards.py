@@ -14,8 +14,9 @@ each with its test).
   with a thinking switch (:func:`check_thinking`);
 - each example on the model (:func:`check_model_input`): prompt plus answer within the model's positions, and
   token ids within its vocabulary;
-- each press on the model (:func:`check_press_downloads`): the weights, statistics or data a kvpress press
-  downloads when its prefill starts are cached or reachable (:func:`evaluation.registry.press_download_problem`);
+- each press on the model (:func:`check_press_downloads`): the project's trained scorers attached
+  (:mod:`evaluation.scorers`), and the weights, statistics or data a kvpress press downloads when its prefill starts
+  cached or reachable (:func:`evaluation.registry.press_download_problem`);
 - each example under a press (:func:`check_press_input`): the press's limits, from the registry
   (:func:`evaluation.registry.press_input_problem`; kvpress's baselines check their inputs with ``assert``,
   skipped under ``python -O``, or not at all). This project's presses validate their own input.
@@ -277,17 +278,24 @@ def check_press_input(press, model, context_length: int, multi_token_forward: bo
 
 
 def check_press_downloads(press, model) -> None:
-    """Raise when ``press`` (None: nothing to check) needs weights, statistics or data for ``model`` that it cannot
-    download here (kvpress fetches them when the prefill starts; :func:`evaluation.registry.press_download_problem`).
-    Call once per run, after the model is loaded and before any run directory is created.
+    """Attach the project's trained scorers to ``press`` (None: nothing to do) for ``model``
+    (:func:`evaluation.registry.attach_kvzap`, so kvpress downloads nothing), then
+    raise when it needs weights, statistics or data for ``model`` that it cannot download here (kvpress fetches them
+    when the prefill starts; :func:`evaluation.registry.press_download_problem`). Call once per run, after the model
+    is loaded and before any run directory is created.
 
     Raises:
-        OSError: naming the press, what it needs (the hub repository or URL) and how to get it.
+        OSError: naming the press, what it needs (the hub repository or URL, or the project's scorer file and the
+            command that makes it) and how to get it.
     """
     if press is None:
         return
-    from evaluation.registry import press_download_problem  # kvpress only when a press is checked
+    from evaluation.registry import attach_kvzap, press_download_problem  # kvpress only when a press is checked
 
+    try:
+        attach_kvzap(press, model, required=False)
+    except FileNotFoundError as err:  # a scorer made for another model
+        raise OSError(str(err)) from None
     problem = press_download_problem(press, model)
     if problem:
         raise OSError(problem)

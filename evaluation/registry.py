@@ -74,6 +74,7 @@ __all__ = [
     "sharing",
     "inner_press",
     "KVPRESS_FIELD_MINIMA",
+    "attach_kvzap",
     "press_download_problem",
     "press_field_problem",
     "press_input_problem",
@@ -523,7 +524,9 @@ def press_download_problem(press, model) -> str | None:
 
     kvpress 0.5.5 fetches them in ``post_init_from_model``, i.e. when the prefill starts, from the model's name
     (``model.config.name_or_path``): QFilterPress (``nthngdy/<model>_qfilt``), KVzapPress
-    (``nvidia/KVzap-<model_type>-<model>``, also inside DMSPress), FastKVzipPress (``Jang-Hyun/Fast-KVzip``),
+    (``nvidia/KVzap-<model_type>-<model>``, also inside DMSPress; none when the project trained its own,
+    :mod:`evaluation.scorers`, which the harness attaches first: a missing one is then named with the command that
+    makes it), FastKVzipPress (``Jang-Hyun/Fast-KVzip``),
     ExpectedAttentionStatsPress (``alessiodevoto/exp_att_stats_...``, unless ``stats_folder`` is set),
     DuoAttentionPress (attention patterns from GitHub for six models, or the BookSum dataset with
     ``on_the_fly_scoring``) and LUKVPress (a budget curve from GitHub, for Llama-3.1-8B-Instruct with
@@ -542,9 +545,15 @@ def press_download_problem(press, model) -> str | None:
         return _hub_file_problem(
             label, "Q-filters trained for the model", f"nthngdy/{short}_qfilt", "model.safetensors"
         )
-    if isinstance(press, KVzapPress):
+    if isinstance(press, KVzapPress):  # the project's own scorer (evaluation.scorers, attached first), else the hub's
+        from evaluation.scorers import kvzap_dir, kvzap_problem
+
+        own = kvzap_problem(model, press.model_type)
+        if own is None or (kvzap_dir(model, press.model_type) / "config.json").is_file():
+            return own  # None, or a scorer made for another model
         repo = f"nvidia/KVzap-{press.model_type}-{short}"
-        return _hub_file_problem(label, "the KVzap scorer trained for the model", repo, "model.safetensors")
+        hub = _hub_file_problem(label, "the KVzap scorer trained for the model", repo, "model.safetensors")
+        return None if hub is None else f"{own}; nor can kvpress load its own: {hub}"
     if isinstance(press, FastKVzipPress):
         groups = config.num_attention_heads // config.num_key_value_heads
         gate = f"{short.lower()}/q{groups}_dim16_sink16.pt"
@@ -588,6 +597,49 @@ def press_download_problem(press, model) -> str | None:
             if problem:
                 return problem
     return None
+
+
+def attach_kvzap(press, model, root=None, required: bool = True) -> list:
+    """Give every KVzapPress that ``press`` is or holds (any kvpress wrapper: DMSPress, AdaKVPress, ComposedPress, ...)
+    the project's trained scorer for ``model`` (:mod:`evaluation.scorers`), as kvpress's own
+    ``post_init_from_model`` would load it from the hub: ``kvzap_model`` and the ``kvzap_model_name`` it compares
+    (``nvidia/KVzap-<model_type>-<model>``), so kvpress downloads nothing. The harness calls it for every run
+    (:func:`evaluation.guards.check_press_downloads`); from Python, call it once before ``with press(model)`` or the
+    pipeline::
+
+        press = DMSPress(KVzapPress(model_type="linear"), threshold=-4)
+        attach_kvzap(press, model)
+        answer = pipe(context, question=question, press=press)["answer"]
+
+    Args:
+        press: a kvpress press (None: nothing).
+        model: the model the press will run on.
+        root: where the scorers live (default :data:`evaluation.scorers.SCORERS`, ``results/scorers/``).
+        required: raise when a scorer is missing; with False, a press without one is left as it is (kvpress then
+            loads the hub's; :func:`press_download_problem` says whether it can).
+
+    Returns:
+        The KVzapPress instances given a scorer.
+
+    Raises:
+        FileNotFoundError: a scorer made for another model (always) or a missing one (``required``): one line
+            naming the model, the file and the command that makes it (:func:`evaluation.scorers.kvzap_problem`).
+    """
+    from evaluation.scorers import kvzap_dir, kvzap_problem, load_kvzap, model_key
+
+    attached = []
+    for inner in [] if press is None else held_presses(press):
+        if not isinstance(inner, KVzapPress):
+            continue
+        problem = kvzap_problem(model, inner.model_type, root)
+        if problem and (required or (kvzap_dir(model, inner.model_type, root) / "config.json").is_file()):
+            raise FileNotFoundError(problem)
+        if problem:
+            continue
+        inner.kvzap_model = load_kvzap(model, inner.model_type, root)
+        inner.kvzap_model_name = f"nvidia/KVzap-{inner.model_type}-{model_key(model)}"  # what kvpress compares
+        attached.append(inner)
+    return attached
 
 
 def research_presses(press) -> list[ResearchPress]:

@@ -203,6 +203,7 @@ def test_hub_weights_that_do_not_exist_for_the_model(monkeypatch, offline):
     monkeypatch.setattr(huggingface_hub, "file_exists", lambda repo, filename: asked.append(repo) or False)
     problem = press_download_problem(_press("kvzap"), _named("HuggingFaceTB/SmolLM2-135M-Instruct"))
     assert asked == ["nvidia/KVzap-mlp-SmolLM2-135M-Instruct"] and "the hub has no" in problem
+    assert "python -m evaluation.train_scorers kvzap --model HuggingFaceTB/SmolLM2-135M-Instruct" in problem
     monkeypatch.setattr(huggingface_hub, "file_exists", lambda repo, filename: True)
     assert press_download_problem(_press("kvzap"), _named("HuggingFaceTB/SmolLM2-135M-Instruct")) is None
 

@@ -28,6 +28,7 @@ from presses import EntroPrefillPress, PageEntroKVPress, ProbabilisticEvictionPr
 
 ROOT = Path(__file__).resolve().parent.parent
 ANALYSES = {"uor", "studies"}  # they study named presses; the harness runs any press
+ANALYSES |= {"train_scorers"}  # trains KVzap's scorers on KVzip's scores (issue 64)
 HARNESS = [p for p in sorted((ROOT / "evaluation").rglob("*.py")) if not ANALYSES & set(p.relative_to(ROOT).parts)]
 PRESS_CLASSES = sorted(
     {name for name in dir(kvpress) if name.endswith("Press") and name != "BasePress"}
@@ -96,8 +97,11 @@ FRONTIER = {
     "kvgrad": (False, False, True),
     "qfilter": (True, False, False),
     "kvzap": (True, False, False),
+    "kvzap_linear": (True, False, False),
+    "kvzap_mlp": (True, False, False),
     "expected_attention_stats": (True, False, False),
     "dms": (False, False, False),
+    "dms_linear": (False, False, False),
     "fastkvzip": (False, False, False),
     "duo_attention": (False, False, False),
     "lukv": (False, False, False),

@@ -17,6 +17,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 #: Presses the grids leave out besides those that need the question inside: the baseline, and those that need
 #: weights trained for the model (README).
 NOT_IN_GRID = {"no_press", "qfilter", "kvzap", "dms", "fastkvzip", "duo_attention", "lukv", "expected_attention_stats"}
+NOT_IN_GRID |= {"kvzap_linear", "kvzap_mlp", "dms_linear"}  # trained per model (results/scorers/)
 NOT_IN_GRID |= {"per_layer_compression"}  # its ratios are a list per layer of the model, not the grid's ratio
 
 
