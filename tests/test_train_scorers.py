@@ -130,6 +130,14 @@ def test_the_command_is_deterministic_and_its_scorers_load(tiny, tmp_path, monke
     rows = (first.parent / "checkpoint" / "kvzap_fit.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * 3 * 2  # (linear, mlp, mlp4) x (300, 700 tokens) x 2 layers
     assert {json.loads((first / k / "config.json").read_text())["training"]["train_docs"] for k in ("kvzap_linear",)}
+    from filelock import FileLock
+
+    work = next((tmp_path / "a" / "work" / "tiny").iterdir())
+    with FileLock(work / "shard0.lock"), FileLock(work / "shard1.lock"):  # as while another run computes further
+        again = _train(tmp_path, "a", "--surrogates", "linear", "--no-report")  # computed: fits without a worker
+    assert (again / "kvzap_linear" / "model.safetensors").read_bytes() == (
+        second / "kvzap_linear" / "model.safetensors"
+    ).read_bytes()
     other = _train(tmp_path, "c", "--seed", "1", "--surrogates", "linear", "--no-report")
     assert (other / "kvzap_linear" / "model.safetensors").read_bytes() != (
         first / "kvzap_linear" / "model.safetensors"

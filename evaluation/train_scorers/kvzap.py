@@ -50,6 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--surrogates", default="linear,mlp", help="comma-separated: linear, mlp")
     p.add_argument("--mlp-rows-per-doc", type=int, default=d.mlp_rows_per_doc, help="MLP rows kept per document")
     p.add_argument("--mlp-hidden", type=int, nargs="+", default=[m.hidden], help="MLP widths (the first is saved)")
+    p.add_argument("--mlp-at", type=int, nargs="*", default=None, help="token counts of the MLP fits (default: all)")
     p.add_argument("--mlp-epochs", type=int, default=m.epochs)
     p.add_argument("--mlp-lr", type=float, default=m.lr)
     p.add_argument("--out", default=str(SCORERS), help="where <model>/kvzap_<type>/ and the fit tables go")
@@ -151,7 +152,7 @@ def run(args) -> None:
             fits["linear", tokens] = save.kvzap_model(params, key, rec)
             records["linear", tokens] = rec
             print(f"linear at {tokens} tokens: {k} documents, {rec['rows']} rows, {rec['fit_seconds']} s", flush=True)
-        if "mlp" in surrogates:
+        if "mlp" in surrogates and (args.mlp_at is None or tokens in {args.train_tokens, *args.mlp_at}):
             x, y = targets.train_rows(work, k)
             rows = int(targets.shard_moments(work, k).count[0]) if "linear" in surrogates else None
             for ms in mlp_settings:

@@ -356,6 +356,10 @@ def compute(
     docs = milestone_docs(train, sorted({*GROWTH_TOKENS, *milestone_tokens, train_tokens}))
     n_train = docs[train_tokens]
     milestones = sorted(set(docs.values()))
+    wanted = [work / f"shard{s}" / f"docs{k:05d}.npz" for s in range(SHARDS) for k in milestones if k <= n_train]
+    wanted += [work / "heldout" / f"{doc.id}.npz" for doc in heldout[:n_heldout]]
+    if all(path.exists() for path in wanted):  # computed (perhaps by a run going further): no worker, no lock
+        return work
     if workers == 1:
         _worker(settings, work, n_train, n_heldout, milestones, 0, 1)
         return work
