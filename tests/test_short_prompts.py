@@ -19,7 +19,7 @@ import pytest
 import torch
 from _tiny_tokenizer import char_tokenizer
 from conftest import make_tiny_llama
-from kvpress import KVzipPress
+from kvpress import KnormPress, KVzipPress
 from test_entroprefill import TOK, prompt
 from transformers import DynamicCache
 
@@ -39,6 +39,7 @@ from presses.core.paging import (
     select_positions,
     select_tokens,
 )
+from presses.scorer_pages import GROUP_SELECTIONS, ScorerPagePress
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -232,6 +233,20 @@ def test_a_short_prompt_is_logged_once_per_press_and_setting(model, caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "presses.page_entrokv.press"]
     assert len(messages) == 1 and "a partial page of its 19 best tokens" in messages[0]
     assert f"at least {min_prompt_length(0.8, 32, N_SINK, W)}" in messages[0]
+
+
+@pytest.mark.parametrize("group_selection", GROUP_SELECTIONS)
+def test_scorer_pages_never_leave_a_layer_empty(model, group_selection):
+    """Any kvpress scorer's token scores by pages (``ScorerPagePress``, here K-norm's): the same plan, so the same
+    partial page of the best tokens where whole pages would keep nothing."""
+    for T, ratio, B, protect in cases((1, 2, 9, 31, 33, 96, 128, 202), (0.5, 0.8, 0.9, 0.95)):
+        press = ScorerPagePress(
+            press=KnormPress(), compression_ratio=ratio, page_size=B, protect=protect, group_selection=group_selection
+        )
+        cache = prefill(model, press, T)
+        plan = page_budget(T, ratio, B, N_SINK, W, protect=protect)
+        assert [cache.get_seq_length(i) for i in range(2)] == [plan.kept_tokens] * 2, (T, ratio, B, protect)
+        assert 1 <= plan.kept_tokens < budget_of(T, ratio) + B
 
 
 # ---------------------------------------------------------------------------------------------- KVzip's pass

@@ -19,6 +19,7 @@ from presses.core.paging import (
     pages_to_positions,
     protected_page_mask,
     select_pages,
+    select_tokens,
 )
 from presses.kernels import scorer_page_scores
 from presses.probabilistic.proposals import needs_attention_weights
@@ -109,17 +110,21 @@ class ScorerPagePress(ResearchPress, ScorerPress):
     ) -> torch.Tensor:
         """``(B, G, P)`` page scores (``(B, 1, P)`` for ``"shared"``) from the scorer's ``(B, G, T)`` token scores,
         through the dispatch point :func:`presses.kernels.scorer_page_scores`."""
+        tokens = self._token_scores(module, hidden_states, keys, values, attentions, kwargs)
+        return scorer_page_scores(tokens, self.page_size, self.page_score, self.group_selection == "shared")
+
+    def _token_scores(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        """The scorer's ``(B, G, T)`` token scores (one call per layer of a sweep's example, :attr:`memo`)."""
 
         def compute():
             return self.press.score(module, hidden_states, keys, values, attentions, kwargs)
 
         memo = self.memo
         if memo is None:
-            tokens = compute()
-        else:  # one scorer call per layer for every ratio and page option of a sweep's example
-            key = ("scorer", repr(self.press), id(module), id(hidden_states), tuple(keys.shape))
-            tokens = memo.get(key, compute, module, hidden_states)
-        return scorer_page_scores(tokens, self.page_size, self.page_score, self.group_selection == "shared")
+            return compute()
+        # one scorer call per layer for every ratio and page option of a sweep's example
+        key = ("scorer", repr(self.press), id(module), id(hidden_states), tuple(keys.shape))
+        return memo.get(key, compute, module, hidden_states)
 
     def score(
         self,
@@ -176,9 +181,14 @@ class ScorerPagePress(ResearchPress, ScorerPress):
         plan = page_budget(
             T, self.compression_ratio, self.page_size, self.n_sink, self.window_size, "shrink", self.protect
         )
-        scores = self._page_scores(module, hidden_states, keys, values, attentions, kwargs)
-        pages = select_pages(scores, plan.protected, plan.num_selected).expand(B, G, -1)
-        positions = pages_to_positions(pages, T, self.page_size)
+        if plan.partial:  # whole pages would keep nothing: one partial page of the best tokens (methods.md §1.12)
+            tokens = self._token_scores(module, hidden_states, keys, values, attentions, kwargs)
+            tokens = tokens.float().mean(1, keepdim=True) if self.group_selection == "shared" else tokens
+            positions = select_tokens(tokens, plan.partial).expand(B, G, -1)
+        else:
+            scores = self._page_scores(module, hidden_states, keys, values, attentions, kwargs)
+            pages = select_pages(scores, plan.protected, plan.num_selected).expand(B, G, -1)
+            positions = pages_to_positions(pages, T, self.page_size)
         self._stats.append({"T": T, "kept": positions.shape[-1], "budget": plan.budget})
         if positions.shape[-1] == T:
             return keys, values
