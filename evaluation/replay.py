@@ -300,8 +300,7 @@ def generate_answers(
             if not bool(going.any()):
                 break
             keep = going.nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-            attention.select_rows(cache, keep)
+            cache.batch_select_indices(keep)  # the rows of the keys, values and decode-time biases (presses.attention)
             active, last = active[keep], last[keep]
     return [str(pipe.tokenizer.decode(row, skip_special_tokens=True)) for row in tokens]
 

@@ -9,8 +9,9 @@ tokens), ``-inf`` on padding. Softmax with that bias equals Algorithm 1's self-n
 decoded as one batch (``evaluation.fused``).
 
 This module is the math: the state (:class:`AttentionBias`), the float mask it becomes (:func:`bias_mask`,
-:func:`decode_bias`) and one biased attention call (:func:`biased_attention`). Where a bias lives (with the
-cache it was computed for) and when it applies is :mod:`presses.attention`, the project's one attention wrapper.
+:func:`decode_bias`) and one biased attention call (:func:`biased_attention`). Where a bias lives (on the
+cache layer it describes, through every cache operation) and when it applies is :mod:`presses.attention`, the
+project's one attention wrapper.
 A layer with a bias is computed in float32 on every path, so the log-weights are never rounded to a
 half-precision model's dtype: sdpa and eager upcast that layer's query, keys and values (a transient float32
 copy of the layer's cache) and cast the output back; the Triton decode kernel reads the float32 bias and
@@ -29,6 +30,8 @@ from presses.kernels import biased_decode_attention, use_triton
 
 __all__ = [
     "AttentionBias",
+    "check_fit",
+    "check_positions",
     "fit_mask",
     "bias_mask",
     "decode_bias",
@@ -45,14 +48,62 @@ class AttentionBias:
         bias: ``(B, G, P)`` float32 logit bias of the ``P`` (padded) prompt slots at the head of the
             layer's cache: e.g. the SNIS log-weight for kept entries, ``-inf`` for padding. Query head ``h``
             uses the row of group ``h // (H_Q / G)``.
+        context_length: ``T``, the number of prompt tokens the layer was compressed from, when known: the
+            entries written after the prompt sit at positions ``T, T + 1, ...`` (kvpress's pipeline), so a decode
+            at a position below ``T`` is refused (:func:`check_positions`). None: not checked.
     """
 
     bias: torch.Tensor
+    context_length: int | None = None
 
     @property
     def prefix_len(self) -> int:
         """``P``, the number of (padded) prompt slots at the head of the layer's cache."""
         return self.bias.shape[-1]
+
+    def with_bias(self, bias: torch.Tensor) -> AttentionBias:
+        """The same state with ``bias`` (e.g. its rows selected or its slots cut by a cache operation)."""
+        return AttentionBias(bias, self.context_length)
+
+
+def check_fit(state: AttentionBias, B: int, G: int, K: int) -> None:
+    """Raise unless ``state`` fits a layer cache of ``B`` rows, ``G`` KV groups and ``K >= P`` entries.
+
+    Raises:
+        ValueError: naming both shapes: the cache was changed without its state (keys replaced by hand, another
+            batch size) or the state was given to another cache.
+    """
+    b, g, P = state.bias.shape
+    if K < P or b != B or g != G:
+        raise ValueError(
+            f"decode-time bias (B={b}, G={g}, P={P}) does not match the layer's cache (B={B}, G={G}, K={K}): "
+            "was the cache changed without its state?"
+        )
+
+
+def check_positions(state: AttentionBias, position_ids) -> None:
+    """Raise when a forward on a layer compressed from ``T = state.context_length`` prompt tokens feeds positions
+    below ``T`` (nothing when either is unknown).
+
+    Args:
+        state: the layer's :class:`AttentionBias`.
+        position_ids: the forward's ``position_ids`` (``(B, q)``; transformers passes them to the attention
+            function), or None.
+
+    Raises:
+        ValueError: naming the position and ``T``: a model called without ``position_ids`` (``model.generate``
+            included) numbers the new tokens from the cache's length, which for a compressed cache is below ``T``,
+            and would place them among the prompt's own positions.
+    """
+    T = state.context_length
+    if T is None or not isinstance(position_ids, torch.Tensor) or position_ids.numel() == 0:
+        return
+    first = int(position_ids.min())
+    if first < T:
+        raise ValueError(
+            f"a decode at position {first} on a cache compressed from a {T}-token prompt: the tokens after it start "
+            f"at position {T} (pass position_ids, as kvpress's pipeline does; model.generate needs them too)"
+        )
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -119,13 +170,9 @@ def bias_mask(
     """
     B, HQ, q, _ = query.shape
     G, K = key.shape[1], key.shape[2]
+    check_fit(state, B, G, K)
     bias = state.bias
     P = state.prefix_len
-    if K < P or bias.shape[0] != B or bias.shape[1] != G:
-        raise ValueError(
-            f"SNIS state (B={bias.shape[0]}, G={bias.shape[1]}, P={P}) does not match the "
-            f"layer's cache (B={B}, G={G}, K={K}): was the cache replaced without a prefill?"
-        )
     n_after = K - P
     dtype = query.dtype
     prefix = bias.to(device=query.device, dtype=dtype).repeat_interleave(HQ // G, dim=1).unsqueeze(2)
@@ -158,12 +205,11 @@ def decode_bias(state: AttentionBias, key: torch.Tensor, attention_mask: torch.T
         ``(B, G, K)`` float32, the ``bias`` argument of :func:`presses.kernels.biased_decode_attention`.
 
     Raises:
-        ValueError: if the cache is shorter than the prefix.
+        ValueError: if the cache is shorter than the prefix or the batch / group sizes disagree (:func:`check_fit`).
     """
     B, G, K = key.shape[0], key.shape[1], key.shape[2]
+    check_fit(state, B, G, K)
     P = state.prefix_len
-    if K < P:
-        raise ValueError(f"SNIS state has P={P} prompt slots but the layer's cache has K={K}")
     post = torch.zeros(B, G, K - P, device=key.device, dtype=torch.float32)
     if attention_mask is not None and K > P:
         post = post + _additive(attention_mask[..., -(K - P) :], torch.float32).reshape(-1, 1, K - P)

@@ -78,8 +78,8 @@ class Capabilities:
             recorded uncompressed prefill (``evaluation.fused``).
         needs_question: the press needs the question inside the compressed context (``query_aware=true``).
         changes_prefill: the press changes the prefill itself (hidden states or positions of later layers).
-        decode_state: the press leaves per-layer decode-time state on the attention modules
-            (:meth:`ResearchPress.export_decode_state`).
+        decode_state: the press leaves per-layer decode-time state on the layers of the cache it compressed
+            (:mod:`presses.attention`; :meth:`ResearchPress.export_decode_state`).
         needs_eager: the press reads the layers' attention weights (``attn_implementation="eager"``).
         composable: the press may share a ``ComposedPress`` with other presses (see each press's docstring).
         scores_once: after an uncompressed prefill the press runs the model again on that cache to score it (KVzip's

@@ -141,6 +141,4 @@ def decode_biases(cache) -> list:
     without taking them off (:mod:`presses.attention`)."""
     from presses import attention
 
-    requests = attention.requests_of(cache)
-    found = {} if requests is None else requests.biases
-    return [found[i].bias if i in found else None for i in range(len(cache))]
+    return [None if state is None else state.bias for state in attention.decode_state(cache)]

@@ -362,6 +362,8 @@ def test_install_snis_states_refuses_mismatched_runs():
     from presses.attention_bias import AttentionBias
 
     cache = DynamicCache()
+    for i in range(3):  # three layers of two rows (the two runs), five entries each
+        cache.update(torch.zeros(2, 2, 5, 4), torch.zeros(2, 2, 5, 4), i)
     a = tuple(AttentionBias(torch.zeros(1, 2, 5)) for _ in range(3))
     b = tuple(AttentionBias(torch.zeros(1, 2, 6)) for _ in range(3))
     with pytest.raises(ValueError, match="equal padded length"):
@@ -369,9 +371,9 @@ def test_install_snis_states_refuses_mismatched_runs():
     with pytest.raises(ValueError, match="equal padded length"):
         attention.put_decode_state(cache, [a, (None, None, None)])
     attention.put_decode_state(cache, [a, a])
-    assert attention.requests_of(cache).biases[0].bias.shape == (2, 2, 5)
+    assert attention.decode_state(cache)[0].bias.shape == (2, 2, 5)
     taken = attention.take_decode_state(cache, 3)
-    assert taken[0].bias.shape == (2, 2, 5) and not attention.requests_of(cache).biases
+    assert taken[0].bias.shape == (2, 2, 5) and attention.decode_state(cache) == (None, None, None)
 
 
 def test_batched_decode_never_stops_at_the_first_token(tiny):

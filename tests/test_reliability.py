@@ -180,7 +180,8 @@ def test_a_prompt_in_chunks_is_refused(name):
         with pytest.raises(ValueError, match=r"a forward of 160 tokens on a cache of .* prompt in chunks"):
             model.model(input_ids=second, past_key_values=cache)
         assert cache.get_seq_length() == kept  # nothing of the second chunk was stored
-        model(input_ids=QUESTION[:, :1], past_key_values=cache)  # decoding one token inside the block is fine
+        position = torch.tensor([[first.shape[1]]])  # after the prompt (a compressed cache refuses positions inside it)
+        model(input_ids=QUESTION[:, :1], past_key_values=cache, position_ids=position)  # one token inside: fine
 
 
 def test_generate_with_prefill_chunks_is_refused_and_plain_generate_is_not():

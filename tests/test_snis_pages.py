@@ -113,6 +113,7 @@ def _page_error(press, keys, values, post_k, post_v, query, full, pi, r, m, seed
     for seed in range(seeds):
         press._generator = torch.Generator().manual_seed(seed)
         module, cache = _Attn(r), DynamicCache()
+        cache.update(keys, values, 0)  # the layer the eviction gives its correction
         k, v = press._evict(module, cache, keys, values, pi, torch.tensor(m))
         (bias,) = attention.take_decode_state(cache, 1)  # the correction the eviction gave the cache
         out = _attend("sdpa", module, query, torch.cat([k, post_k], 2), torch.cat([v, post_v], 2), None, bias)

@@ -263,7 +263,9 @@ class ProbabilisticEvictionPress(ResearchPress):
         new_keys = keys.reshape(B * G * t, d).index_select(0, rows).view(B, G, P, d).masked_fill_(pad, 0)
         new_values = values.reshape(B * G * t, -1).index_select(0, rows).view(B, G, P, -1).masked_fill_(pad, 0)
         bias = snis_bias(counts, m, pi, self.tau, self.correction).gather(-1, order)
-        attention.set_decode_bias(cache, module.layer_idx, AttentionBias(bias.masked_fill(~valid, float("-inf"))))
+        # decoding continues at position T, the prefill's length (t is less when a later press of a ComposedPress cut)
+        state = AttentionBias(bias.masked_fill(~valid, float("-inf")), context_length=self._seq_len or t)
+        attention.set_decode_bias(cache, module.layer_idx, state)
         self._stats[module.layer_idx] = {
             "padded": P,
             "kept": float(n_kept.double().mean()),
