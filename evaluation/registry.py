@@ -319,7 +319,10 @@ def press_field_problem(press, where: str = "press") -> str | None:
         return None
     label = type(press).__name__
     for name, f in _kvpress_fields(press).items():
-        value = getattr(press, name, None)
+        try:
+            value = getattr(press, name, None)
+        except (AssertionError, ValueError):  # a field kvpress turned into a property that needs a forward first
+            continue
         key = f"{where}.{name}"
         if f.type in (int, "int") and not (value is None and f.default is None):
             if not isinstance(value, int) or isinstance(value, bool):
