@@ -65,7 +65,7 @@ def compressed(model, ids: torch.Tensor = CONTEXT, press=None) -> DynamicCache:
 
 def logits(model, cache, ids: torch.Tensor, start: int = T) -> torch.Tensor:
     """``ids`` teacher-forced on ``cache`` (extending it) at positions ``start ...``: logits ``(B, n, V)``."""
-    positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
     with torch.no_grad():
         return model(input_ids=ids, past_key_values=cache, position_ids=positions).logits
 
@@ -241,20 +241,27 @@ def test_offloaded_layers_keep_their_state(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cache_moved_to_another_device_keeps_its_state(model):
     """CPU -> CUDA: keys and values moved by hand, the bias stays where it was (each call moves it to the query's
-    device); the offloading cache of transformers moves each layer to the CPU after its update."""
+    device); the offloading cache of transformers moves each layer to the CPU after its update. The question, then
+    one token (on CUDA the Triton decode kernel's path)."""
+
+    def two_steps(model, cache) -> torch.Tensor:
+        device = model.device
+        first = logits(model, cache, QUESTION.to(device))
+        return torch.cat([first, logits(model, cache, OTHER[:, :1].to(device), start=T + QUESTION.shape[1])], 1).cpu()
+
     cache = compressed(model)
-    want = logits(model, copy.deepcopy(cache), QUESTION)
-    without = logits(model, uncorrected(cache), QUESTION)
+    want = two_steps(model, copy.deepcopy(cache))
+    without = two_steps(model, uncorrected(cache))
     gpu = copy.deepcopy(model).cuda()
     moved = copy.deepcopy(cache)
     for layer in moved.layers:
         layer.keys, layer.values = layer.keys.cuda(), layer.values.cuda()
         layer.device = layer.keys.device
-    got = logits(gpu, moved, QUESTION.cuda()).cpu()
-    assert_corrected(got, want, without)
     offloading = DynamicCache(offloading=True)
     offloading.layers = copy.deepcopy(moved).layers
-    assert_corrected(logits(gpu, offloading, QUESTION.cuda()).cpu(), want, without)
+    assert (want - without).abs().max() > 1e-2
+    for cache in (moved, offloading):  # CUDA against CPU: another order of the sums
+        torch.testing.assert_close(two_steps(gpu, cache), want, atol=1e-4, rtol=1e-4)
 
 
 class _RoundingLayer(QuantizedLayer):
