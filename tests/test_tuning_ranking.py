@@ -53,3 +53,43 @@ def test_over_budget_and_incomplete_candidates_rank_last():
     }
     # a page's rounding (0.008 of a 2k prompt) stays within budget
     assert mod.ranking(_records(mod, "rounded", 0.9, eff_delta=-0.008))[0]["within_budget"]
+
+
+def test_learned_search_ranks_complete_candidates_first_and_builds_each_candidate():
+    """The search on KVzap's learned scores (:mod:`evaluation.studies.tune_learned`): every candidate builds the press
+    it names, with its overrides; an incomplete candidate never leads, and the best mean win score does."""
+    from hydra.utils import instantiate
+
+    from evaluation.studies import tune_learned as tl
+
+    runs = tl.runs_for("needle")
+    per_ratio = sum(len(c) for c in tl.CANDIDATES.values()) + len(tl.BASELINES)
+    assert len(runs) == per_ratio * len(tl.RATIOS)
+    labels = [names.get("run_name", names["press"]) for _, names in runs]
+    assert len(set(labels)) == per_ratio  # one name per candidate, the same at every ratio
+    for cfg, names in runs[:per_ratio]:
+        press = instantiate(cfg.press)
+        cand = next((c for p, cs in tl.CANDIDATES.items() for c in cs if tl.label(p, c) == names.get("run_name")), {})
+        assert all(getattr(press, k) == v for k, v in cand.items()), (names, press)
+
+    def cells(name, win, count):
+        out = []
+        for dataset, ratio in itertools.islice(itertools.product(tl.SPLITS, tl.RATIOS), count):
+            out.append(
+                {
+                    "press": "kvzap_page",
+                    "candidate": name,
+                    **{k: "" for k in tl._SHORT},
+                    "dataset": dataset,
+                    "ratio": ratio,
+                    "n": 20,
+                    "win_score": win,
+                    "score": win / 2,
+                    "effective_compression": ratio,
+                }
+            )
+        return out
+
+    full = len(tl.SPLITS) * len(tl.RATIOS)
+    records = cells("a", 0.5, full) + cells("b", 0.9, full - 1) + cells("c", 0.7, full)
+    assert [r["candidate"] for r in tl.ranking(records, "kvzap_page")] == ["c", "a", "b"]
