@@ -7,7 +7,10 @@ Two changes, both idempotent and written atomically:
 1. ``config.yaml`` holds the run's settings (:func:`evaluation.settings.run_settings`: the press as the class and
    every field it built), where earlier versions saved the yaml tree that built it. A field added since takes the
    value it had before it existed where its class says so (:func:`evaluation.settings.saved_run_settings`), e.g.
-   ``draws: sequential`` for the probabilistic press's runs made before per-layer random streams. (The committed
+   ``draws: sequential`` for the probabilistic press's runs made before per-layer random streams; a field removed
+   since is dropped where it holds the value it had in effect (its class's ``removed_fields``, e.g. Page-EntroKV's
+   ``kernel_size: 5`` and ``budget: tokens``, which left with the ablation ladder), and the harness reads such a run
+   the same way unmigrated (:func:`evaluation.settings.saved_press`). (The committed
    results were migrated with this command; a class that moved module before then, ``presses.snis_press``, was
    mapped to its new path once, by hand.)
 2. A prediction row's ``effective_compression`` counts the kept entries. Rows written before this rule by a press

@@ -13,7 +13,8 @@ is compared: a value can reach the harness in several spellings (``compression_r
 a float of a Hydra ``range(...)`` sweep such as ``0.30000000000000004``, ``seed=42.0``, ``shard=00/4``,
 ``query_aware='true'``), and each spelling of one value is one run: one directory, one ``config.yaml``, and a
 finished run is found whichever spelling the next command uses. A run setting added after runs were saved
-(:data:`SETTINGS_SAVED_BEFORE`) is read, where a config lacks it, as the value every earlier run ran with.
+(:data:`SETTINGS_SAVED_BEFORE`) is read, where a config lacks it, as the value every earlier run ran with; a press
+field added or removed since, as its class declares (:func:`saved_press`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "press_settings",
     "public_path",
     "run_settings",
+    "saved_press",
     "saved_run_settings",
 ]
 
@@ -251,14 +253,21 @@ def run_settings(cfg) -> dict:
     return node
 
 
-def _fill_saved_before(node):
-    """``node`` with every press section (a dict with ``_target_``, nested ones too) completed by the
-    :data:`presses.base.SAVED_BEFORE` values of the fields its class has and it lacks."""
+def saved_press(node):
+    """A press section saved in a run directory as today's classes read it: every press section (a dict with
+    ``_target_``, nested ones too) completed by the :data:`presses.base.SAVED_BEFORE` values of the fields its class
+    has and it lacks, and without the fields its class no longer has (the class's ``removed_fields``,
+    :class:`presses.base.RemovedField`) where it holds the value each had in effect. ``node`` is left as it is.
+
+    Raises:
+        ValueError: for a removed field saved at another value (the run used a press the class no longer builds),
+            naming the class, the field, its value and where such values live now.
+    """
     if isinstance(node, list):
-        return [_fill_saved_before(v) for v in node]
+        return [saved_press(v) for v in node]
     if not isinstance(node, dict):
         return node
-    node = {k: _fill_saved_before(v) for k, v in node.items()}
+    node = {k: saved_press(v) for k, v in node.items()}
     target = node.get("_target_")
     if isinstance(target, str):
         try:
@@ -270,22 +279,33 @@ def _fill_saved_before(node):
         except Exception:  # an unknown class: run_settings names it with its own error
             return node
         if dataclasses.is_dataclass(cls):
-            for f in dataclasses.fields(cls):
-                if f.init and SAVED_BEFORE in f.metadata and f.name not in node:
+            fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+            for f in fields.values():
+                if SAVED_BEFORE in f.metadata and f.name not in node:
                     node[f.name] = f.metadata[SAVED_BEFORE]
+            for name, removed in getattr(cls, "removed_fields", {}).items():
+                if name in fields or name not in node:
+                    continue
+                if node[name] != press_settings(removed.value):
+                    raise ValueError(
+                        f"{target}: this run was saved with {name}={node[name]!r}, a field the class no longer has "
+                        f"(only {name}={removed.value!r}, which every press it builds ran with, reads as today's "
+                        f"press); its other values are {removed.moved_to}'s"
+                    )
+                del node[name]
     return node
 
 
 def saved_run_settings(saved) -> dict:
     """:func:`run_settings` of a config saved in a run directory: a press field the saved section lacks takes the
     value it had before it existed (its :data:`presses.base.SAVED_BEFORE` metadata) where it has one, else today's
-    default; a run setting it lacks, the value of :data:`SETTINGS_SAVED_BEFORE` (as for any config,
-    :func:`normalise`).
+    default; a field its class no longer has is read as absent at the value it had in effect (:func:`saved_press`);
+    a run setting it lacks, the value of :data:`SETTINGS_SAVED_BEFORE` (as for any config, :func:`normalise`).
 
     Raises:
-        ValueError: as :func:`run_settings`.
+        ValueError: as :func:`run_settings` and :func:`saved_press`.
     """
     node = OmegaConf.to_container(saved, resolve=True) if isinstance(saved, DictConfig) else dict(saved)
     if isinstance(node.get("press"), dict):
-        node["press"] = _fill_saved_before(node["press"])
+        node["press"] = saved_press(node["press"])
     return run_settings(node)

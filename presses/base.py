@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from kvpress.presses.base_press import BasePress
 from transformers import DynamicCache, QuantizedCache
@@ -47,6 +47,7 @@ from presses.core.model import language_model, max_positions
 __all__ = [
     "Capabilities",
     "KEPT_ENTRIES",
+    "RemovedField",
     "SAVED_BEFORE",
     "cache_problem",
     "check_prompt_positions",
@@ -66,6 +67,21 @@ KEPT_ENTRIES = "kept_entries"
 #: whose saved settings lack the field ran with that value, not with today's default
 #: (:func:`evaluation.settings.saved_run_settings`), e.g. ``ProbabilisticEvictionPress.draws``.
 SAVED_BEFORE = "saved_before"
+
+
+class RemovedField(NamedTuple):
+    """A field a press class once had and no longer has (:attr:`ResearchPress.removed_fields`), the converse of
+    :data:`SAVED_BEFORE`.
+
+    Attributes:
+        value: the value the field had in every press the class still builds: a saved run listing the field at this
+            value ran today's press (:func:`evaluation.settings.saved_press` reads the field as absent).
+        moved_to: where the field's other values live now (a class path), named in the one line that refuses a
+            saved run listing another value.
+    """
+
+    value: Any
+    moved_to: str
 
 
 @dataclass(frozen=True)
@@ -278,6 +294,8 @@ class ResearchPress(BasePress):
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: Fields the class no longer has, by name (:class:`RemovedField`): what saved runs that list them ran with.
+    removed_fields: ClassVar[dict[str, RemovedField]] = {}
 
     # ------------------------------------------------------------------ per request
     def reset(self) -> None:

@@ -1,11 +1,14 @@
 """The ablation ladder from ChunkKV to Page-EntroKV (issue 30, deliverable 1; docs/methods.md §1.14).
 
 - rung 0 (``page_entrokv_rung0_chunkkv``) is kvpress's ``ChunkKVPress(SnapKVPress, chunk_length=32)`` (``chunkkv32``)
-  written as a ``PageEntroKVPress``: the same kept keys and values, bit for bit, on a tiny random Llama;
+  written as the ladder's press (``evaluation.studies.ladder.PageEntroKVLadderPress``): the same kept keys and
+  values, bit for bit, on a tiny random Llama;
 - every rung differs from the one before in exactly one field of the press it builds
-  (:func:`evaluation.settings.press_settings`), the last rung being ``page_entrokv``;
+  (:func:`evaluation.settings.press_settings`), the last rung being ``page_entrokv``: the ladder's press at its
+  defaults, which keeps Page-EntroKV's cache bit for bit;
 - the options the ladder adds (``pooling="snapkv"``, ``page_score="mean"``, ``group_selection="shared"``,
-  ``budget="pages"``) compute what their documentation says.
+  ``budget="pages"``) compute what their documentation says, and ``PageEntroKVPress`` refuses them naming the
+  ladder's press.
 
 Where the two could differ: both rank chunks by the same float32 scores, but ChunkKV picks the top chunks with
 ``torch.topk`` and Page-EntroKV with a stable sort (the lower page wins a tie). They keep different chunks only when
@@ -25,22 +28,12 @@ from kvpress import ChunkKVPress, SnapKVPress
 from test_harness import composed
 from transformers import DynamicCache
 
-from evaluation.settings import press_settings
+from evaluation.settings import press_settings, public_path
+from evaluation.studies.ladder import LADDER, PageEntroKVLadderPress
 from presses import PageEntroKVPress
 from presses.core.paging import page_budget, page_scores
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-#: The ladder in order: ChunkKV (kvpress) = rung 0, then one change per rung up to Page-EntroKV.
-LADDER = [
-    "page_entrokv_rung0_chunkkv",
-    "page_entrokv_rung1_per_group",
-    "page_entrokv_rung2_mean_pool",
-    "page_entrokv_rung3_entropy",
-    "page_entrokv_rung4_block_max",
-    "page_entrokv_rung5_protected",
-    "page_entrokv",
-]
 
 
 def _press(name: str, ratio: float = 0.5):
@@ -74,18 +67,53 @@ def test_rung0_is_chunkkv_bit_for_bit(model, T, ratio):
         assert torch.equal(layer_a.keys, layer_b.keys) and torch.equal(layer_a.values, layer_b.values)
 
 
+def _as_ladder(press: PageEntroKVPress) -> dict:
+    """The settings of the ladder's press with ``press``'s fields (its own at their defaults)."""
+    fields = {k: v for k, v in press_settings(press).items() if k != "_target_"}
+    return press_settings(PageEntroKVLadderPress(**fields))
+
+
 def test_each_rung_changes_one_field():
-    settings = [press_settings(_press(name)) for name in LADDER]
+    presses = [_press(name) for name in LADDER]
+    assert all(type(p) is PageEntroKVLadderPress for p in presses[:-1]) and type(presses[-1]) is PageEntroKVPress
+    settings = [press_settings(p) for p in presses[:-1]] + [_as_ladder(presses[-1])]
     changed = []
     for before, after in zip(settings, settings[1:]):
         diff = sorted(k for k in before if before[k] != after[k])
         assert len(diff) == 1, diff
         changed.append(diff[0])
     assert changed == ["group_selection", "pooling", "pooling", "page_score", "protect", "budget"]
-    assert settings[-1] == press_settings(PageEntroKVPress(compression_ratio=0.5))  # the class defaults
+    assert press_settings(presses[-1]) == press_settings(PageEntroKVPress(compression_ratio=0.5))  # the defaults
+    assert settings[-1] == press_settings(PageEntroKVLadderPress(compression_ratio=0.5))  # the ladder's defaults
     for size in (16, 64):  # the page-size step, from the top rung
-        other = press_settings(_press(f"page_entrokv_page{size}"))
+        other = _as_ladder(_press(f"page_entrokv_page{size}"))
         assert {k for k in other if other[k] != settings[-1][k]} == {"page_size"} and other["page_size"] == size
+
+
+@pytest.mark.parametrize("options", [{}, {"group_selection": "union", "protect": "none", "page_size": 16}])
+def test_the_ladder_press_at_its_defaults_is_page_entrokv_bit_for_bit(model, options):
+    """The top of the ladder: the subclass with ChunkKV's options at their defaults keeps Page-EntroKV's cache."""
+    for T, ratio in ((300, 0.5), (1000, 0.75), (90, 0.9)):
+        ids = torch.randint(4, 120, (1, T), generator=torch.Generator().manual_seed(T))
+        a = _prefill(model, PageEntroKVPress(ratio, **options), ids)
+        ladder = PageEntroKVLadderPress(ratio, **options)
+        b = _prefill(model, ladder, ids)
+        assert ladder.summary()["kept_entries"] and a.get_seq_length() < T
+        for layer_a, layer_b in zip(a.layers, b.layers):
+            assert torch.equal(layer_a.keys, layer_b.keys) and torch.equal(layer_a.values, layer_b.values)
+
+
+@pytest.mark.parametrize("options", [{"pooling": "snapkv"}, {"page_score": "mean"}, {"group_selection": "shared"}])
+def test_the_library_press_refuses_the_ladders_options(options):
+    """``PageEntroKVPress`` holds what Page-EntroKV uses: ChunkKV's values are refused naming the ladder's press,
+    ChunkKV's fields (``kernel_size``, ``budget``) are not its own."""
+    with pytest.raises(ValueError, match=r"is not one of .*evaluation\.studies\.ladder\.PageEntroKVLadderPress's"):
+        PageEntroKVPress(**options)
+    PageEntroKVLadderPress(**options)  # the ladder's press takes it
+    for name, value in (("kernel_size", 3), ("budget", "pages")):
+        with pytest.raises(TypeError, match=name):
+            PageEntroKVPress(**{name: value})
+        assert PageEntroKVPress.removed_fields[name].moved_to == public_path(PageEntroKVLadderPress)
 
 
 def test_page_mean_and_chunkkv_page_count():
@@ -102,7 +130,7 @@ def test_page_mean_and_chunkkv_page_count():
 
 def test_shared_selection_keeps_one_page_set_for_all_groups(model):
     ids = torch.randint(4, 120, (1, 300), generator=torch.Generator().manual_seed(0))
-    press = PageEntroKVPress(compression_ratio=0.75, window_size=16, page_size=8, group_selection="shared", record=True)
+    press = PageEntroKVLadderPress(0.75, window_size=16, page_size=8, group_selection="shared", record=True)
     cache = _prefill(model, press, ids)
     for record in press.records:
         assert (record["kept_pages"] == record["kept_pages"][0]).all()  # every group the same pages
@@ -123,7 +151,7 @@ def test_snapkv_pooling_ranks_pages_by_snapkvs_scores(model):
         seen.append((self.window_size, self.kernel_size, out))
         return out
 
-    press = PageEntroKVPress(compression_ratio=0.5, window_size=16, pooling="snapkv", kernel_size=3, page_score="mean")
+    press = PageEntroKVLadderPress(0.5, window_size=16, pooling="snapkv", kernel_size=3, page_score="mean")
     press.record = True
     try:
         SnapKVPress.score = spy
@@ -149,4 +177,4 @@ def test_bad_ablation_options_name_the_value():
         ({"kernel_size": 0}, "kernel_size=0 must be an integer >= 1"),
     ]:
         with pytest.raises(ValueError, match=match):
-            PageEntroKVPress(**kwargs)
+            PageEntroKVLadderPress(**kwargs)

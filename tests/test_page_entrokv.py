@@ -50,9 +50,12 @@ def rand_ids(T, batch=1, seed=0):
         ({"tau": -1.0}, "tau=-1.0 must be > 0"),
         (
             {"pooling": "median"},
-            r"pooling='median' is not one of \('entropy', 'raw_entropy', 'mean', 'max', 'snapkv'\)",
+            r"pooling='median' is not one of \('entropy', 'raw_entropy', 'mean', 'max'\) \(ChunkKV's values, the "
+            r"ablation ladder's, are evaluation\.studies\.ladder\.PageEntroKVLadderPress's\)",
         ),
-        ({"page_score": "sum"}, r"page_score='sum' is not one of \('block_max', 'mass', 'mean', 'halo_max'\)"),
+        ({"page_score": "sum"}, r"page_score='sum' is not one of \('block_max', 'mass', 'halo_max'\) \(ChunkKV's"),
+        ({"page_score": "mean"}, r"page_score='mean' is not one of .* evaluation\.studies\.ladder\.PageEntroKVLadder"),
+        ({"group_selection": "shared"}, r"group_selection='shared' is not one of \('group', 'union'\) \(ChunkKV's"),
         ({"on_budget_conflict": "skip"}, "on_budget_conflict='skip' is not one of"),
     ],
 )

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from evaluation import fused, kvzip_path, replay
 from evaluation import run as entry
 from evaluation.registry import capabilities
+from evaluation.studies.ladder import PageEntroKVLadderPress
 from presses import PageEntroKVPress, PageEntroKVReconstructionPress
 from presses.core.model import attention_modules
 
@@ -184,8 +185,11 @@ def test_compress_observed_refuses_bad_input(tiny):  # noqa: F811
     keys = torch.zeros(1, 2, 50, 16)
     with pytest.raises(ValueError, match=r"attn has shape \(1, 4, 49\); expected \(B=1, H_Q, T=50\) with G=2"):
         PageEntroKVPress(0.5).compress_observed(module, keys, keys, torch.ones(1, 4, 49), 1)
-    with pytest.raises(ValueError, match="pooling='snapkv' scores the layer's own queries"):
-        PageEntroKVPress(0.5, pooling="snapkv").compress_observed(module, keys, keys, torch.ones(1, 4, 50), 1)
+    ladder = PageEntroKVLadderPress(0.5, pooling="snapkv")  # the ablation ladder's SnapKV scores
+    with pytest.raises(ValueError, match="pooling='snapkv' scores the layer's own queries; compress_observed"):
+        ladder.compress_observed(module, keys, keys, torch.ones(1, 4, 50), 1)
+    with pytest.raises(ValueError, match="pooling='snapkv' scores the layer's own queries; score_observed"):
+        ladder.score_observed(torch.ones(1, 4, 50), 2)
 
 
 def test_config_capabilities_and_refusals():

@@ -3,7 +3,9 @@
 - every ``configs/press/*.yaml`` states only what differs from its class (a value equal to the class default is a
   second source of that default; an interpolation such as ``${seed}`` links a run setting and is allowed);
 - the committed run directories resume under today's configs: for each, the press today's ``press=<name>`` builds
-  at its ratio has the settings its ``config.yaml`` holds;
+  at its ratio has the settings its ``config.yaml`` holds (a field added since at the value it had before it existed,
+  a field removed since at the value it had in effect: ``evaluation.settings.saved_press``), and the harness's own
+  resume check finds no change for every run of Page-EntroKV and of the press that reuses its code;
 - the class defaults are the tuned values the benchmark runs (``PageEntroKVPress().page_size``);
 - the scoring math and its kernels restate none of the press's defaults (they take every value from the press).
 """
@@ -21,8 +23,10 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 from test_harness import composed
 
-from evaluation.settings import press_settings, run_settings
-from presses import PageEntroKVPress, ProbabilisticEvictionPress
+from evaluation import harness
+from evaluation.settings import press_settings, public_path, run_settings, saved_press, saved_run_settings
+from evaluation.studies.ladder import PageEntroKVLadderPress
+from presses import PageEntroKVPress, PageEntroKVReconstructionPress, ProbabilisticEvictionPress
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESS_CONFIGS = sorted((ROOT / "configs" / "press").rglob("*.yaml"))
@@ -104,8 +108,10 @@ def _committed_runs():
 def test_committed_runs_resume_with_todays_configs():
     """For every committed run, the press ``press=<name> compression_ratio=<ratio>`` builds today is the one its
     ``config.yaml`` holds, field for field (a changed default or a yaml that dropped a value would show here). The
-    one exception: a field the run predates holds the value it had before it existed (its ``SAVED_BEFORE``
-    metadata, e.g. the probabilistic press's ``draws: sequential``), and the run is rebuilt with that override."""
+    exceptions: a field the run predates holds the value it had before it existed (its ``SAVED_BEFORE``
+    metadata, e.g. the probabilistic press's ``draws: sequential``), and the run is rebuilt with that override; a
+    field the class no longer has is listed at the value it had in effect (its ``removed_fields``, e.g.
+    Page-EntroKV's ``budget: tokens``), and :func:`evaluation.settings.saved_press` reads it as absent."""
     import dataclasses
 
     from hydra.utils import get_class
@@ -136,10 +142,94 @@ def test_committed_runs_resume_with_todays_configs():
                     *(f"++press.{k}={v}" for k, v in before.items()),
                 )
             )["press"]
-        assert built[key] == saved["press"], config
+        assert built[key] == saved_press(saved["press"]), config
         checked += 1
         overridden += bool(before)
     assert checked > 300 and 0 < overridden < checked
+
+
+def _holds(node, targets: set[str]) -> bool:
+    """Whether a saved press section is, or holds at any depth, a press of one of ``targets``."""
+    if isinstance(node, dict):
+        return node.get("_target_") in targets or any(_holds(v, targets) for v in node.values())
+    return isinstance(node, list) and any(_holds(v, targets) for v in node)
+
+
+def test_committed_page_entrokv_runs_are_the_runs_todays_configs_build():
+    """Every committed run whose press is Page-EntroKV or holds it (the reconstruction press too, which reuses its
+    code) is, for the harness's resume check (``harness.config_changes``: its saved ``config.yaml`` against its own
+    config with the press ``press=<name>`` builds today), the same run: no change. Runs saved while the ablation
+    ladder's ``kernel_size`` and ``budget`` were fields of the class list them; they build and compare equal."""
+    targets = {public_path(PageEntroKVPress), public_path(PageEntroKVReconstructionPress)}
+    configs: dict[str, object] = {}
+    checked = 0
+    for config in _committed_runs():
+        saved = yaml.load(config.read_text(encoding="utf-8"), Loader=_YAML_LOADER)
+        if not _holds(saved.get("press"), targets):
+            continue
+        parts = config.relative_to(ROOT / "results").parts
+        name = parts[-4] if parts[-2].startswith("shard_") else parts[-3]
+        if name not in configs:
+            configs[name] = harness.compose_config([f"press={name}"]).press
+        cfg = OmegaConf.create(saved)
+        cfg.press = configs[name]  # the run's own settings, the press as its config builds it today
+        assert harness.config_changes(saved, cfg) == [], config
+        fields = {f.name for f in dataclasses.fields(get_class(saved["press"]["_target_"])) if f.init}
+        assert set(saved_run_settings(saved)["press"]) == fields | {"_target_"}, config  # builds with today's fields
+        checked += 1
+    assert checked > 0 and {"page_entrokv", "page_entrokv_reconstruction"} <= set(configs)
+
+
+def test_a_removed_field_reads_as_absent_at_its_value_and_is_refused_at_another():
+    """``removed_fields``: a saved section listing Page-EntroKV's former ``kernel_size`` and ``budget`` at the values
+    every Page-EntroKV press ran with is today's press (nested in a wrapper too); another value is one line naming
+    the ladder's press, where those values live now. The ladder's press keeps them as its own fields."""
+    today = press_settings(PageEntroKVPress(0.5))
+    saved = {**today, "kernel_size": 5, "budget": "tokens"}
+    assert saved_press(saved) == today and saved["budget"] == "tokens"  # the saved dict is left as it is
+    assert saved_run_settings({"press": saved})["press"] == today
+    wrapped = {"_target_": "kvpress.AdaKVPress", "press": saved}
+    assert saved_press(wrapped)["press"] == today
+    ladder = press_settings(PageEntroKVLadderPress(0.5, budget="pages"))
+    assert saved_press(ladder) == ladder and ladder["budget"] == "pages"
+    reconstruction = press_settings(PageEntroKVReconstructionPress(0.5))
+    assert saved_press({**reconstruction, "budget": "tokens"}) == reconstruction
+    for section, field, value in (
+        (saved, "budget", "pages"),
+        (saved, "kernel_size", 7),
+        (wrapped["press"], "budget", "pages"),
+        (reconstruction, "budget", "pages"),
+    ):
+        bad = {**section, field: value}
+        message = (
+            f"this run was saved with {field}={value!r}, a field the class no longer has .* other values are "
+            r"evaluation\.studies\.ladder\.PageEntroKVLadderPress's$"
+        )
+        with pytest.raises(ValueError, match=message):
+            saved_press(bad)
+
+
+def test_migrate_drops_a_removed_field_and_the_run_stays_the_same(tmp_path):
+    """``python -m evaluation.migrate`` on a committed Page-EntroKV run as it was saved before the ladder's fields left
+    the class (``kernel_size: 5``, ``budget: tokens``): they leave its ``config.yaml``, which the harness reads as the
+    same run before and after (idempotent; the rows untouched)."""
+    import shutil
+
+    from evaluation.migrate import migrate
+
+    target = public_path(PageEntroKVPress)
+    run = next(c.parent for c in _committed_runs() if f"_target_: {target}\n" in c.read_text(encoding="utf-8"))
+    copy = tmp_path / "run"
+    copy.mkdir()
+    shutil.copy(run / "predictions.jsonl", copy / "predictions.jsonl")
+    before = OmegaConf.load(run / "config.yaml")
+    before.press.update({name: removed.value for name, removed in PageEntroKVPress.removed_fields.items()})
+    (copy / "config.yaml").write_text(OmegaConf.to_yaml(before))
+    assert migrate(tmp_path)["configs"] == 1 and migrate(tmp_path)["configs"] == 0
+    after = OmegaConf.load(copy / "config.yaml")
+    assert not set(PageEntroKVPress.removed_fields) & set(after.press) and after.press._target_ == target
+    assert harness.config_changes(before, after, both_saved=True) == []
+    assert (copy / "predictions.jsonl").read_bytes() == (run / "predictions.jsonl").read_bytes()
 
 
 def test_settings_are_the_built_press_not_the_yaml():

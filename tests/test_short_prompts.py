@@ -23,6 +23,7 @@ from kvpress import KnormPress, KVzipPress
 from test_entroprefill import TOK, prompt
 from transformers import DynamicCache
 
+from evaluation.studies.ladder import PageEntroKVLadderPress
 from presses import (
     EntroPrefillPress,
     KVzipPagePress,
@@ -176,26 +177,32 @@ def test_page_entrokv_never_leaves_a_layer_empty(model):
 
 
 VARIANTS = [
-    {"pooling": "snapkv"},
-    {"pooling": "mean"},
-    {"pooling": "max", "page_score": "mass"},
-    {"page_score": "mean"},
-    {"page_score": "halo_max"},
-    {"budget": "pages"},
-    {"protect": "none", "n_sink": 0},
-    {"group_selection": "union", "record": True},
-    {"group_selection": "shared"},
-    {"observer_window": "all", "max_fallback": 0.05},
-    {"on_budget_conflict": "keep_protected"},
+    (PageEntroKVPress, {"pooling": "mean"}),
+    (PageEntroKVPress, {"pooling": "max", "page_score": "mass"}),
+    (PageEntroKVPress, {"page_score": "halo_max"}),
+    (PageEntroKVPress, {"protect": "none", "n_sink": 0}),
+    (PageEntroKVPress, {"group_selection": "union", "record": True}),
+    (PageEntroKVPress, {"observer_window": "all", "max_fallback": 0.05}),
+    (PageEntroKVPress, {"on_budget_conflict": "keep_protected"}),
+    # the ablation ladder's ChunkKV options (evaluation/studies/ladder.py)
+    (PageEntroKVLadderPress, {"pooling": "snapkv"}),
+    (PageEntroKVLadderPress, {"page_score": "mean"}),
+    (PageEntroKVLadderPress, {"budget": "pages"}),
+    (PageEntroKVLadderPress, {"group_selection": "shared"}),
 ]
 
 
-@pytest.mark.parametrize("options", VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_page_entrokv_variants_never_leave_a_layer_empty(model, options):
-    """Every option of the press: each layer keeps at least one token; ``union`` keeps the union of its groups'
-    selections (each within the plan), ``keep_protected`` its protected pages (``budget_conflict``)."""
+def _variant_id(value) -> str:
+    return ",".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value.__name__
+
+
+@pytest.mark.parametrize(("cls", "options"), VARIANTS, ids=_variant_id)
+def test_page_entrokv_variants_never_leave_a_layer_empty(model, cls, options):
+    """Every option of the press and of the ablation ladder's: each layer keeps at least one token; ``union`` keeps
+    the union of its groups' selections (each within the plan), ``keep_protected`` its protected pages
+    (``budget_conflict``)."""
     for T, ratio, B, _ in cases((1, 2, 9, 33, 96, 202), (0.5, 0.9, 0.95)):
-        press = PageEntroKVPress(ratio, page_size=B, **options)
+        press = cls(ratio, page_size=B, **options)
         cache = prefill(model, press, T)
         plan = press._plan_cache and next(iter(press._plan_cache.values()))
         kept = [cache.get_seq_length(i) for i in range(2)]

@@ -6,45 +6,45 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-from kvpress import ComposedPress, ScorerPress, SnapKVPress
+from kvpress import ComposedPress, ScorerPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
-from presses.base import KEPT_ENTRIES, Capabilities, ResearchPress, cache_problem, kept_entries_text
+from presses.base import Capabilities, RemovedField, ResearchPress, cache_problem
 from presses.core.observer import attention_logit_options, rotary_embeddings, window_queries
 from presses.core.paging import (
     BUDGET_CONFLICT_MODES,
-    BUDGETS,
-    PAGE_SCORES,
     PROTECTIONS,
     PageBudget,
     check_compression_ratio,
     expand_pages,
     min_prompt_length,
     page_budget,
-    page_scores,
-    pages_to_positions,
     protected_page_mask,
-    select_pages,
-    select_tokens,
-    token_budget,
 )
 from presses.core.pooling import POOLINGS
 from presses.kernels import column_sums, pooled_page_scores
 from presses.observers import memoized_observers, observer_attention
+from presses.page_entrokv.records import layer_records, layer_stats, summarise
+from presses.page_entrokv.selection import kept_positions
 
-__all__ = ["PageEntroKVPress", "GROUP_SELECTIONS", "MAX_OBSERVERS", "SCORE_POOLINGS"]
+__all__ = ["PageEntroKVPress", "GROUP_SELECTIONS", "LADDER_PRESS", "MAX_OBSERVERS", "PAGE_SCORE_CHOICES"]
 
 logger = logging.getLogger(__name__)
 
-GROUP_SELECTIONS = ("group", "union", "shared")
-#: The press's ``pooling`` values: the observer-attention poolings of :data:`presses.core.pooling.POOLINGS`, and
-#: ``"snapkv"``, SnapKV's own window scores (kvpress's ``SnapKVPress.score``) in place of the pooled observer attention.
-SCORE_POOLINGS = (*POOLINGS, "snapkv")
+#: ``group_selection``: each KV group its own pages, or paper 000's per-layer union of the groups' pages.
+GROUP_SELECTIONS = ("group", "union")
+#: ``page_score``: the page rules of :data:`presses.core.paging.PAGE_SCORES` that Page-EntroKV and its variants use
+#: (``"mean"``, ChunkKV's chunk mean, is the ablation ladder's: :data:`LADDER_PRESS`).
+PAGE_SCORE_CHOICES = ("block_max", "mass", "halo_max")
 #: Paper 000 observes with the prompt's queries up to its prefill observation window of 4096 positions.
 MAX_OBSERVERS = 4096
+#: The ablation ladder's subclass (docs/methods.md §1.14), which lives with its tuning, outside the library: it adds
+#: ChunkKV's options (SnapKV's scores, one selection shared by the groups, the chunk mean, ChunkKV's page count).
+LADDER_PRESS = "evaluation.studies.ladder.PageEntroKVLadderPress"
 
 
 @dataclass
@@ -70,6 +70,10 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     above the ratio) or a partial page; the press logs it once per press and setting with the numbers, and
     ``summary()`` reports ``protection_shrunk``, ``budget_tokens`` and ``effective_compression``.
 
+    The ablation ladder from kvpress's ChunkKV to this press (docs/methods.md §1.14) is a subclass that lives with its
+    tuning, ``evaluation/studies/ladder.py`` (:data:`LADDER_PRESS`): it adds ChunkKV's options, which no Page-EntroKV
+    variant uses, and overrides the steps they change.
+
     Parameters:
         compression_ratio: fraction of the prompt to evict, in ``[0, 1)``; 0 leaves the cache untouched.
         window_size: ``W``: the pages touching the last ``W`` positions are protected, and the default observers
@@ -79,26 +83,19 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             (``results/tuning/page_entrokv``; paper 000 and vLLM's block size use 16).
         alpha: Rényi order (2 = collision, 1 = Shannon, ``inf`` = min-entropy), ``> 0``.
         tau: group temperature ``tau_g > 0``; ``tau -> inf`` is mean pooling.
-        pooling: ``"entropy"`` (default), ``"raw_entropy"`` (no sink isolation), ``"mean"`` (``1/r``),
-            ``"max"`` (max over the group's heads), or ``"snapkv"``: SnapKV's scores instead of the pooled observer
-            attention (kvpress's ``SnapKVPress(window_size=observers, kernel_size).score``: the window's attention
-            averaged over the window, an average pool of ``kernel_size``, the mean over the group's heads, the
-            window's own positions above every other; docs/methods.md §1.14).
-        kernel_size: SnapKV's pooling kernel, ``>= 1`` (``pooling="snapkv"`` only).
-        page_score: ``"block_max"`` (default), ``"mass"``, ``"mean"`` (ChunkKV's chunk mean) or ``"halo_max"``
-            (the block max with a quarter page of each neighbour: docs/methods.md §1 step 6).
-        budget: ``"tokens"`` (default: the strict budget ``floor(T (1 - compression_ratio))`` tokens) or
-            ``"pages"`` (ChunkKV's ``max(1, int(P (1 - compression_ratio)))`` of the ``P`` pages).
+        pooling: ``"entropy"`` (default), ``"raw_entropy"`` (no sink isolation), ``"mean"`` (``1/r``) or
+            ``"max"`` (max over the group's heads).
+        page_score: ``"block_max"`` (default), ``"mass"`` (the page's total) or ``"halo_max"`` (the block max with a
+            quarter page of each neighbour): docs/methods.md §1 step 6.
         observer_window: the observers: ``None`` (the last ``window_size`` queries), an int (the last that many
             queries), or ``"all"`` (every prompt query, at most the last 4096: paper 000's prefill observation
             window, docs/methods.md §1.11). Windows above ``observer_block`` rows are averaged block by block
             through the column-sum kernel, so memory stays ``O(observer_block x T)`` per head.
         protect: ``"sink_window"`` (default; docs/methods.md §1 step 7) or ``"none"`` (paper 000 Algorithm 1:
             plain top-K over pages; a partial last page, which every group must keep, stays).
-        group_selection: ``"group"`` (default: each KV group keeps its own pages), ``"union"`` (paper 000: each
+        group_selection: ``"group"`` (default: each KV group keeps its own pages) or ``"union"`` (paper 000: each
             group selects its top-K, and the layer keeps the union of the groups' pages for every group; the
-            budget then holds per group selection, not per layer: ``summary()`` reports what was kept) or
-            ``"shared"`` (ChunkKV: one selection for every group, from the token scores summed over the groups).
+            budget then holds per group selection, not per layer: ``summary()`` reports what was kept).
         max_fallback: ``None`` (default, off) or a threshold in nats: a group whose sink-isolated head entropies
             span less than it (``max_h H_h - min_h H_h``) is pooled by the max over its heads instead (paper
             000's fallback for indistinguishable heads; docs/methods.md §1.11).
@@ -118,16 +115,12 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     ``"union"``, rows whose union is smaller are filled with their next-best pages). Padding tokens are not
     treated specially.
 
-    ``self.records`` (when ``record``): one dict per layer and batch row of the last prefill with keys
-    ``layer_idx``, ``batch_index``, ``T``, ``budget``, ``kept_tokens``, ``page_size``,
-    ``protected_pages`` ``(n_protected,)``, ``kept_pages`` ``(G, n_kept_pages)`` (page ids, ascending),
-    ``selected_pages`` ``(G, n)`` (each group's own selection, before a union), ``weights`` ``(G, r)``
-    (``None`` for ``"max"``), ``entropy`` ``(H_Q,)`` (sink-isolated), ``raw_entropy`` ``(H_Q,)``, ``z``
-    ``(H_Q,)`` (non-sink mass), ``fallback`` ``(G,)`` (groups pooled by max), ``observers``,
-    ``effective_compression``, ``conflict``, ``shrunk``, ``partial`` (the tokens of a partial page kept instead of
-    whole pages, else 0; then ``kept_pages`` and ``selected_pages`` are ``None`` and ``kept_positions``
-    ``(G, n_kept)`` holds the kept positions), ``bypass`` (empty string or the reason nothing was
-    scored). Tensors are on the CPU; the statistic entries are ``None`` when nothing was scored.
+    Saved runs: ``kernel_size`` and ``budget`` were fields until the ladder moved out (:attr:`removed_fields`); a run
+    directory that lists them at the only values this press ran with is read as today's press
+    (``evaluation.settings.saved_press``).
+
+    ``self.records`` (when ``record``): one dict per layer and batch row of the last prefill, its keys those of
+    :func:`presses.page_entrokv.records.layer_records`.
     """
 
     compression_ratio: float = 0.0
@@ -137,9 +130,7 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     alpha: float = 2.0
     tau: float = 0.5
     pooling: str = "entropy"
-    kernel_size: int = 5
     page_score: str = "block_max"
-    budget: str = "tokens"
     observer_window: int | str | None = None
     protect: str = "sink_window"
     group_selection: str = "group"
@@ -151,10 +142,27 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
     _stats: list = field(default_factory=list, init=False, repr=False)
     _plan_cache: dict = field(default_factory=dict, init=False, repr=False)
 
+    #: The values of the fields that take one of a few (the ladder's subclass adds ChunkKV's).
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {
+        "pooling": POOLINGS,
+        "page_score": PAGE_SCORE_CHOICES,
+        "group_selection": GROUP_SELECTIONS,
+        "protect": PROTECTIONS,
+        "on_budget_conflict": BUDGET_CONFLICT_MODES,
+    }
+    #: Said where a value of ``pooling``, ``page_score`` or ``group_selection`` is refused.
+    ladder_note: ClassVar[str] = f" (ChunkKV's values, the ablation ladder's, are {LADDER_PRESS}'s)"
+    #: The integer fields and their minimums.
+    minimums: ClassVar[dict[str, int]] = {"page_size": 1, "window_size": 1, "n_sink": 0, "observer_block": 1}
+    #: The ladder's fields, which saved runs list at the only values this press ran with.
+    removed_fields: ClassVar[dict[str, RemovedField]] = {
+        "kernel_size": RemovedField(5, LADDER_PRESS),
+        "budget": RemovedField("tokens", LADDER_PRESS),
+    }
+
     def __post_init__(self):
         check_compression_ratio(self.compression_ratio)
-        minimums = (("page_size", 1), ("window_size", 1), ("n_sink", 0), ("observer_block", 1), ("kernel_size", 1))
-        for name, low in minimums:
+        for name, low in self.minimums.items():
             value = getattr(self, name)
             if isinstance(value, bool) or int(value) != value or value < low:
                 raise ValueError(f"{name}={value} must be an integer >= {low}")
@@ -167,18 +175,11 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             raise ValueError(f"alpha={self.alpha} must be > 0 (Rényi order; float('inf') = min-entropy)")
         if not (self.tau > 0):
             raise ValueError(f"tau={self.tau} must be > 0 (float('inf') = mean pooling)")
-        if self.pooling not in SCORE_POOLINGS:
-            raise ValueError(f"pooling={self.pooling!r} is not one of {SCORE_POOLINGS}")
-        if self.page_score not in PAGE_SCORES:
-            raise ValueError(f"page_score={self.page_score!r} is not one of {PAGE_SCORES}")
-        if self.budget not in BUDGETS:
-            raise ValueError(f"budget={self.budget!r} is not one of {BUDGETS}")
-        if self.on_budget_conflict not in BUDGET_CONFLICT_MODES:
-            raise ValueError(f"on_budget_conflict={self.on_budget_conflict!r} is not one of {BUDGET_CONFLICT_MODES}")
-        if self.protect not in PROTECTIONS:
-            raise ValueError(f"protect={self.protect!r} is not one of {PROTECTIONS}")
-        if self.group_selection not in GROUP_SELECTIONS:
-            raise ValueError(f"group_selection={self.group_selection!r} is not one of {GROUP_SELECTIONS}")
+        for name, allowed in self.choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                note = self.ladder_note if name in ("pooling", "page_score", "group_selection") else ""
+                raise ValueError(f"{name}={value!r} is not one of {allowed}{note}")
         if self.max_fallback is not None and not self.max_fallback >= 0:
             raise ValueError(f"max_fallback={self.max_fallback} must be None or a threshold >= 0 (nats)")
 
@@ -341,39 +342,20 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         attentions: torch.Tensor | None,
         kwargs: dict,
         observed: tuple[torch.Tensor, int] | None = None,
-    ) -> tuple[torch.Tensor, dict | None, torch.Tensor | None, int]:
-        """Page scores of one layer (docs/methods.md §1 steps 1-6; §1.14 for ``pooling="snapkv"`` and
-        ``group_selection="shared"``); with ``observed`` (:meth:`compress_observed`), from that observer attention
-        ``(B, H_Q, T)`` and observer count instead of the layer's own queries.
+    ) -> tuple[torch.Tensor, torch.Tensor, dict | None, torch.Tensor, int]:
+        """Page scores of one layer (docs/methods.md §1 steps 1-6); with ``observed`` (:meth:`compress_observed`),
+        from that observer attention ``(B, H_Q, T)`` and observer count instead of the layer's own queries. The
+        ladder's subclass overrides this step (SnapKV's scores, one selection shared by the groups).
 
         Returns:
-            ``(page scores (B, G, P), or (B, 1, P) for "shared"; token scores (B, G, T), or (B, 1, T) for "shared";
-            diagnostics or None; fallback (B, G) or None; observers)``.
-
-        Raises:
-            ValueError: for ``pooling="snapkv"`` on fewer than 2 query rows (SnapKV needs more rows than its window).
+            ``(page scores (B, G, P), token scores (B, G, T), diagnostics or None, fallback (B, G), observers)``.
         """
-        G, T = keys.shape[1], keys.shape[2]
-        diag = fallback = pages = None
         if observed is not None:
             attn, observers = observed
-            tokens, pages, diag, fallback = self._page_scores(attn, G)
-        elif self.pooling == "snapkv":
-            n = hidden_states.shape[1]
-            observers = min(self.observer_count(T), n - 1)  # kvpress's SnapKV needs more rows than its window
-            if observers < 1:
-                raise ValueError(f"pooling='snapkv' needs at least 2 query rows, got {n}")
-            snapkv = SnapKVPress(window_size=observers, kernel_size=self.kernel_size)
-            tokens = snapkv.score(module, hidden_states, keys, values, attentions, kwargs)
         else:
-            observers = min(self.observer_count(T), hidden_states.shape[1])
+            observers = min(self.observer_count(keys.shape[2]), hidden_states.shape[1])
             attn = self._observer_attention(module, hidden_states, keys, attentions, kwargs)
-            tokens, pages, diag, fallback = self._page_scores(attn, G)
-        if self.group_selection == "shared":  # one selection for every group (ChunkKV: summed over the KV heads)
-            tokens = tokens.sum(1, keepdim=True)
-            pages = page_scores(tokens, self.page_size, self.page_score)
-        elif pages is None:
-            pages = page_scores(tokens, self.page_size, self.page_score)
+        tokens, pages, diag, fallback = self._page_scores(attn, keys.shape[1])
         return pages, tokens, diag, fallback, observers
 
     def score(
@@ -414,10 +396,8 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             ``(B, G, T)`` float32: each token its group's page score, the protected pages' tokens above every other.
 
         Raises:
-            ValueError: for ``pooling="snapkv"`` or ``G`` not dividing ``H_Q``.
+            ValueError: for ``G`` not dividing ``H_Q``.
         """
-        if self.pooling == "snapkv":
-            raise ValueError("pooling='snapkv' scores the layer's own queries; score_observed needs another pooling")
         B, HQ, T = attn.shape
         if num_groups < 1 or HQ % num_groups:
             raise ValueError(f"num_groups={num_groups} must divide the number of query heads H_Q={HQ}")
@@ -439,36 +419,40 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         return tokens.masked_fill(self.protected_positions(T, pages.device), float(tokens.max()) + 1.0)
 
     # ------------------------------------------------------------------ selection
+    def _budget_rule(self) -> dict:
+        """The page plan's settings besides ``T`` and the conflict mode, as :func:`presses.core.paging.page_budget`
+        and :func:`presses.core.paging.min_prompt_length` take them (the strict token budget; the ladder's subclass
+        adds ChunkKV's page count)."""
+        return {
+            "compression_ratio": self.compression_ratio,
+            "page_size": self.page_size,
+            "n_sink": self.n_sink,
+            "window_size": self.window_size,
+            "protect": self.protect,
+        }
+
     def _plan(self, seq_len: int) -> PageBudget:
         """The page plan for ``T`` (computed once per prefill, so a conflict is logged once)."""
-        args = (
-            seq_len,
-            self.compression_ratio,
-            self.page_size,
-            self.n_sink,
-            self.window_size,
-            self.on_budget_conflict,
-            self.protect,
-            self.budget,
-        )
-        if args not in self._plan_cache:
-            self._plan_cache = {args: page_budget(*args)}
-            self._warn_short_prompt(self._plan_cache[args])
-        return self._plan_cache[args]
+        rule = self._budget_rule()
+        key = (seq_len, self.on_budget_conflict, *rule.items())
+        if key not in self._plan_cache:
+            self._plan_cache = {key: page_budget(seq_len, on_budget_conflict=self.on_budget_conflict, **rule)}
+            self._warn_short_prompt(self._plan_cache[key], rule)
+        return self._plan_cache[key]
 
-    def _warn_short_prompt(self, plan: PageBudget) -> None:
-        """Log once per press and setting when a prompt cannot keep the budget by whole pages: protection shrank
-        to fit it, or the budget is below one page (docs/methods.md §1.12). A ``keep_protected`` conflict is logged
-        by :func:`presses.core.paging.page_budget` itself."""
+    def _warn_short_prompt(self, plan: PageBudget, rule: dict) -> None:
+        """Log once per press and setting (``rule``, :meth:`_budget_rule`) when a prompt cannot keep the budget by
+        whole pages: protection shrank to fit it, or the budget is below one page (docs/methods.md §1.12). A
+        ``keep_protected`` conflict is logged by :func:`presses.core.paging.page_budget` itself."""
         T, B = plan.seq_len, self.page_size
         if T == 0 or plan.conflict or not (plan.shrunk or plan.budget < B):
             return
-        setting = (self.compression_ratio, B, self.n_sink, self.window_size, self.protect, self.budget)
+        setting = tuple(rule.items())
         warned = self.__dict__.setdefault("_warned_settings", set())  # not a field: outlives reset()
         if setting in warned:
             return
         warned.add(setting)
-        shortest = min_prompt_length(*setting)
+        shortest = min_prompt_length(**rule)
         how = (
             f"a partial page of its {plan.partial} best tokens"
             if plan.partial
@@ -487,27 +471,6 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             plan.effective_compression,
             shortest,
         )
-
-    @staticmethod
-    def _union(pages: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Paper 000's per-layer union: every group keeps the union of the groups' selected pages.
-
-        Args:
-            pages: ``(B, G, n)`` each group's selected page ids.
-            scores: ``(B, G, P)`` page scores (rows whose union is smaller than the batch's largest are filled with
-                their best remaining pages by the max over groups).
-
-        Returns:
-            ``(B, G, U)`` ascending page ids, the same for every group of a row.
-        """
-        B, G, _ = pages.shape
-        P = scores.shape[-1]
-        member = torch.zeros(B, P, dtype=torch.bool, device=pages.device)
-        member.scatter_(1, pages.reshape(B, -1), True)
-        U = int(member.sum(-1).max())
-        rank = scores.float().amax(1).nan_to_num(nan=float("-inf")).masked_fill(member, float("inf"))
-        chosen = torch.sort(torch.sort(rank, dim=-1, descending=True, stable=True).indices[:, :U], dim=-1).values
-        return chosen.unsqueeze(1).expand(B, G, U)
 
     def compress(
         self,
@@ -567,11 +530,9 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
             ``(keys, values)`` of shape ``(B, G, n_kept, d)``, positions ascending.
 
         Raises:
-            ValueError: for ``pooling="snapkv"`` (SnapKV scores the layer's own queries), an ``attn`` whose shape is
-                not ``(B, H_Q, T)`` with ``G`` dividing ``H_Q``, or a budget conflict in ``"raise"`` mode.
+            ValueError: for an ``attn`` whose shape is not ``(B, H_Q, T)`` with ``G`` dividing ``H_Q``, or a budget
+                conflict in ``"raise"`` mode.
         """
-        if self.pooling == "snapkv":
-            raise ValueError("pooling='snapkv' scores the layer's own queries; compress_observed needs another pooling")
         B, G, T, _ = keys.shape
         if attn.dim() != 3 or attn.shape[0] != B or attn.shape[-1] != T or attn.shape[1] % G:
             raise ValueError(
@@ -582,161 +543,55 @@ class PageEntroKVPress(ResearchPress, ScorerPress):
         )
 
     def _evict(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor, scored) -> tuple:
-        """The selection of :meth:`compress` (steps 7-9) on the page scores ``scored()`` returns (see ``_scores``)."""
+        """The selection of :meth:`compress` (steps 7-9, :func:`presses.page_entrokv.selection.kept_positions`) on
+        the page scores ``scored()`` returns (see :meth:`_scores`), with the layer's statistics and records
+        (:mod:`presses.page_entrokv.records`)."""
         layer_idx = getattr(module, "layer_idx", 0)
         Bsz, G, T, _ = keys.shape
         if self.compression_ratio == 0 or T == 0:
             bypass = "compression_ratio=0" if T else "T=0"
-            self._stats.append(
-                {
-                    "T": T,
-                    "kept": T,
-                    "budget": T,
-                    "protected": T,
-                    "conflict": False,
-                    "shrunk": False,
-                    "partial": 0,
-                    "bypass": bypass,
-                    "observers": 0,
-                    "fallback": 0,
-                }
-            )
-            self._record(layer_idx, T, Bsz, None, None, None, None, None, bypass)
+            self._stats.append(layer_stats(T, T, None, bypass))
+            if self.record:
+                self.records += layer_records(layer_idx, T, Bsz, self.page_size, self.compression_ratio, bypass=bypass)
             return keys, values
 
         plan = self._plan(T)
         need_scores = plan.num_selected > 0 or 0 < plan.partial < T or self.record
         can_score = self.n_sink < T  # with n_sink >= T nothing is left to isolate: pages tie, lower ids win
-        diag, fallback, selected, observers = None, None, None, 0
+        diag, fallback, observers = None, None, 0
         if need_scores and can_score:
             scores, tokens, diag, fallback, observers = scored()
         else:
             scores = torch.zeros(Bsz, G, plan.num_pages, device=keys.device)
             tokens = torch.zeros(Bsz, G, T, device=keys.device)
         union = self.group_selection == "union" and G > 1
-        if plan.partial:  # a budget below one page: each group's best tokens, one partial page (§1.12)
-            pages = None
-            positions = select_tokens(tokens, plan.partial).expand(Bsz, G, -1)  # "shared": one row
-            if union:
-                selected, positions = positions, self._union(positions, tokens)
-        else:
-            pages = select_pages(scores, plan.protected, plan.num_selected).expand(Bsz, G, -1)  # "shared": one row
-            if union and plan.num_selected > 0:
-                selected, pages = pages, self._union(pages, scores)
-            positions = pages_to_positions(pages, T, self.page_size)  # (B, G, n_kept)
+        positions, pages, selected = kept_positions(plan, scores, tokens, G, self.page_size, union)
         kept = positions.shape[-1]
-        self._stats.append(
-            {
-                "T": T,
-                "kept": kept,
-                "budget": plan.budget,
-                "protected": plan.protected_tokens,
-                "conflict": plan.conflict,
-                "shrunk": plan.shrunk,
-                "partial": plan.partial,
-                "bypass": "",
-                "observers": observers,
-                "fallback": 0 if fallback is None else int(fallback.sum()),
-            }
-        )
-        self._record(
-            layer_idx,
-            T,
-            Bsz,
-            plan,
-            pages,
-            selected,
-            diag,
-            fallback,
-            "" if can_score else f"n_sink={self.n_sink}>=T={T}",
-            observers,
-            positions,
-        )
+        groups = 0 if fallback is None else int(fallback.sum())
+        self._stats.append(layer_stats(T, kept, plan, "", observers, groups))
+        if self.record:
+            self.records += layer_records(
+                layer_idx,
+                T,
+                Bsz,
+                self.page_size,
+                self.compression_ratio,
+                plan,
+                pages=pages,
+                selected=selected,
+                diag=diag,
+                fallback=fallback,
+                bypass="" if can_score else f"n_sink={self.n_sink}>=T={T}",
+                observers=observers,
+                positions=positions,
+            )
         if kept == T:
             return keys, values
         index = positions.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         return keys.gather(2, index).contiguous(), values.gather(2, index).contiguous()
 
-    # ------------------------------------------------------------------ diagnostics
-    def _record(
-        self,
-        layer_idx: int,
-        T: int,
-        Bsz: int,
-        plan: PageBudget | None,
-        pages: torch.Tensor | None,
-        selected: torch.Tensor | None,
-        diag: dict | None,
-        fallback: torch.Tensor | None,
-        bypass: str,
-        observers: int = 0,
-        positions: torch.Tensor | None = None,
-    ) -> None:
-        """Append one diagnostics dict per batch row to ``self.records`` (only when ``record``); ``positions``
-        ``(B, G, n_kept)`` the kept positions (``None``: the whole prompt)."""
-        if not self.record:
-            return
-
-        def row(x, b):
-            return None if x is None else x[b].detach().cpu()
-
-        partial = plan.partial if plan is not None else 0
-        kept = T if positions is None else positions.shape[-1]
-        for b in range(Bsz):
-            self.records.append(
-                {
-                    "layer_idx": layer_idx,
-                    "batch_index": b,
-                    "T": T,
-                    "budget": plan.budget if plan is not None else token_budget(T, self.compression_ratio),
-                    "kept_tokens": kept,
-                    "page_size": self.page_size,
-                    "protected_pages": None if plan is None else plan.protected.nonzero().squeeze(-1),
-                    "kept_pages": row(pages, b),
-                    "selected_pages": None if partial else row(selected if selected is not None else pages, b),
-                    "weights": None if not diag or diag.get("weights") is None else row(diag["weights"], b).float(),
-                    "entropy": None if not diag or diag.get("entropy") is None else row(diag["entropy"], b).float(),
-                    "raw_entropy": None
-                    if not diag or diag.get("raw_entropy") is None
-                    else row(diag["raw_entropy"], b).float(),
-                    "z": None if not diag or diag.get("z") is None else row(diag["z"], b).float(),
-                    "fallback": row(fallback, b),
-                    "observers": observers,
-                    "effective_compression": 1.0 - kept / T if T else 0.0,
-                    "conflict": bool(plan.conflict) if plan is not None else False,
-                    "shrunk": bool(plan.shrunk) if plan is not None else False,
-                    "partial": partial,
-                    "kept_positions": row(positions, b) if partial else None,
-                    "bypass": bypass,
-                }
-            )
-
+    # ------------------------------------------------------------------ statistics
     def summary(self) -> dict[str, float | int | str]:
-        """Statistics of the last prefill (the press contract): ``effective_compression`` (mean over layers of
-        ``1 - kept / T``), ``kept_tokens`` (per layer and group, mean over layers), ``context_length`` ``T``,
-        ``budget_tokens`` ``b``, ``protected_tokens`` (after any shrinking), ``protection_shrunk`` (1 when
-        protection shrank to fit the budget), ``budget_conflict`` (1 if the protected pages exceeded ``b`` in
-        ``keep_protected`` mode), ``observers`` (observer queries), ``fallback_groups`` (groups pooled by max, over
-        all layers), ``layers``, ``bypass`` (why nothing was evicted, or ``""``), ``kept_entries`` (per layer, the
-        contract's :data:`presses.base.KEPT_ENTRIES`) and, only when a budget below one page kept a partial page of
-        the best tokens instead of whole pages (docs/methods.md §1.12), ``partial_page`` = 1. Empty before the first
-        prefill."""
-        if not self._stats:
-            return {}
-        n = len(self._stats)
-        last = self._stats[-1]
-        return {
-            "effective_compression": sum(1.0 - s["kept"] / s["T"] for s in self._stats if s["T"]) / n,
-            "kept_tokens": round(sum(s["kept"] for s in self._stats) / n),
-            "context_length": int(last["T"]),
-            "budget_tokens": int(last["budget"]),
-            "protected_tokens": int(last["protected"]),
-            "protection_shrunk": int(any(s["shrunk"] for s in self._stats)),
-            "budget_conflict": int(any(s["conflict"] for s in self._stats)),
-            "observers": int(last["observers"]),
-            "fallback_groups": int(sum(s["fallback"] for s in self._stats)),
-            "layers": n,
-            "bypass": last["bypass"],
-            KEPT_ENTRIES: kept_entries_text(s["kept"] for s in self._stats),
-            **({"partial_page": 1} if any(s["partial"] for s in self._stats) else {}),
-        }
+        """Statistics of the last prefill (the press contract; its keys:
+        :func:`presses.page_entrokv.records.summarise`). Empty before the first prefill."""
+        return summarise(self._stats)

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from kvpress import KVzipPress
 
-from presses.base import Capabilities
+from presses.base import Capabilities, RemovedField
 from presses.core.model import attention_modules
 from presses.core.observer import attention_logit_options, window_queries
 from presses.kernels import column_maxes
@@ -31,7 +31,6 @@ SELECTION_FIELDS = (
     "tau",
     "pooling",
     "page_score",
-    "budget",
     "protect",
     "group_selection",
     "max_fallback",
@@ -84,17 +83,17 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
         n_sink: leading sink positions, isolated from the entropy and protected (Page-EntroKV) and never evicted
             (KVzip); kvpress's default 4, Page-EntroKV's too.
         chunk_size: tokens reconstructed per forward of the pass (kvpress's ``KVzipPress``).
-        window_size, page_size, alpha, tau, page_score, budget, group_selection, max_fallback, on_budget_conflict:
-            :class:`presses.PageEntroKVPress`'s, with its defaults.
-        pooling: :class:`presses.PageEntroKVPress`'s field, default ``"max"`` here (tuned, see above;
-            ``"snapkv"`` is refused: SnapKV scores the prompt's own queries).
+        window_size, page_size, alpha, tau, page_score, group_selection, max_fallback, on_budget_conflict:
+            :class:`presses.PageEntroKVPress`'s, with its defaults and values (its former ``budget`` field, which
+            saved runs list as ``"tokens"``: :attr:`removed_fields`).
+        pooling: :class:`presses.PageEntroKVPress`'s field, default ``"max"`` here (tuned, see above).
         protect: :class:`presses.PageEntroKVPress`'s field, default ``"none"`` here (tuned, see above).
         layerwise: the budget (see above): ``False`` over all layers (KVzip's default), ``True`` per layer.
         kvzip_plus_normalization: kvpress's field; must stay ``False`` (the scores are attention, not KVzip+'s).
 
     Raises:
-        ValueError: for invalid page fields (naming the value, as :class:`presses.PageEntroKVPress` does),
-            ``pooling="snapkv"`` or ``kvzip_plus_normalization=True``; kvpress's assertions for KVzip's fields.
+        ValueError: for invalid page fields (naming the value, as :class:`presses.PageEntroKVPress` does) or
+            ``kvzip_plus_normalization=True``; kvpress's assertions for KVzip's fields.
     """
 
     window_size: int = _DEFAULTS.window_size
@@ -103,11 +102,13 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
     tau: float = _DEFAULTS.tau
     pooling: str = "max"  # tuned on the development split (results/tuning/page_entrokv_reconstruction/)
     page_score: str = _DEFAULTS.page_score
-    budget: str = _DEFAULTS.budget
     protect: str = "none"  # tuned with pooling
     group_selection: str = _DEFAULTS.group_selection
     max_fallback: float | None = _DEFAULTS.max_fallback
     on_budget_conflict: str = _DEFAULTS.on_budget_conflict
+
+    #: Page-EntroKV's ``budget`` field, which this press passed on, left with the ablation ladder.
+    removed_fields: ClassVar[dict[str, RemovedField]] = {"budget": _DEFAULTS.removed_fields["budget"]}
 
     @property
     def capabilities(self) -> Capabilities:
@@ -128,8 +129,6 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
     def __post_init__(self):
         if self.kvzip_plus_normalization:
             raise ValueError("kvzip_plus_normalization=True: this press scores attention, not KVzip+'s normalisation")
-        if self.pooling == "snapkv":
-            raise ValueError("pooling='snapkv' scores the prompt's own queries; choose another pooling")
         self.pages()  # Page-EntroKV checks the page fields, naming the value
         super().__post_init__()
 
