@@ -625,7 +625,16 @@ def _plot_bars(ax, records: list[dict], value: str, presses: list[str], err: boo
         capsize=3,
         color=[styles[p]["color"] for p in names],
     )
-    ax.bar_label(bars, fmt="%.2f", fontsize=6, label_type="center" if err else "edge")  # a zero bar shows its 0
+    for x, bar in zip(xs, bars):  # each value written in its bar, right of the interval's line (a zero bar too)
+        ax.annotate(
+            f"{bar.get_height():.2f}",
+            (x + 0.08, bar.get_height() / 2),
+            xytext=(0, 0 if bar.get_height() else 3),
+            textcoords="offset points",
+            ha="left",
+            va="center" if bar.get_height() else "bottom",
+            fontsize=7,
+        )
     ax.set_xticks(xs, names, rotation=45 if len(names) <= 12 else 90, ha="right", fontsize=7)
     ax.set_xlabel(f"press (compression ratio {_one_ratio(records):g})")
     ax.grid(alpha=0.3, axis="y")
