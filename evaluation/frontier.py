@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
-from evaluation.studies.tables import read_rows
+from evaluation.tables import read_rows
 
 __all__ = ["COST_COLUMN", "cost_table", "frontier_rows", "read_costs", "run_costs"]
 

@@ -14,7 +14,7 @@ Every run is checked before anything is written; a failed check is one ``ValueEr
 and then nothing is written at all:
 
 - the source run is whole: every shard ``0..n-1`` finished (``metrics.json``), one shard count, one set of settings
-  (the report's scan, :func:`evaluation.report.scan`);
+  (the report's scan, :func:`evaluation.runs.scan`);
 - the target run is finished, unsharded and not being written by another process;
 - their settings differ in ``dataset.context_lengths`` alone, on a dataset whose examples nest;
 - no source row's id is in the target with another content (a row already there as it is, from an earlier merge,
@@ -48,7 +48,7 @@ from evaluation.harness import (
     run_in_progress,
     summarize,
 )
-from evaluation.report import SHARD_DIR, scan
+from evaluation.runs import SHARD_DIR, scan
 
 __all__ = ["Merge", "plan_merges", "merge_runs", "main"]
 

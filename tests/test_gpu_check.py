@@ -17,7 +17,7 @@ import torch
 from evaluation.studies import gpu_end_to_end as e2e
 from evaluation.studies import gpu_report
 from evaluation.studies.bench_kernels import KERNELS
-from evaluation.studies.tables import read_rows
+from evaluation.tables import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
 

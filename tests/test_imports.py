@@ -1,5 +1,6 @@
 """No import circles (issue 16): the import graph of ``presses/`` is acyclic with every import at the top of its
-module, the library never imports the harness, and every module imports in a fresh interpreter."""
+module, the library never imports the harness, and every module imports in a fresh interpreter. ``evaluation/`` is
+built in floors (issue 65 item 7, :data:`FLOORS`): no module imports from a floor above its own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,64 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = sorted((ROOT / "presses").rglob("*.py"))
+EVALUATION = sorted((ROOT / "evaluation").rglob("*.py"))
+
+#: ``evaluation/``'s floors, lowest first (ARCHITECTURE.md, "Floors"). A module may import from its own floor and
+#: from those below it, never from one above, at the top of the module or inside a function. Each entry names a
+#: module or a package (then every module below it); a new module gets its floor here.
+FLOORS = (
+    (  # the standard library's and third parties' helpers: files, tables, plots, statistics, settings
+        "base",
+        (
+            "evaluation",
+            "evaluation.atomic",
+            "evaluation.hub",
+            "evaluation.memo",
+            "evaluation.metrics",
+            "evaluation.pipeline",
+            "evaluation.plotting",
+            "evaluation.settings",
+            "evaluation.tables",
+        ),
+    ),
+    ("datasets", ("evaluation.datasets",)),  # the benchmarks and their official scorers
+    (  # models, and what the harness knows of presses and inputs
+        "models and presses",
+        (
+            "evaluation.models",
+            "evaluation.scorers",
+            "evaluation.registry",
+            "evaluation.guards",
+            "evaluation.prompt_delimiter",
+        ),
+    ),
+    (  # run directories, configs, inputs, command lines, collected runs
+        "runs",
+        ("evaluation.harness", "evaluation.inputs", "evaluation.cli", "evaluation.runs"),
+    ),
+    (  # the per-example loop and what it calls
+        "loop",
+        (
+            "evaluation.replay",
+            "evaluation.kvzip_path",
+            "evaluation.continuation",
+            "evaluation.shared",
+            "evaluation.loop",
+        ),
+    ),
+    (  # commands that run or rewrite runs
+        "entry points",
+        (
+            "evaluation.run",
+            "evaluation.fused",
+            "evaluation.migrate",
+            "evaluation.merge_runs",
+            "evaluation.train_scorers",
+        ),
+    ),
+    ("report", ("evaluation.frontier", "evaluation.shared_report", "evaluation.report")),  # runs into tables and plots
+    ("studies", ("evaluation.studies", "evaluation.uor")),  # analysis: the studies behind results/
+)
 
 
 def _module(path: Path) -> str:
@@ -87,6 +146,35 @@ def test_the_import_graph_of_presses_is_acyclic():
         if node not in state:
             visit(node, [node])
     assert not cycles, cycles
+
+
+def _floor(module: str) -> int | None:
+    """The index in :data:`FLOORS` of ``module``'s floor (its own entry, else its closest package's), or None."""
+    while module:
+        for k, (_, names) in enumerate(FLOORS):
+            if module in names:
+                return k
+        module = module.rpartition(".")[0]
+    return None
+
+
+def test_evaluation_never_imports_up_a_floor():
+    known = {_module(p) for p in EVALUATION}
+    unplaced = sorted(m for m in known if _floor(m) is None)
+    assert not unplaced, f"modules without a floor: {unplaced}; give each one in FLOORS (tests/test_imports.py)"
+    upward = []
+    for path in EVALUATION:
+        here = _floor(_module(path))
+        modules, _ = _imports(path)
+        for name in sorted(modules):
+            while name and name not in known:  # "from evaluation.report import scan" is evaluation.report
+                name = name.rpartition(".")[0]
+            if name.startswith("evaluation") and _floor(name) > here:
+                upward.append(
+                    f"{path.relative_to(ROOT)} (floor {FLOORS[here][0]!r}) imports {name} "
+                    f"(floor {FLOORS[_floor(name)][0]!r}, above it)"
+                )
+    assert not upward, upward
 
 
 def test_every_presses_module_imports_in_a_fresh_interpreter():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.studies import tables
+from evaluation import tables
 from evaluation.studies.page_straddle import main, straddles
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from evaluation.cli import ArgumentParser
 from evaluation.studies import REPO
-from evaluation.studies.tables import write_rows
+from evaluation.tables import write_rows
 
 # device peak bandwidths (bytes/s) when the driver does not report memory clock and bus width
 PEAK_BW_BY_NAME = {

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
+from evaluation import tables
 from evaluation.atomic import write_atomic
 from evaluation.cli import ArgumentParser
-from evaluation.studies import tables
 from evaluation.studies.entroprefill_bench import reverse_passages, spearman
 
 

@@ -52,9 +52,9 @@ from pathlib import Path
 
 import torch
 
+from evaluation import tables
 from evaluation.atomic import write_atomic
 from evaluation.cli import ArgumentParser
-from evaluation.studies import tables
 
 
 def parse_value(v: str):

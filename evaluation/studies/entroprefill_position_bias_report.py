@@ -23,7 +23,7 @@ from pathlib import Path
 from evaluation.atomic import write_atomic
 from evaluation.cli import ArgumentParser
 from evaluation.studies import REPO as ROOT
-from evaluation.studies.tables import fmt, num, read_rows
+from evaluation.tables import fmt, num, read_rows
 
 BASE = "results/entroprefill"
 # (directory under results/entroprefill, what it varies), in the order they were run

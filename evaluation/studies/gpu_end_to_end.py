@@ -80,7 +80,7 @@ from evaluation.atomic import write_atomic
 from evaluation.cli import ArgumentParser
 from evaluation.studies import REPO
 from evaluation.studies.bench_speed_memory.rows import COLUMNS
-from evaluation.studies.tables import write_rows
+from evaluation.tables import write_rows
 
 #: SmolLM2-135M-Instruct's configuration (the embedded model's ``config.json``), minus its weights.
 SMOLLM2_135M = dict(

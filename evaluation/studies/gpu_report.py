@@ -11,7 +11,7 @@ Reads, in the check's output folder (each one optional: a missing stage is repor
 
 and writes ``README.md`` beside them: device, versions, the command, how to run it, one table per stage,
 and the issue's goals checked against the numbers (:data:`GOALS`). Needs only the standard library (and
-:mod:`evaluation.studies.tables`, which needs no more).
+:mod:`evaluation.tables`, which needs no more).
 
 Usage (``python -m evaluation.studies.gpu_report`` is the same)::
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from evaluation.atomic import write_atomic
 from evaluation.cli import ArgumentParser
-from evaluation.studies.tables import fmt, markdown_table, num, read_rows
+from evaluation.tables import fmt, markdown_table, num, read_rows
 
 #: The issue's goals (issue 19): kernel tests, kernel speed and bandwidth at the largest T, agreement.
 GOALS = {"speedup": 5.0, "bandwidth_fraction": 0.70, "jaccard": 0.99}

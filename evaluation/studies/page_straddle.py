@@ -25,9 +25,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from evaluation import tables
 from evaluation.atomic import write_atomic
 from evaluation.cli import ArgumentParser
-from evaluation.studies import tables
 
 __all__ = ["straddles", "main"]
 

@@ -6,7 +6,7 @@ Usage::
         [--model smollm2-135m] [--ratios 0.5 0.75] [--partial] [--out results/paired]
     python scripts/paired.py ...            # the same
 
-For each dataset, model and ratio where ``A`` and a press ``B`` both have a run (:func:`evaluation.report.scan`:
+For each dataset, model and ratio where ``A`` and a press ``B`` both have a run (:func:`evaluation.runs.scan`:
 shards merged, rows de-duplicated by example ``id``), the two runs' rows are matched by ``id`` and compared on the
 examples both scored:
 
@@ -34,8 +34,9 @@ from pathlib import Path
 from evaluation.atomic import write_atomic
 from evaluation.cli import ArgumentParser
 from evaluation.metrics import t_interval
-from evaluation.report import Run, row_length, scan
-from evaluation.studies.tables import markdown_table, write_rows
+from evaluation.report import row_length
+from evaluation.runs import Run, scan
+from evaluation.tables import markdown_table, write_rows
 
 __all__ = ["paired_rows", "compare", "main"]
 
@@ -101,7 +102,7 @@ def paired_rows(
     """Every comparison of ``press`` against each of ``against`` among ``runs`` (:func:`compare`).
 
     Args:
-        runs: runs from :func:`evaluation.report.scan`.
+        runs: runs from :func:`evaluation.runs.scan`.
         press: the press compared (``A``).
         against: the presses it is compared with, each ``!= press``.
         ratios: keep these compression ratios only (``None``: all).

@@ -32,8 +32,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from evaluation import tables
 from evaluation.cli import ArgumentParser
-from evaluation.studies import tables
 
 
 def _timed(fn, totals: dict[str, list[float]], name: str):

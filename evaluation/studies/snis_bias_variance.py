@@ -42,9 +42,9 @@ from kvpress.utils import compute_n_kept
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from evaluation import tables
 from evaluation.atomic import save_figure, write_atomic
 from evaluation.cli import ArgumentParser
-from evaluation.studies import tables
 from presses.probabilistic.budget import sample_counts, search_num_samples
 from presses.probabilistic.correction import snis_bias
 from presses.probabilistic.page_sampling import expand_pages, page_proposal, page_target, page_tolerance

@@ -40,9 +40,8 @@ from kvpress.utils import compute_n_kept
 from transformers import DynamicCache
 
 import presses.probabilistic.press as snis_module
-from evaluation import harness
+from evaluation import harness, tables
 from evaluation.cli import ArgumentParser
-from evaluation.studies import tables
 from presses.core.paging import num_pages
 from presses.probabilistic.page_sampling import expand_pages
 

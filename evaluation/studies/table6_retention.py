@@ -45,6 +45,7 @@ from hydra.utils import instantiate
 from kvpress import KVPressTextGenerationPipeline
 from transformers import DynamicCache
 
+from evaluation import tables
 from evaluation.atomic import save_figure, write_atomic
 from evaluation.datasets.needle import NeedleDataset
 from evaluation.harness import compose_config
@@ -52,7 +53,7 @@ from evaluation.memo import ReplayMemo
 from evaluation.models import load_model
 from evaluation.registry import sharing
 from evaluation.replay import PrefillCapture, replay_prefill
-from evaluation.studies import REPO, tables
+from evaluation.studies import REPO
 from evaluation.uor.study import retention_from_records
 from presses import PageEntroKVPress
 

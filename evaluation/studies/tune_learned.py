@@ -35,11 +35,11 @@ import sys
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from evaluation import harness
+from evaluation import harness, tables
 from evaluation.cli import ArgumentParser
 from evaluation.loop import evaluate
 from evaluation.metrics import win_scores
-from evaluation.studies import REPO, tables
+from evaluation.studies import REPO
 
 __all__ = ["CANDIDATES", "SPLITS", "RATIOS", "label", "runs_for", "score_cells", "ranking", "report", "main"]
 

@@ -37,10 +37,10 @@ from evaluation.cli import ArgumentParser
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from evaluation import harness
+from evaluation import harness, tables
 from evaluation.loop import evaluate
 from evaluation.metrics import win_scores
-from evaluation.studies import REPO, tables
+from evaluation.studies import REPO
 
 SEED = 7
 RATIOS = (0.5, 0.75)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from evaluation.cli import ArgumentParser
 from evaluation.studies import REPO
-from evaluation.studies.tables import write_rows
+from evaluation.tables import write_rows
 
 GRID = {
     "mass_precision": ("ieee", "tf32x3"),

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from evaluation.atomic import save_figure, write_atomic
 from evaluation.plotting import legend_below, press_colors
 from evaluation.studies.bench_speed_memory.rows import CSV_NAME, NO_PRESS, REFERENCE, row_key
-from evaluation.studies.tables import fmt, markdown_table, num, read_rows
+from evaluation.tables import fmt, markdown_table, num, read_rows
 
 
 def _threads_summary(rows: list[dict]) -> str:

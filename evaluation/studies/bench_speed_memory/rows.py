@@ -1,11 +1,11 @@
 """The speed benchmark's csv (:mod:`evaluation.studies.bench_speed_memory`): its columns, a row's resume key, and
-its atomic rewrite (:mod:`evaluation.studies.tables` reads and writes the rows)."""
+its atomic rewrite (:mod:`evaluation.tables` reads and writes the rows)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from evaluation.studies import tables
+from evaluation import tables
 
 #: Columns of speed_memory.csv, in order.
 COLUMNS = [

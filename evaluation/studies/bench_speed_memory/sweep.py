@@ -28,7 +28,7 @@ from evaluation.registry import capabilities, install_delimiter
 from evaluation.studies.bench_speed_memory.measure import measure_row
 from evaluation.studies.bench_speed_memory.report import write_report
 from evaluation.studies.bench_speed_memory.rows import CSV_NAME, NO_PRESS, REFERENCE, row_key, write_rows
-from evaluation.studies.tables import read_rows
+from evaluation.tables import read_rows
 
 logger = logging.getLogger("bench_speed_memory")
 

@@ -420,7 +420,8 @@ def _wins(root: Path, file: str, among: list[str] | None = None):
     """
     import pandas as pd
 
-    from evaluation.report import scan, win_table
+    from evaluation.report import win_table
+    from evaluation.runs import scan
 
     df = read_csv(root, file)
     if not among:

@@ -1,7 +1,7 @@
-"""The studies' tables: the rows of a CSV file in and out, numbers for Markdown cells, a Markdown table, and the
-command a study records beside its artifacts. Its imports are the standard library's and :mod:`evaluation.atomic`
-(itself standard library only): the GPU check's report imports it on a machine that may lack the project's
-dependencies (``scripts/gpu_check.sh``)."""
+"""Tables for the report, the frontier and the studies: the rows of a CSV file in and out, numbers for Markdown
+cells, a Markdown table, and the command a study records beside its artifacts. Its imports are the standard
+library's and :mod:`evaluation.atomic` (itself standard library only): the GPU check's report imports it on a
+machine that may lack the project's dependencies (``scripts/gpu_check.sh``)."""
 
 from __future__ import annotations
 
