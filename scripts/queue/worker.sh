@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One worker of the grid queue: takes the first job of jobs.txt that is neither done (listed in the repo's
-# results/.staging/done.txt) nor claimed, runs it, then copies its finished shard directories into the repo and
+# $STAGE/done.txt) nor claimed, runs it, then copies its finished shard directories into the repo and
 # commits them (under flock, so the two workers and the developer never commit at once).
 # A claim is a directory claims/<job>/ whose file `owner` holds the boot id and the pid of the worker that made it.
 # At its start a worker removes, under the lock, every claim of a job not in done.txt whose owner is not a live
 # worker.sh of this boot (a claim of a job the last stop cut off), and a claim without an owner file (an older
 # worker's) when no other worker runs; so after a stop, starting the workers again is all it takes.
-source /work/queue/common.sh
-Q=/work/queue; MAIN=/work/main; STAGE=$MAIN/results/.staging
+# The paths ($Q, $MAIN, $STAGE, $OUT, $PY) are common.sh's; a file $Q/STOP makes every worker stop before its next job.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 BOOT=$(cat /proc/sys/kernel/random/boot_id)
 mkdir -p $Q/claims $Q/logs $Q/failed
 WORKER='^(/usr)?(/bin/)?bash [^ ]*worker\.sh $'  # a worker's command line, NULs read as spaces
@@ -57,8 +57,8 @@ while true; do
         cp $OUT/$d/{config.yaml,metrics.json,predictions.jsonl,commands.txt} $STAGE/$d/ 2>/dev/null
       done
       echo "$job" >> $STAGE/done.txt
-      cd $MAIN && git add -- results/.staging >> $Q/logs/$job.log 2>&1 \
-        && git commit -q -m "Staging (issue 31): $job, $count shard runs" -- results/.staging >> $Q/logs/$job.log 2>&1
+      cd $MAIN && git add -- "$STAGE" >> $Q/logs/$job.log 2>&1 \
+        && git commit -q -m "Staging (issue 31): $job, $count shard runs" -- "$STAGE" >> $Q/logs/$job.log 2>&1
       echo "$(date -u +%FT%T) committed $job (rc $?)" >> $Q/log.txt
     ) 9> $Q/git.lock
   else

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Writes jobs.txt: name|command|glob of its shard directories under $OUT|how many; one half of one shard per job
-# (see results/.staging/README.md in the repo).
-source /work/queue/common.sh
+# Writes $Q/jobs.txt: name|command|glob of its shard directories under $OUT|how many; one half of one shard per job:
+# the jobs of the 4k / 8k real-text grids (results/.staging/README.md, whose done.txt lists them all as done).
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 D4="dataset=stdlib_docs dataset.context_lengths=[4096] n_samples=50"
 R="ratios=[0.25,0.5,0.75]"
 M=smollm2-135m
@@ -39,5 +39,5 @@ for i in $(seq 0 9); do
   echo "cont8k_B1_s$i|\$PY -m evaluation.fused $C \"presses=[$QB1]\" \"$R\" $S|$(g $QB1 ${i}_of_10)|15"
   echo "cont8k_B2_s$i|\$PY -m evaluation.fused $C \"presses=[$QB2]\" \"$R\" $S && \$PY -m evaluation.fused $C \"presses=[snis_min_h_page]\" \"ratios=[0.25,0.5]\" $S && \$PY -m evaluation.fused $C \"presses=[snis_min_h_page]\" ++press.draws=sequential \"ratios=[0.75]\" $S|$(g $QB2,snis_min_h_page ${i}_of_10)|15"
 done
-} > /work/queue/jobs.txt
-wc -l /work/queue/jobs.txt
+} > $Q/jobs.txt
+wc -l $Q/jobs.txt
