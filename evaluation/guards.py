@@ -13,7 +13,8 @@ each with its test).
   stop token (:func:`evaluation.pipeline.stop_token_ids`); ``model.enable_thinking=true`` only for a chat template
   with a thinking switch (:func:`check_thinking`);
 - each example on the model (:func:`check_model_input`): prompt plus answer within the model's positions, and
-  token ids within its vocabulary;
+  token ids within its vocabulary; with several questions per context, all of them and their answers
+  (:func:`check_shared_positions`);
 - each press on the model (:func:`check_press_downloads`): the project's trained scorers attached
   (:mod:`evaluation.scorers`), and the weights, statistics or data a kvpress press downloads when its prefill starts
   cached or reachable (:func:`evaluation.registry.press_download_problem`);
@@ -34,6 +35,7 @@ __all__ = [
     "check_model",
     "check_model_layout",
     "check_model_input",
+    "check_shared_positions",
     "check_thinking",
     "check_press_input",
     "check_press_downloads",
@@ -56,7 +58,8 @@ def check_setting_values(cfg) -> None:
     """Raise for a run setting whose value is of no use, read in its one spelling
     (:func:`evaluation.settings.normal_value`; call on a normalised config): ``n_samples`` and
     ``max_new_tokens`` integers >= 1 or null, ``seed`` an integer, the switches (``query_aware``, ``overwrite``,
-    ``grow``, ``model.enable_thinking``) true or false. Reads no file and imports nothing heavy.
+    ``grow``, ``model.enable_thinking``) true or false, the protocol's settings (:func:`_check_protocol`). Reads no
+    file and imports nothing heavy.
 
     Raises:
         ValueError: naming the key, the value and what it must be.
@@ -76,6 +79,29 @@ def check_setting_values(cfg) -> None:
         value = OmegaConf.select(OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg, key, default=None)
         if kind == "switch" and value is not None and not isinstance(normal_value(key, value), bool):
             raise ValueError(f"{key}={value!r} must be true or false")
+    _check_protocol(cfg)
+
+
+def _check_protocol(cfg) -> None:
+    """The shared-context protocol's settings (:mod:`evaluation.shared`): ``protocol`` one of
+    :data:`evaluation.settings.PROTOCOLS`; with ``shared``, ``questions`` an integer >= 1 and ``shared_mode`` one of
+    :data:`evaluation.settings.SHARED_MODES`; with ``single``, neither set (it reads them not)."""
+    from evaluation.settings import PROTOCOLS, SHARED_MODES, normal_value
+
+    protocol = normal_value("protocol", cfg.get("protocol") or "single")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r} must be one of {', '.join(PROTOCOLS)}")
+    questions = normal_value("questions", cfg.get("questions"))
+    mode = normal_value("shared_mode", cfg.get("shared_mode"))
+    if protocol == "single":
+        for key, value in (("questions", questions), ("shared_mode", mode)):
+            if value is not None:
+                raise ValueError(f"{key}={value!r} is read only with protocol=shared (one context, several questions)")
+        return
+    if not isinstance(questions, int) or isinstance(questions, bool) or questions < 1:
+        raise ValueError(f"questions={questions!r} must be an integer >= 1 (the questions asked per context)")
+    if mode not in SHARED_MODES:
+        raise ValueError(f"shared_mode={mode!r} must be one of {', '.join(SHARED_MODES)}")
 
 
 def check_settings(cfg) -> None:
@@ -97,13 +123,24 @@ def check_settings(cfg) -> None:
             )
 
 
-def check_dataset(dataset, n_samples: int | None) -> None:
+def check_dataset(dataset, n_samples: int | None, questions: int | None = None) -> None:
     """Raise when ``n_samples`` asks for more examples than the dataset can give (``dataset.sample_limit()``:
-    LongBench's rows per task file, RULER's qa questions; the generated datasets have no limit).
+    LongBench's rows per task file, RULER's qa questions; the generated datasets have no limit), or, with
+    ``questions`` (``protocol=shared``), when the dataset cannot put that many questions on one context (its
+    ``shared_problem(questions)``; a dataset without that method has one question per context).
 
     Raises:
-        ValueError: naming ``n_samples``, the limit and what sets it.
+        ValueError: naming ``n_samples``, the limit and what sets it; or the dataset, ``questions`` and why.
     """
+    if questions is not None:
+        check = getattr(dataset, "shared_problem", None)
+        name = getattr(dataset, "name", type(dataset).__name__)
+        problem = check(int(questions)) if callable(check) else "it has one question per context"
+        if problem:
+            raise ValueError(
+                f"protocol=shared questions={questions} on dataset {name}: {problem} (the sets with several "
+                "questions per context: needle, needle_docs, ruler_shared, stdlib_docs)"
+            )
     limit = getattr(dataset, "sample_limit", None)
     limit = limit() if callable(limit) and n_samples is not None else None
     if limit is not None and n_samples > limit[0]:
@@ -250,6 +287,29 @@ def check_model_input(
         )
 
 
+def check_shared_positions(
+    model, context_length: int, question_lengths: list[int], max_new_tokens: int, turns: bool, example_id: str = ""
+) -> None:
+    """Raise when a context's questions (:mod:`evaluation.shared`) do not fit the model's positions after its prefill
+    (:func:`max_positions`): each question and its answer take positions after the context's ``T``, one at a time
+    on a copy of the compressed cache (``turns=False``: the longest counts), or all of them in turn (``turns``:
+    every question, with its chat turn's text, and every answer stay in the cache). Checked before any model work.
+
+    Raises:
+        ValueError: naming the example, the lengths, the total and ``max_position_embeddings``.
+    """
+    limit = max_positions(model)
+    per = [int(q) + int(max_new_tokens) for q in question_lengths]
+    total = int(context_length) + (sum(per) if turns else max(per))
+    if limit is not None and total > limit:
+        how = "all in turn" if turns else "the longest"
+        raise ValueError(
+            f"example {example_id}: context {context_length} + questions {list(question_lengths)} + max_new_tokens "
+            f"{max_new_tokens} each ({how}) = {total} positions, more than the model's max_position_embeddings={limit}"
+            ": use fewer questions, a shorter context or a smaller max_new_tokens"
+        )
+
+
 def check_press_input(press, model, context_length: int, multi_token_forward: bool = False) -> None:
     """Raise a clear error for a (press, model, context) the press cannot compress.
 
@@ -278,8 +338,8 @@ def check_press_input(press, model, context_length: int, multi_token_forward: bo
 
 
 def check_press_downloads(press, model) -> None:
-    """Attach the project's trained scorers to ``press`` (None: nothing to do) for ``model``
-    (:func:`evaluation.registry.attach_kvzap`, so kvpress downloads nothing), then
+    """Attach the project's trained scorers and statistics to ``press`` (None: nothing to do) for ``model``
+    (:func:`evaluation.registry.attach_scorers`, so kvpress downloads nothing), then
     raise when it needs weights, statistics or data for ``model`` that it cannot download here (kvpress fetches them
     when the prefill starts; :func:`evaluation.registry.press_download_problem`). Call once per run, after the model
     is loaded and before any run directory is created.
@@ -290,10 +350,10 @@ def check_press_downloads(press, model) -> None:
     """
     if press is None:
         return
-    from evaluation.registry import attach_kvzap, press_download_problem  # kvpress only when a press is checked
+    from evaluation.registry import attach_scorers, press_download_problem  # kvpress only when a press is checked
 
     try:
-        attach_kvzap(press, model, required=False)
+        attach_scorers(press, model, required=False)
     except FileNotFoundError as err:  # a scorer made for another model
         raise OSError(str(err)) from None
     problem = press_download_problem(press, model)

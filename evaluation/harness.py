@@ -1,8 +1,9 @@
 """What every run of the harness shares: run directories, resumable rows, configs, the model cache.
 
 A run is one (model, dataset, press, compression ratio[, shard]); its directory is
-``<output_dir>/<dataset>[-qa]/<model>/<press>/cr<ratio>[/shard_i_of_n]/`` (``-qa``: the question inside the
-compressed context, ``query_aware=true``; the two protocols never share a directory) and holds
+``<output_dir>/<dataset>[-shared|-turns][-qa]/<model>/<press>/cr<ratio>[/shard_i_of_n]/`` (``-qa``: the question
+inside the compressed context, ``query_aware=true``; ``-shared`` / ``-turns``: several questions per compressed
+context, :mod:`evaluation.shared`; the protocols never share a directory, :func:`protocol_suffix`) and holds
 ``predictions.jsonl`` (one row per example, appended and fsynced as each finishes), ``config.yaml`` (the resolved
 config), ``commands.txt`` (the commands that wrote rows, :func:`note_command`) and ``metrics.json`` (written last,
 atomically). A run whose ``metrics.json`` exists is skipped; an
@@ -41,6 +42,10 @@ _MODEL_CACHE: dict = {}
 
 #: suffix of the dataset directory of runs with the question inside the compressed context (query_aware)
 QA_SUFFIX = "-qa"
+#: suffixes of the dataset directory of the shared-context protocol's runs (:mod:`evaluation.shared`), before ``-qa``:
+#: several questions on copies of one compressed cache (multi-request), or in turn in one chat (multi-turn)
+SHARED_SUFFIX = "-shared"
+TURNS_SUFFIX = "-turns"
 
 
 def config_choices(group: str) -> list[str]:
@@ -127,14 +132,24 @@ def run_label(names: dict[str, str]) -> str:
     return names.get("run_name") or names["press"]
 
 
+def protocol_suffix(cfg) -> str:
+    """What a run's protocol adds to its dataset's directory name: ``-shared`` (``protocol=shared``, multi-request) or
+    ``-turns`` (``protocol=shared shared_mode=turn``), then ``-qa`` (``query_aware=true``); empty for kvpress's
+    protocol (one question, after compression). Read in their one spelling (:func:`evaluation.settings.normalise`)."""
+    from evaluation.settings import SHARED_DEFAULTS, normal_value
+
+    shared = normal_value("protocol", cfg.get("protocol") or "single") == "shared"
+    mode = normal_value("shared_mode", cfg.get("shared_mode") or SHARED_DEFAULTS["shared_mode"])
+    suffix = (TURNS_SUFFIX if mode == "turn" else SHARED_SUFFIX) if shared else ""
+    query_aware = normal_value("query_aware", cfg.get("query_aware", False)) is True
+    return suffix + (QA_SUFFIX if query_aware else "")
+
+
 def run_dir(cfg: DictConfig, names: dict[str, str]) -> Path:
     """The directory of one run (see the module docstring); its ratio, protocol and shard are read in their one
     spelling (:func:`evaluation.settings.normal_value`), so every spelling of one run names one directory."""
-    from evaluation.settings import normal_value
-
     ratio = 0.0 if names["press"] == "no_press" else check_ratio(cfg.compression_ratio)
-    query_aware = normal_value("query_aware", cfg.get("query_aware", False)) is True
-    dataset = names["dataset"] + (QA_SUFFIX if query_aware else "")  # the two protocols never mix
+    dataset = names["dataset"] + protocol_suffix(cfg)  # the protocols never mix
     out = Path(cfg.output_dir) / dataset / names["model"] / run_label(names) / f"cr{ratio:g}"
     shard = parse_shard(cfg.get("shard"))
     return out / f"shard_{shard[0]}_of_{shard[1]}" if shard else out
@@ -526,7 +541,10 @@ def run_examples(cfg: DictConfig, dataset, tokenizer) -> list:
     """
     from evaluation.guards import check_examples
 
-    examples = dataset.examples(tokenizer, cfg.n_samples, cfg.seed, cfg.query_aware)
+    if cfg.get("protocol") == "shared":  # several questions per context (evaluation.shared)
+        examples = dataset.examples(tokenizer, cfg.n_samples, cfg.seed, cfg.query_aware, questions=cfg.questions)
+    else:
+        examples = dataset.examples(tokenizer, cfg.n_samples, cfg.seed, cfg.query_aware)
     shard = parse_shard(cfg.get("shard"))
     mine = examples[shard[0] :: shard[1]] if shard else examples
     check_examples(mine, cfg, len(examples))
@@ -572,9 +590,16 @@ def prediction_row(
     return row
 
 
+def row_ids(ex) -> list[str]:
+    """The ids of the rows one example gives: its own id, or with several questions per context
+    (``Example.questions``, :mod:`evaluation.shared`) one per question, ``<id>#q<k>`` for k = 1..K."""
+    questions = getattr(ex, "questions", ())
+    return [f"{ex.id}#q{k}" for k in range(1, len(questions) + 1)] if questions else [ex.id]
+
+
 def finish_run(out: Path, examples: list, names: dict[str, str], cfg: DictConfig, command: str) -> dict:
-    """Summarise the run's rows (those of ``examples``) into ``metrics.json``, written atomically."""
-    ids = {e.id for e in examples}
+    """Summarise the run's rows (those of ``examples``: :func:`row_ids`) into ``metrics.json``, written atomically."""
+    ids = {i for e in examples for i in row_ids(e)}
     rows = [r for r in read_predictions(out / "predictions.jsonl", repair=True) if r["id"] in ids]
     metrics = summarize(rows)
     metrics.update(
@@ -609,7 +634,9 @@ def chat_template(tokenizer, enabled: bool):
 
 def summarize(rows: list[dict]) -> dict:
     """Mean score, per-task means, mean effective compression and timing of prediction rows, and the mean of each
-    :data:`CONTINUATION_FIELDS` field that every row holds."""
+    :data:`CONTINUATION_FIELDS` field that every row holds; rows of the shared-context protocol (with
+    ``question_index``, one per question) add the mean score per question position (``per_question``, 1-based) and
+    the number of contexts (``n_contexts``; ``n`` counts answers)."""
     n = len(rows)
 
     def mean(xs):
@@ -625,6 +652,19 @@ def summarize(rows: list[dict]) -> dict:
         "effective_compression": mean([r["effective_compression"] for r in rows]),
         "physical_compression": mean([r["physical_compression"] for r in rows]),
         "seconds_per_example": mean([r["seconds"] for r in rows]),
+        **_per_question(rows, mean),
+    }
+
+
+def _per_question(rows: list[dict], mean) -> dict:
+    """``per_question`` (mean score per 1-based question position) and ``n_contexts`` of shared-protocol rows, or
+    nothing for rows of one question per context."""
+    if not rows or not all("question_index" in r for r in rows):
+        return {}
+    positions = sorted({int(r["question_index"]) for r in rows})
+    return {
+        "n_contexts": len({r["example_id"] for r in rows}),
+        "per_question": {str(k): mean([r["score"] for r in rows if r["question_index"] == k]) for k in positions},
     }
 
 

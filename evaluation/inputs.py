@@ -15,7 +15,8 @@ the data.
 3. the model is found (a local directory, the embedded package, the hub or the local hub cache;
    :func:`evaluation.models.check_available`, which answers offline in seconds);
 4. the dataset is built (its own parameter checks) and its files are read (``Dataset.prepare``), and
-   ``n_samples`` is checked against what it can give (:func:`evaluation.guards.check_dataset`).
+   ``n_samples`` (with ``protocol=shared``, ``questions`` too) is checked against what it can give
+   (:func:`evaluation.guards.check_dataset`).
 
 The model is loaded, the examples built and every example checked against the model and the presses only after
 this, still before any run directory is created (:func:`evaluation.loop.evaluate`).
@@ -34,7 +35,19 @@ __all__ = ["SHARED_KEYS", "Prepared", "prepare"]
 
 #: Settings every run of one :func:`evaluation.loop.evaluate` call must share (one model, one dataset, one
 #: example list).
-SHARED_KEYS = ("model", "dataset", "seed", "n_samples", "shard", "query_aware", "device", "max_new_tokens")
+SHARED_KEYS = (
+    "model",
+    "dataset",
+    "seed",
+    "n_samples",
+    "shard",
+    "query_aware",
+    "protocol",
+    "questions",
+    "shared_mode",
+    "device",
+    "max_new_tokens",
+)
 
 
 @dataclass
@@ -83,6 +96,7 @@ def prepare(cfgs: list[tuple[DictConfig, dict[str, str]]]) -> Prepared:
     dataset = instantiate(first.dataset)
     if callable(getattr(dataset, "prepare", None)):
         dataset.prepare()
-    guards.check_dataset(dataset, first.n_samples)
+    shared = first.get("protocol") == "shared"  # several questions per context (evaluation.shared)
+    guards.check_dataset(dataset, first.n_samples, first.get("questions") if shared else None)
     prepared.dataset = dataset
     return prepared

@@ -33,6 +33,9 @@ __all__ = [
     "RATIO_DIGITS",
     "SETTING_KINDS",
     "SETTINGS_SAVED_BEFORE",
+    "PROTOCOLS",
+    "SHARED_DEFAULTS",
+    "SHARED_MODES",
     "normal_value",
     "normalise",
     "press_settings",
@@ -58,13 +61,27 @@ SETTING_KINDS = {
     "overwrite": "switch",
     "grow": "switch",
     "model.enable_thinking": "switch",
+    "protocol": "word",
+    "questions": "integer",
+    "shared_mode": "word",
 }
+
+#: The protocols (``protocol``): ``single``, one question per compressed context (kvpress's; the question after
+#: compression, or inside it with ``query_aware``); ``shared``, one compressed context asked ``questions`` questions
+#: in turn (:mod:`evaluation.shared`), each on a copy of the compressed cache (``shared_mode=request``) or each with its
+#: answer left in the cache for the next (``shared_mode=turn``).
+PROTOCOLS = ("single", "shared")
+SHARED_MODES = ("request", "turn")
+#: What ``protocol=shared`` reads where ``questions`` or ``shared_mode`` is null (the one source of both defaults);
+#: ``protocol=single`` reads neither, and they stay null.
+SHARED_DEFAULTS = {"questions": 4, "shared_mode": "request"}
 
 #: Run settings added to the configs after runs were saved without them, by dotted key, with the value those runs
 #: ran with: a config that lacks one (a ``config.yaml`` saved before it existed) is read with this value.
 #: ``model.enable_thinking``: before the harness stated it, kvpress's pipeline passed ``enable_thinking=False`` to
-#: every chat template.
-SETTINGS_SAVED_BEFORE = {"model.enable_thinking": False}
+#: every chat template. ``protocol``, ``questions``, ``shared_mode``: every run before the shared-context protocol
+#: asked one question per context.
+SETTINGS_SAVED_BEFORE = {"model.enable_thinking": False, "protocol": "single", "questions": None, "shared_mode": None}
 
 _SWITCH_WORDS = {"true": True, "false": False}
 
@@ -79,7 +96,8 @@ def normal_value(key: str, value):
       stays None;
     - ``shard``: ``"i/n"`` with integers becomes ``f"{i}/{n}"`` (``00/4`` and ``' 0 / 4'`` are ``0/4``); ``""`` and
       ``"null"`` are None;
-    - ``switch``: a bool, ``"true"`` / ``"false"`` in any case, or the ints 0 and 1 becomes a bool.
+    - ``switch``: a bool, ``"true"`` / ``"false"`` in any case, or the ints 0 and 1 becomes a bool;
+    - ``word``: a string becomes its stripped lower-case form (``Shared`` is ``shared``).
 
     Anything else (``compression_ratio='abc'``, ``seed=42.5``, ``shard=x/2``) is returned unchanged, for the check
     of that setting to refuse with its own message (:func:`evaluation.harness.check_ratio`,
@@ -89,6 +107,8 @@ def normal_value(key: str, value):
         KeyError: for a key that :data:`SETTING_KINDS` does not list.
     """
     kind = SETTING_KINDS[key]
+    if kind == "word":
+        return value.strip().lower() if isinstance(value, str) else value
     if kind == "switch":
         if isinstance(value, str) and value.strip().lower() in _SWITCH_WORDS:
             return _SWITCH_WORDS[value.strip().lower()]
@@ -128,7 +148,8 @@ def normalise(cfg):
     """Every run setting of ``cfg`` in its one spelling (:func:`normal_value`); a config that builds no press (the
     uncompressed baseline) has ``compression_ratio`` 0.0, the ratio its directory is named by, whatever was typed;
     a setting of :data:`SETTINGS_SAVED_BEFORE` that ``cfg`` lacks (where its parent section exists) is added with
-    the value runs had before it existed. Idempotent.
+    the value runs had before it existed; ``protocol=shared`` gets :data:`SHARED_DEFAULTS` where its ``questions`` or
+    ``shared_mode`` is null. Idempotent.
 
     Args:
         cfg: a run config, a ``DictConfig`` (changed in place, so that an interpolation that reads a setting, e.g.
@@ -156,16 +177,22 @@ def normalise(cfg):
                     section[leaf] = new
         if "compression_ratio" in cfg and _runs_uncompressed(cfg):
             cfg.compression_ratio = 0.0
+        if cfg.get("protocol") == "shared":
+            for key, value in SHARED_DEFAULTS.items():
+                if cfg.get(key) is None:
+                    cfg[key] = value
     return cfg
 
 
 def _normalise_dict(node: dict) -> dict:
     """:func:`normalise` of a plain dict, on a copy (the sections it changes are copied, the others shared).
-    The settings are top-level keys or keys of a top-level section (``model.enable_thinking``)."""
+    The settings are top-level keys (``protocol``) or keys of a top-level section (``model.enable_thinking``)."""
     node = dict(node)
     for key, value in SETTINGS_SAVED_BEFORE.items():
         parent, _, leaf = key.rpartition(".")
-        if parent and isinstance(node.get(parent), dict) and leaf not in node[parent]:
+        if not parent:
+            node.setdefault(leaf, value)
+        elif isinstance(node.get(parent), dict) and leaf not in node[parent]:
             node[parent] = {**node[parent], leaf: value}
     for key in SETTING_KINDS:
         parent, _, leaf = key.rpartition(".")
@@ -176,6 +203,8 @@ def _normalise_dict(node: dict) -> dict:
             section[leaf] = normal_value(key, section[leaf])
     if "compression_ratio" in node and _runs_uncompressed(node):
         node["compression_ratio"] = 0.0
+    if node.get("protocol") == "shared":
+        node.update({k: v for k, v in SHARED_DEFAULTS.items() if node.get(k) is None})
     return node
 
 
