@@ -26,6 +26,9 @@ class Example:
         continuation: the text that follows ``context``. When set, nothing is generated: the loop teacher-forces
             the first ``max_new_tokens`` tokens of it on the compressed cache and scores the loss of the next-token
             predictions against the uncompressed context's (:mod:`evaluation.continuation`). Empty: generate.
+        questions: the shared-context protocol's questions (``protocol=shared``, :mod:`evaluation.shared`), in the
+            order they are asked, the first being the example's own (``question``, ``answers``, ``answer_prefix``);
+            empty (the default) for one question per context. All of them use ``max_new_tokens``.
     """
 
     id: str
@@ -38,6 +41,27 @@ class Example:
     metadata: dict[str, Any] = field(default_factory=dict)
     question_start: int | None = None
     continuation: str = ""
+    questions: tuple[Question, ...] = ()
+
+
+@dataclass
+class Question:
+    """One of the questions a context is asked under the shared-context protocol (:attr:`Example.questions`).
+
+    Attributes:
+        question: the question as it is asked after compression (as :attr:`Example.question` would hold it alone).
+        answers: its reference answers (the dataset's ``score`` matches them as for an example's).
+        answer_prefix: the text that starts the model's answer, may be empty.
+        kind: ``"retrieve"`` (one key, fact or chain of the context) or ``"aggregate"`` (needs the whole context,
+            e.g. every needle of it, scored by recall).
+        metadata: what the rows of this question add to the example's metadata (the asked needle's ``depth``, ...).
+    """
+
+    question: str
+    answers: list[str]
+    answer_prefix: str = ""
+    kind: str = "retrieve"
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def place_question(context: str, question: str, query_aware: bool, separator: str = "") -> tuple[str, str, int | None]:
@@ -72,6 +96,10 @@ class Dataset(Protocol):
     ``FileNotFoundError`` or :class:`DataUnavailableError` with the fix), and ``sample_limit()`` returns
     ``(limit, what)``, the most ``n_samples`` the dataset can give without repeating itself and what sets that
     limit, or None when it can generate any number.
+
+    A dataset that puts several questions on one context (``protocol=shared``, :mod:`evaluation.shared`) also has
+    ``shared_problem(questions) -> str | None`` (why it cannot give ``questions`` per context, or None) and takes
+    ``examples(..., questions=K)``, returning examples whose :attr:`Example.questions` hold K questions.
     """
 
     name: str

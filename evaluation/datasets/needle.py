@@ -16,11 +16,20 @@ import functools
 import random
 from dataclasses import dataclass, field
 
-from evaluation.datasets.base import Example, place_question
+from evaluation.datasets.base import Example, Question, place_question
 from evaluation.datasets.prose import prose_sentences
 from evaluation.datasets.stdlib import check_split, topic_text, topics_in_split
 
-__all__ = ["NeedleDataset", "NEEDLE_TEMPLATE", "QUESTION_TEMPLATE", "ANSWER_PREFIX", "HAYSTACKS", "haystack_units"]
+__all__ = [
+    "NeedleDataset",
+    "NEEDLE_TEMPLATE",
+    "QUESTION_TEMPLATE",
+    "ANSWER_PREFIX",
+    "AGGREGATE_QUESTION",
+    "AGGREGATE_PREFIX",
+    "HAYSTACKS",
+    "haystack_units",
+]
 
 #: ``prose``: generated English sentences joined by spaces; ``docs``: documentation lines joined by newlines.
 HAYSTACKS = ("prose", "docs")
@@ -28,6 +37,9 @@ HAYSTACKS = ("prose", "docs")
 NEEDLE_TEMPLATE = "One of the special magic numbers for {key} is: {value}."
 QUESTION_TEMPLATE = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
+#: the shared-context protocol's question that needs the whole context: every needle's value (scored by recall)
+AGGREGATE_QUESTION = "What are all the special magic numbers mentioned in the provided text?"
+AGGREGATE_PREFIX = "The special magic numbers mentioned in the provided text are"
 _ADJECTIVES = [
     "amber",
     "brave",
@@ -114,6 +126,10 @@ class NeedleDataset:
         haystack: ``"prose"`` (default) or ``"docs"`` (:func:`haystack_units`).
         split: the documentation split of ``haystack="docs"``: ``"test"`` (default; nothing is tuned on it) or
             ``"dev"``.
+        aggregate: with several questions per context (``protocol=shared``), the last one asks for every needle's
+            value (:data:`AGGREGATE_QUESTION`, scored by recall); else every question asks for one needle.
+        aggregate_max_new_tokens: the generation length of a context whose questions include the aggregate one (its
+            answer lists every value: about 9 tokens each on SmolLM2's tokenizer).
 
     Raises:
         ValueError: for a depth outside ``[0, 100]``, a ``context_length`` too short for the needle, an unknown
@@ -127,6 +143,8 @@ class NeedleDataset:
     name: str = "needle"
     haystack: str = "prose"
     split: str = "test"
+    aggregate: bool = True
+    aggregate_max_new_tokens: int = 64
 
     def __post_init__(self):
         if self.haystack not in HAYSTACKS:
@@ -138,14 +156,34 @@ class NeedleDataset:
         if self.context_length < 64:
             raise ValueError(f"context_length={self.context_length} tokens is too short for a needle (minimum 64)")
 
-    def examples(self, tokenizer, n_samples: int | None, seed: int, query_aware: bool) -> list[Example]:
+    def shared_problem(self, questions: int) -> str | None:
+        """Why a context cannot hold ``questions`` questions (``protocol=shared``), or None: one needle per question
+        (:meth:`examples`), each under a distinct key of the :data:`_ADJECTIVES` x :data:`_NOUNS` pairs, in a
+        context with room for them."""
+        keys = len(_ADJECTIVES) * len(_NOUNS)
+        if questions > keys:
+            return f"the needles' keys are {keys} adjective-noun pairs, fewer than {questions} needles"
+        if questions * 24 > self.context_length // 2:  # a needle is about 20 tokens
+            return f"{questions} needles of about 24 tokens take over half of context_length={self.context_length}"
+        return None
+
+    def examples(
+        self, tokenizer, n_samples: int | None, seed: int, query_aware: bool, questions: int | None = None
+    ) -> list[Example]:
         """Build ``len(depths) * per_depth`` examples; ``n_samples`` caps the total, spread over depths.
+
+        With ``questions`` (K, the shared-context protocol: :mod:`evaluation.shared`) example ``i`` instead holds K
+        needles under distinct keys, needle ``j`` at a depth drawn in the ``j``-th of K equal slices of the haystack
+        (``depths`` is not read), and asks for them one by one in a seeded order; with ``aggregate`` the last of the
+        K questions asks for every needle's value instead (:data:`AGGREGATE_QUESTION`; one needle is then asked
+        only there). Its id is ``<prefix>-<length>-k<K>-<i>``, seeded by ``(seed, length, K, i)`` alone.
 
         Args:
             tokenizer: the model's tokenizer, used to count tokens.
             n_samples: total number of examples (depths cycle first), or None for ``n_per_depth`` each.
             seed: generation seed; the same seed gives the same examples.
-            query_aware: put the question at the end of the context instead of after compression.
+            query_aware: put the question at the end of the context instead of after compression (the first one).
+            questions: questions per context (``protocol=shared``), or None for one.
         """
         total = len(self.depths) * self.n_per_depth if n_samples is None else int(n_samples)
         sentences, joiner = haystack_units(self.haystack, self.split)
@@ -153,6 +191,14 @@ class NeedleDataset:
             len(ids) for ids in tokenizer([joiner + s for s in sentences], add_special_tokens=False)["input_ids"]
         ]
         prefix_id = "needle" if self.haystack == "prose" else f"needle-{self.haystack}-{self.split}"
+        if questions is not None:
+            problem = self.shared_problem(int(questions))
+            if problem:
+                raise ValueError(f"needle: {problem}")
+            return [
+                self._shared_example(tokenizer, i, seed, int(questions), query_aware, sentences, lengths, joiner)
+                for i in range(total)
+            ]
         out = []
         for i in range(total):
             depth = float(self.depths[i % len(self.depths)])
@@ -196,6 +242,66 @@ class NeedleDataset:
             )
         return out
 
+    def _shared_example(self, tokenizer, i, seed, K, query_aware, sentences, lengths, joiner) -> Example:
+        """Example ``i`` with K needles and K questions (see :meth:`examples`)."""
+        rng = random.Random(f"{seed}-{self.context_length}-shared{K}-{i}")
+        keys: list[str] = []
+        while len(keys) < K:
+            key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+            if key not in keys:
+                keys.append(key)
+        values = [f"{rng.randrange(10**6, 10**7)}" for _ in range(K)]
+        needles = [NEEDLE_TEMPLATE.format(key=k, value=v) for k, v in zip(keys, values)]
+        budget = self.context_length - sum(len(tokenizer.encode(joiner + n, add_special_tokens=False)) for n in needles)
+        start = rng.randrange(len(sentences))
+        hay, used, j = [], 0, start
+        while used + lengths[j % len(sentences)] <= budget:
+            hay.append(sentences[j % len(sentences)])
+            used += lengths[j % len(sentences)]
+            j += 1
+        depths = [100 * (j + rng.random()) / K for j in range(K)]  # needle j in the j-th of K slices
+        cuts = [round(d / 100 * len(hay)) for d in depths]
+        parts = []
+        for j in range(K):
+            parts += hay[cuts[j - 1] if j else 0 : cuts[j]] + [needles[j]]
+        parts += hay[cuts[-1] :]
+        context = joiner.join(parts)
+        order = rng.sample(range(K), K)
+        aggregate = self.aggregate and K > 1
+        asked = [
+            Question(
+                QUESTION_TEMPLATE.format(key=keys[j]),
+                [values[j]],
+                ANSWER_PREFIX.format(key=keys[j]),
+                "retrieve",
+                {"depth": round(depths[j], 2), "key": keys[j], "needle": needles[j]},
+            )
+            for j in (order[: K - 1] if aggregate else order)
+        ]
+        if aggregate:
+            asked.append(Question(AGGREGATE_QUESTION, list(values), AGGREGATE_PREFIX, "aggregate", {"depth": None}))
+        n_tokens = len(tokenizer.encode(context, add_special_tokens=False))
+        context, question, question_start = place_question(context, asked[0].question, query_aware, separator="\n\n")
+        prefix_id = "needle" if self.haystack == "prose" else f"needle-{self.haystack}-{self.split}"
+        return Example(
+            id=f"{prefix_id}-{self.context_length}-k{K}-{i}",
+            context=context,
+            question=question,
+            answers=list(asked[0].answers),
+            answer_prefix=asked[0].answer_prefix,
+            max_new_tokens=self.aggregate_max_new_tokens if aggregate else self.max_new_tokens,
+            task="needle",
+            question_start=question_start,
+            metadata={
+                "depth": asked[0].metadata["depth"],
+                "context_length": n_tokens,
+                "needles": K,
+                "needle_depths": [round(d, 2) for d in depths],
+            },
+            questions=tuple(asked),
+        )
+
     def score(self, prediction: str, example: Example) -> float:
-        """1.0 when the needle's 7-digit value appears in the prediction, else 0.0."""
-        return float(any(a in prediction for a in example.answers))
+        """The fraction of the answers whose value appears in the prediction: for one needle 1.0 or 0.0, for the
+        shared-context protocol's aggregate question its recall."""
+        return sum(a in prediction for a in example.answers) / len(example.answers)

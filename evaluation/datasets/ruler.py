@@ -21,6 +21,7 @@ noun rather than from the materialised list of all pairs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -33,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import ClassVar
 
-from evaluation.datasets.base import DataUnavailableError, Example, place_question
+from evaluation.datasets.base import DataUnavailableError, Example, Question, place_question
 from evaluation.datasets.prose import prose_sentences
 from evaluation.datasets.tokens import count_tokens
 from evaluation.metrics import ruler_postprocess, string_match_all, string_match_part
@@ -136,6 +137,11 @@ RULER_TASKS: dict[str, RulerTask] = {
 SYNTHETIC_TASKS = tuple(t for t, spec in RULER_TASKS.items() if spec.kind != "qa")
 """The 11 tasks generated fully offline."""
 
+SHARED_TASKS = ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt")
+"""The tasks whose context holds several keys (or chains), which the shared-context protocol (``protocol=shared``,
+:mod:`evaluation.shared`) asks about one by one: a context of K questions holds ``max(K, RULER's keys)`` keys with
+RULER's values per key (vt: K chains of RULER's hops)."""
+
 QA_SOURCES = {
     "squad": ("rajpurkar/squad_v2", None, "validation", "squad.json", "the official SQuAD 2.0 dev file dev-v2.0.json"),
     "hotpotqa": (
@@ -223,6 +229,7 @@ class _Rendered:
     answer_prefix: str
     answers: list[str]
     metadata: dict
+    questions: tuple = ()  # the shared-context protocol's questions (the first is question/answer_prefix/answers)
 
     @property
     def text(self) -> str:
@@ -252,10 +259,10 @@ def _render(
     )
 
 
-def _niah_render(rng_seed: int, n: int, args: dict) -> _Rendered:
-    rng = random.Random(rng_seed)
-    num_k = max(args["num_needle_k"], args["num_needle_q"])
-    num_v, num_q = args["num_needle_v"], args["num_needle_q"]
+def _niah_needles(rng: random.Random, n: int, args: dict, num_k: int) -> tuple[list[str], list[list[str]], str]:
+    """RULER's niah haystack of size ``n`` holding ``num_k`` keys with ``num_needle_v`` values each: the keys, their
+    values and the haystack text."""
+    num_v = args["num_needle_v"]
     tk, tv, hay = args["type_needle_k"], args["type_needle_v"], args["type_haystack"]
     keys, values, needles = [], [], []
     for _ in range(num_k):
@@ -293,7 +300,15 @@ def _niah_render(rng_seed: int, n: int, args: dict) -> _Rendered:
         for index, needle in zip(sorted(rng.sample(range(n), len(needles)), reverse=True), needles):
             sentences.insert(index, needle)
         context = "\n".join(sentences)
+    return keys, values, context
 
+
+def _niah_render(rng_seed: int, n: int, args: dict) -> _Rendered:
+    rng = random.Random(rng_seed)
+    num_k = max(args["num_needle_k"], args["num_needle_q"])
+    num_v, num_q = args["num_needle_v"], args["num_needle_q"]
+    tv = args["type_needle_v"]
+    keys, values, context = _niah_needles(rng, n, args, num_k)
     indices = rng.sample(range(num_k), num_q)
     answers = [a for i in indices for a in values[i]]
     body, prefix = TEMPLATES["niah"]
@@ -304,7 +319,7 @@ def _niah_render(rng_seed: int, n: int, args: dict) -> _Rendered:
         type_v = tv[:-1]
     # depth of the earliest queried needle, in percent of the haystack characters
     first = min(context.find(NEEDLE.format(type_needle_v=tv, key=keys[i], value=v)) for i in indices for v in values[i])
-    meta = {"depth": round(100 * first / max(1, len(context)), 1), "haystack": hay}
+    meta = {"depth": round(100 * first / max(1, len(context)), 1), "haystack": args["type_haystack"]}
     return _render(
         "niah",
         context,
@@ -314,6 +329,49 @@ def _niah_render(rng_seed: int, n: int, args: dict) -> _Rendered:
         type_needle_v=type_v,
         query=_join_query([keys[i] for i in indices]),
     )
+
+
+def _niah_question(keys: list[str], values: list[list[str]], tv: str) -> tuple[str, str, list[str]]:
+    """RULER's niah question and answer prefix for ``keys`` (its singular rewrite when they hold one value), and the
+    answers: every value of every key."""
+    body, prefix = TEMPLATES["niah"]
+    post = body.split("{context}")[1]
+    question = post[post.find(QUESTION_MARKERS["niah"]) :]
+    answers = [v for vals in values for v in vals]
+    type_v = tv
+    if len(answers) == 1:  # as _niah_render's rewrite, on the question's part
+        full = (question + "\x00" + prefix).replace("Some", "A").replace("are all", "is").replace("are", "is")
+        question, prefix = full.replace("answers", "answer").split("\x00")
+        type_v = tv[:-1]
+    fmt = {"type_needle_v": type_v, "query": _join_query(keys)}
+    return question.format(**fmt), prefix.format(**fmt), answers
+
+
+def _niah_shared_render(rng_seed: int, n: int, args: dict, K: int, aggregate: bool) -> _Rendered:
+    """A niah context of ``max(K, RULER's keys)`` keys asked K questions: one key each in a seeded order, the last
+    asking for every key's values at once with ``aggregate`` (RULER's multiquery question over all the keys, scored
+    by recall as every niah question)."""
+    rng = random.Random(rng_seed)
+    num_k = max(args["num_needle_k"], args["num_needle_q"], K)
+    tv = args["type_needle_v"]
+    keys, values, context = _niah_needles(rng, n, args, num_k)
+    order = rng.sample(range(num_k), num_k)
+    aggregate = aggregate and K > 1
+    questions = []
+    for i in order[: K - 1 if aggregate else K]:
+        question, prefix, answers = _niah_question([keys[i]], [values[i]], tv)
+        where = min(context.find(NEEDLE.format(type_needle_v=tv, key=keys[i], value=v)) for v in values[i])
+        depth = round(100 * where / max(1, len(context)), 1)
+        questions.append(Question(question, answers, prefix, "retrieve", {"depth": depth, "key": keys[i]}))
+    if aggregate:
+        question, prefix, answers = _niah_question(keys, values, tv)
+        questions.append(Question(question, answers, prefix, "aggregate", {"depth": None}))
+    body = TEMPLATES["niah"][0]
+    pre, post = body.split("{context}")
+    text = pre.format(type_needle_v=tv) + context + post[: post.find(QUESTION_MARKERS["niah"])]
+    first = questions[0]
+    meta = {"depth": first.metadata["depth"], "haystack": args["type_haystack"], "keys": num_k}
+    return _Rendered(text, first.question, first.answer_prefix, first.answers, meta, tuple(questions))
 
 
 def _vt_chains(rng: random.Random, num_chains: int, num_hops: int, is_icl: bool):
@@ -333,19 +391,45 @@ def _vt_chains(rng: random.Random, num_chains: int, num_hops: int, is_icl: bool)
     return variables, chains
 
 
-def _vt_render(rng_seed: int, n: int, args: dict, icl: str = "", is_icl: bool = False) -> _Rendered:
-    rng = random.Random(rng_seed)
-    variables, chains = _vt_chains(rng, args["num_chains"], args["num_hops"], is_icl)
-    value = chains[0][0].split("=")[-1].strip()
+def _vt_haystack(rng: random.Random, n: int, chains: list[list[str]]) -> str:
+    """RULER's vt noise haystack of size ``n`` with every chain's assignments inserted in order."""
     sentences = [NOISE_HAYSTACK] * n
     for chain in chains:
         positions = sorted(rng.sample(range(len(sentences)), len(chain)))
         for j, pos in enumerate(positions):
             sentences.insert(pos + j, chain[j])
-    context = "\n".join(sentences).replace(". \n", ".\n")
+    return "\n".join(sentences).replace(". \n", ".\n")
+
+
+def _vt_render(rng_seed: int, n: int, args: dict, icl: str = "", is_icl: bool = False) -> _Rendered:
+    rng = random.Random(rng_seed)
+    variables, chains = _vt_chains(rng, args["num_chains"], args["num_hops"], is_icl)
+    value = chains[0][0].split("=")[-1].strip()
+    context = _vt_haystack(rng, n, chains)
     return _render(
         "vt", context, list(variables[0]), {"haystack": "noise"}, prefix_text=icl, query=value, num_v=len(variables[0])
     )
+
+
+def _vt_shared_render(rng_seed: int, n: int, args: dict, K: int, icl: str) -> _Rendered:
+    """A vt context of K chains (RULER's hops each) asked K questions, one chain's value each in a seeded order (the
+    answers: every variable assigned that value)."""
+    rng = random.Random(rng_seed)
+    variables, chains = _vt_chains(rng, K, args["num_hops"], False)
+    context = _vt_haystack(rng, n, chains)
+    body, prefix = TEMPLATES["vt"]
+    pre, post = body.split("{context}")
+    at = post.find(QUESTION_MARKERS["vt"])
+    chain_values = [chain[0].split("=")[-1].strip() for chain in chains]
+    questions = []
+    for c in rng.sample(range(K), K):
+        value = chain_values[c]
+        answers = [v for vs, val in zip(variables, chain_values) if val == value for v in vs]
+        fmt = {"query": value, "num_v": len(answers)}
+        questions.append(Question(post[at:].format(**fmt), answers, prefix.format(**fmt), "retrieve", {}))
+    first = questions[0]
+    text = icl + pre + context + post[:at]
+    return _Rendered(text, first.question, first.answer_prefix, first.answers, {"haystack": "noise"}, tuple(questions))
 
 
 def _vt_icl(rng_seed: int, n: int, args: dict) -> str:
@@ -580,6 +664,8 @@ class RulerDataset:
             ``max_seq_length``); every task is generated at every length.
         num_samples: examples per task and length when the run leaves ``n_samples`` unset.
         qa_data_dir: local directory of RULER's qa files (``squad.json``, ``hotpotqa.json``); None = hub.
+        aggregate: with several questions per context (``protocol=shared``, :data:`SHARED_TASKS`), a niah context's
+            last question asks for every key's values (RULER's multiquery question over all its keys).
 
     Raises:
         ValueError: unknown task, a context length < 64, or ``num_samples < 1``.
@@ -594,6 +680,7 @@ class RulerDataset:
     context_lengths: Sequence[int] = (4096,)
     num_samples: int = 10
     qa_data_dir: str | None = None
+    aggregate: bool = True
 
     def __post_init__(self):
         self.tasks = [str(t) for t in self.tasks]
@@ -617,6 +704,23 @@ class RulerDataset:
             if RULER_TASKS[name].kind == "qa":
                 load_qa(RULER_TASKS[name].args["dataset"], self.qa_data_dir)
 
+    def shared_problem(self, questions: int) -> str | None:
+        """Why these tasks cannot put ``questions`` questions on one context (``protocol=shared``), or None: every
+        task must hold several keys (:data:`SHARED_TASKS`)."""
+        other = [t for t in self.tasks if t not in SHARED_TASKS]
+        if other:
+            return (
+                f"RULER tasks {other} hold one key (or one answer) per context; the tasks of several keys are "
+                f"{list(SHARED_TASKS)} (configs/dataset/ruler_shared.yaml)"
+            )
+        for name in self.tasks:  # an essay haystack takes one needle per depth of RULER's DEPTHS
+            args = RULER_TASKS[name].args
+            needles = max(args.get("num_needle_k", 0), args.get("num_needle_q", 0), questions)
+            total = needles * args.get("num_needle_v", 1)
+            if args.get("type_haystack") == "essay" and total > len(DEPTHS):
+                return f"RULER task {name!r} would hold {total} needles, more than its {len(DEPTHS)} depths"
+        return None
+
     def sample_limit(self) -> tuple[int, str] | None:
         """For qa tasks, the number of questions of the smallest qa source (example ``i`` asks question ``i``);
         None when every task is synthetic (any number)."""
@@ -631,11 +735,18 @@ class RulerDataset:
     # -- generation ------------------------------------------------------------------------------
 
     def _renderer(
-        self, name: str, context_length: int, seed: int, index: int, tokenizer
+        self, name: str, context_length: int, seed: int, index: int, tokenizer, questions: int | None = None
     ) -> tuple[Callable[[int], _Rendered], int]:
-        """A function haystack-size -> rendered prompt for one example, and the example's minimum size."""
+        """A function haystack-size -> rendered prompt for one example, and the example's minimum size; with
+        ``questions`` (K) the shared-context protocol's (:data:`SHARED_TASKS`), seeded by K besides."""
         task = RULER_TASKS[name]
         rseed = _seed("ruler", seed, name, context_length, index)
+        if questions is not None:
+            K, rseed = int(questions), _seed("ruler-shared", seed, name, context_length, questions, index)
+            if task.kind == "niah":
+                keys = max(task.args["num_needle_k"], task.args["num_needle_q"], K)
+                render = functools.partial(_niah_shared_render, rseed, args=task.args, K=K, aggregate=self.aggregate)
+                return render, keys * task.args["num_needle_v"]
         if task.kind == "niah":
             return (lambda n: _niah_render(rseed, n, task.args)), _min_size(task)
         if task.kind == "vt":
@@ -650,6 +761,9 @@ class RulerDataset:
                 strict=False,
             )
             icl = _vt_icl(icl_seed, n_icl, task.args)
+            if questions is not None:  # K chains
+                render = functools.partial(_vt_shared_render, rseed, args=task.args, K=int(questions), icl=icl + "\n")
+                return render, min_n * int(questions)
             return (lambda n: _vt_render(rseed, n, task.args, icl=icl + "\n")), min_n
         if task.kind == "cwe":
             return (lambda n: _cwe_render(rseed, n, task.args, context_length)), _min_size(task)
@@ -660,9 +774,18 @@ class RulerDataset:
         return (lambda n: _qa_render(rseed, n, qa, docs)), len(qa["context"])
 
     def examples(
-        self, tokenizer, n_samples: int | None = None, seed: int = 0, query_aware: bool = False
+        self,
+        tokenizer,
+        n_samples: int | None = None,
+        seed: int = 0,
+        query_aware: bool = False,
+        questions: int | None = None,
     ) -> list[Example]:
         """Generate ``n_samples`` (default ``num_samples``) examples per task and context length.
+
+        With ``questions`` (K, the shared-context protocol: :mod:`evaluation.shared`) every example holds K questions
+        on one context (:data:`SHARED_TASKS` only; ids ``<task>_<length>_k<K>_<i>``, seeded by K besides); the
+        context fits its first question as RULER fits its one.
 
         Deterministic in ``seed``: example ``i`` of a (task, length) only depends on
         ``(seed, task, length, i)``, so a smaller ``n_samples`` yields a prefix of a larger one.
@@ -673,12 +796,16 @@ class RulerDataset:
         earliest queried needle starts, in percent of the haystack characters), ``haystack``, ``index``.
 
         Raises:
-            ValueError: a length too short for a task's smallest prompt.
+            ValueError: a length too short for a task's smallest prompt; with ``questions``, a task outside
+                :data:`SHARED_TASKS`.
             DataUnavailableError: a qa task without hub access or ``qa_data_dir``.
         """
         count = self.num_samples if n_samples is None else int(n_samples)
         if count < 1:
             raise ValueError(f"n_samples={count} must be >= 1 (examples per task and length)")
+        problem = self.shared_problem(int(questions)) if questions is not None else None
+        if problem:
+            raise ValueError(problem)
         key = (
             tuple(self.tasks),
             tuple(self.context_lengths),
@@ -686,6 +813,8 @@ class RulerDataset:
             count,
             seed,
             query_aware,
+            questions,
+            self.aggregate,
             id(tokenizer),
             getattr(tokenizer, "name_or_path", None),
             len(tokenizer),
@@ -693,10 +822,10 @@ class RulerDataset:
         if key not in _EXAMPLE_CACHE:  # a multirun re-instantiates the dataset for every press and ratio
             if len(_EXAMPLE_CACHE) >= 4:
                 _EXAMPLE_CACHE.pop(next(iter(_EXAMPLE_CACHE)))
-            _EXAMPLE_CACHE[key] = self._generate(tokenizer, count, seed, query_aware)
+            _EXAMPLE_CACHE[key] = self._generate(tokenizer, count, seed, query_aware, questions)
         return list(_EXAMPLE_CACHE[key])
 
-    def _generate(self, tokenizer, count: int, seed: int, query_aware: bool) -> list[Example]:
+    def _generate(self, tokenizer, count: int, seed: int, query_aware: bool, questions=None) -> list[Example]:
         out: list[Example] = []
         for length in self.context_lengths:
             for name in self.tasks:
@@ -704,7 +833,7 @@ class RulerDataset:
                 budget = length - task.max_new_tokens
                 size = None
                 for i in range(count):
-                    render, min_n = self._renderer(name, length, seed, i, tokenizer)
+                    render, min_n = self._renderer(name, length, seed, i, tokenizer, questions)
                     if size is None:  # RULER: binary search the haystack size once per task and length
                         size = _fit(
                             render, tokenizer, budget, min_n, _increment(task, length), name=name, length=length
@@ -718,15 +847,17 @@ class RulerDataset:
                         n = max(min_n, n - step)
                         rendered = render(n)
                         tokens = count_tokens(tokenizer, rendered.text)
-                    out.append(self._example(name, length, i, rendered, tokens, query_aware))
+                    out.append(self._example(name, length, i, rendered, tokens, query_aware, questions))
         return out
 
-    def _example(self, name: str, length: int, index: int, r: _Rendered, tokens: int, query_aware: bool) -> Example:
+    def _example(
+        self, name: str, length: int, index: int, r: _Rendered, tokens: int, query_aware: bool, questions=None
+    ) -> Example:
         task = RULER_TASKS[name]
         context, question, question_start = place_question(r.context, r.question, query_aware)
         meta = {"context_length": length, "prompt_tokens": tokens, "index": index, **r.metadata}
         return Example(
-            id=f"{name}_{length}_{index}",
+            id=f"{name}_{length}_{index}" if questions is None else f"{name}_{length}_k{questions}_{index}",
             context=context,
             question=question,
             answers=r.answers,
@@ -735,6 +866,7 @@ class RulerDataset:
             task=name,
             metadata=meta,
             question_start=question_start,
+            questions=r.questions,
         )
 
     # -- scoring ---------------------------------------------------------------------------------

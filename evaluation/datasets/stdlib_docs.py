@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from evaluation.datasets.base import Example, place_question
+from evaluation.datasets.base import Example, Question, place_question
 from evaluation.datasets.stdlib import (
     check_set,
     examples_per_cell,
@@ -226,26 +226,139 @@ class StdlibDocsDataset:
             self.name, self.tasks, TASKS, self.split, self.context_lengths, 2 * self.window_tokens, "2 * window_tokens"
         )
 
-    def examples(self, tokenizer, n_samples: int | None, seed: int, query_aware: bool) -> list[Example]:
+    def shared_problem(self, questions: int) -> str | None:
+        """Why a context cannot hold ``questions`` questions (``protocol=shared``), or None: one fact window each
+        (:meth:`examples`), and room for one distractor window besides at the shortest length."""
+        shortest = min(int(x) for x in self.context_lengths)
+        if (questions + 1) * self.window_tokens > shortest:
+            return (
+                f"{questions} fact windows and a distractor of window_tokens={self.window_tokens} each do not fit "
+                f"the shortest context_length={shortest} (use a smaller dataset.window_tokens)"
+            )
+        return None
+
+    def examples(
+        self, tokenizer, n_samples: int | None, seed: int, query_aware: bool, questions: int | None = None
+    ) -> list[Example]:
         """``n_samples`` (default ``num_samples``) examples per task and length, ordered by task, length, index.
 
         Example ``i`` of a (task, length) is seeded by ``(seed, task, length, i)``, so a smaller ``n_samples`` gives a
         prefix of a larger one. ``query_aware=True`` puts the closing instruction and the question at the end of
         the context (``question`` is then empty).
 
+        With ``questions`` (K, the shared-context protocol: :mod:`evaluation.shared`) example ``i`` holds K facts of
+        its task from K different files, each in a window of its own among the distractors, every answer once in the
+        context and in no question, and asks about them in turn (ids ``<task>-<length>-k<K>-<i>``, seeded by K
+        besides); the context fits its first question.
+
         Raises:
-            ValueError: ``n_samples < 1``, or no askable fact found in :data:`MAX_DRAWS` draws.
+            ValueError: ``n_samples < 1``, or no askable fact (with ``questions``: set of facts) found in
+                :data:`MAX_DRAWS` draws; with ``questions``, :meth:`shared_problem`'s.
         """
         n = examples_per_cell(n_samples, self.num_samples)
         files = files_in_split(self.split)
         topics = topics_in_split(self.split)
+        problem = self.shared_problem(int(questions)) if questions is not None else None
+        if problem:
+            raise ValueError(f"stdlib_docs: {problem}")
         out = []
         for task in self.tasks:
             for length in (int(x) for x in self.context_lengths):
                 for i in range(n):
-                    rng = random.Random(f"{seed}-stdlib_docs-{task}-{length}-{i}")
-                    out.append(self._example(tokenizer, task, length, i, files, topics, rng, query_aware))
+                    if questions is not None:
+                        rng = random.Random(f"{seed}-stdlib_docs-shared{questions}-{task}-{length}-{i}")
+                        ex = self._shared_example(
+                            tokenizer, task, length, i, files, topics, rng, query_aware, questions
+                        )
+                    else:
+                        rng = random.Random(f"{seed}-stdlib_docs-{task}-{length}-{i}")
+                        ex = self._example(tokenizer, task, length, i, files, topics, rng, query_aware)
+                    out.append(ex)
         return out
+
+    def _question(self, tokenizer, task, relpath, rng):
+        """One drawn fact of ``task`` in ``relpath`` with its question as asked after the context (the closing
+        instruction, the question, ``Answer:``), its answer prefix and its window; None when the file has no such
+        fact or the fact cannot be asked in its window."""
+        facts = [f for f in file_facts(relpath) if f.task == task]
+        if not facts:
+            return None
+        fact = rng.choice(facts)
+        question, prefix = (s.format(subject=fact.subject, param=fact.param) for s in QUESTIONS[task])
+        asked = "\n\n" + INSTRUCTION + "\n\nQuestion: " + question + "\nAnswer:"
+        window = self._window(tokenizer, relpath, fact, rng)
+        if window is None or unique_problem(fact, window, asked):
+            return None
+        return fact, asked, prefix, window
+
+    def _shared_example(self, tokenizer, task, length, i, files, topics, rng, query_aware, K) -> Example:
+        """Example ``i`` with K facts and K questions (see :meth:`examples`)."""
+        for _ in range(MAX_DRAWS):
+            drawn, paths = [], set()
+            for _ in range(MAX_DRAWS):  # K facts of K files, subjects and answers all different
+                if len(drawn) == K:
+                    break
+                relpath = rng.choice(files)
+                got = None if relpath in paths else self._question(tokenizer, task, relpath, rng)
+                if got is None or any(got[0].subject == f.subject for f, _, _, _ in drawn):
+                    continue  # the context's final check (unique_problem) refuses what remains
+                drawn.append(got)
+                paths.add(relpath)
+            if len(drawn) < K:
+                break
+            windows = [got[3] for got in drawn]
+            asked_all = "".join(got[1] for got in drawn)
+            docs = self._fill(tokenizer, [*windows], length, drawn[0][1], paths, files, topics, rng)
+            places = []
+            for window in windows:
+                at = rng.randrange(len(docs) + 1)
+                docs.insert(at, window)
+                places = [p + (p >= at) for p in places] + [at]
+            context = HEADER + "\n\n".join(docs)
+            if any(unique_problem(f, context + asked_all, asked_all) for f, _, _, _ in drawn):
+                continue
+            tokens = count_tokens(tokenizer, context + drawn[0][1])
+            questions = tuple(
+                Question(
+                    asked.lstrip("\n"),
+                    [fact.answer],
+                    prefix,
+                    "retrieve",
+                    {
+                        "answer_document": at + 1,
+                        "depth": 100.0 * at / max(1, len(docs) - 1),
+                        "file": fact.relpath,
+                        "fact_lines": [fact.first + 1, fact.last + 1],
+                        "subject": fact.subject,
+                        "param": fact.param,
+                    },
+                )
+                for (fact, asked, prefix, _), at in zip(drawn, places)
+            )
+            context, asked, question_start = place_question(context, drawn[0][1], query_aware)
+            return Example(
+                id=f"{task}-{length}-k{K}-{i}",
+                context=context,
+                question=asked.lstrip("\n"),
+                answers=list(questions[0].answers),
+                answer_prefix=questions[0].answer_prefix,
+                max_new_tokens=self.max_new_tokens,
+                task=task,
+                question_start=question_start,
+                metadata={
+                    "context_length": length,
+                    "prompt_tokens": tokens,
+                    "n_documents": len(docs),
+                    **questions[0].metadata,
+                    "split": self.split,
+                    **interpreter_metadata(),
+                },
+                questions=questions,
+            )
+        raise ValueError(
+            f"stdlib_docs found no {K} askable {task} facts in {MAX_DRAWS} draws at {length} tokens (example {i}); "
+            "try another seed, fewer questions or a shorter length"
+        )
 
     def _example(self, tokenizer, task, length, i, files, topics, rng, query_aware) -> Example:
         for _ in range(MAX_DRAWS):
@@ -259,7 +372,7 @@ class StdlibDocsDataset:
             window = self._window(tokenizer, relpath, fact, rng)
             if window is None or unique_problem(fact, window, asked):
                 continue
-            docs = self._fill(tokenizer, [window], length, asked, relpath, files, topics, rng)
+            docs = self._fill(tokenizer, [window], length, asked, {relpath}, files, topics, rng)
             at = rng.randrange(len(docs) + 1)
             docs.insert(at, window)
             context = HEADER + "\n\n".join(docs)
@@ -309,11 +422,11 @@ class StdlibDocsDataset:
         end = start + largest_prefix(len(est.lines) - start, lambda m: est.count(start, start + m) <= budget)
         return _title(relpath, start, end) + "".join(est.lines[start:end]).rstrip("\n") if end > fact.last else None
 
-    def _fill(self, tokenizer, docs, length, asked, relpath, files, topics, rng) -> list[str]:
-        """Distractor documents (windows of other files and of documentation topics) while they fit ``length``
-        with ``docs`` and the question. Windows are added on estimated counts, then the whole context is counted:
-        the last window is dropped while it is too long, and windows are added again while at least 48 tokens are
-        left (documents are counted one by one, and a seam may merge or split a token)."""
+    def _fill(self, tokenizer, docs, length, asked, relpaths, files, topics, rng) -> list[str]:
+        """Distractor documents (windows of files other than ``relpaths`` and of documentation topics) while they fit
+        ``length`` with ``docs`` and the question. Windows are added on estimated counts, then the whole context is
+        counted: the last window is dropped while it is too long, and windows are added again while at least 48
+        tokens are left (documents are counted one by one, and a seam may merge or split a token)."""
         out = []
         for _ in range(8):  # each pass ends with an exact count
             room, misses = length - count_tokens(tokenizer, HEADER + "\n\n".join(docs + out) + asked), 0
@@ -322,7 +435,7 @@ class StdlibDocsDataset:
             while misses < 20 and min(self.window_tokens, room) >= 48:
                 budget = min(self.window_tokens, room)
                 if rng.random() < 0.5:
-                    other = rng.choice([f for f in files if f != relpath])
+                    other = rng.choice([f for f in files if f not in relpaths])
                     doc = _window_from(file_lines(tokenizer, other), rng, budget, functools.partial(_title, other))
                 else:
                     topic = rng.choice(topics)
