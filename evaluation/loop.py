@@ -48,7 +48,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from evaluation import continuation, guards, harness, inputs, kvzip_path, prompt_delimiter
+from evaluation import continuation, guards, harness, inputs, kvzip_path, prompt_delimiter, shared
 from evaluation.memo import ReplayMemo
 from evaluation.pipeline import TextGenerationPipeline
 from evaluation.registry import capabilities, export_decode_state, press_field_problem, run_ratio_problem, sharing
@@ -61,6 +61,7 @@ from evaluation.replay import (
     replay_prefill,
     round_robin_by_task,
 )
+from evaluation.shared import Protocol
 from presses import attention
 from presses.base import Capabilities
 from presses.kernels.process_cache import use_process_cache
@@ -110,18 +111,30 @@ def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
     return runs
 
 
-def tokenise(pipe, tokenizer, ex) -> dict:
-    """kvpress's preprocessing of one example (context ids ``(1, T)``, question ids), with the chat template
-    dropped where the dataset says so."""
+def tokenise(pipe, tokenizer, ex, protocol: Protocol | None = None) -> dict:
+    """kvpress's preprocessing of one example (context ids ``(1, T)``, question ids: one, or with the shared-context
+    ``protocol`` one per question, :func:`evaluation.shared.tokenise`), with the chat template dropped where the
+    dataset says so."""
     with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)):
+        if protocol is not None:
+            return shared.tokenise(pipe, ex, protocol)
         return pipe.preprocess(ex.context, [ex.question], ex.answer_prefix, int(1e10))
 
 
 def _check_inputs(
-    examples: list, runs: list[Run], pipe, model, tokenizer, max_new_tokens, eager_capture: bool = False
+    examples: list,
+    runs: list[Run],
+    pipe,
+    model,
+    tokenizer,
+    max_new_tokens,
+    eager_capture: bool = False,
+    protocol: Protocol | None = None,
 ) -> dict[str, dict]:
     """Every example against the model's positions and vocabulary and every press's limits, before any directory
-    is made. Returns each example's :func:`tokenise` output by example id (the loop reuses it).
+    is made (with the shared-context ``protocol``, every question of it:
+    :func:`evaluation.guards.check_shared_positions`). Returns each example's :func:`tokenise` output by example id
+    (the loop reuses it).
 
     Raises:
         ValueError: an example id that repeats; with ``eager_capture`` (a shared prefill on eager attention), an
@@ -132,10 +145,14 @@ def _check_inputs(
     for ex in examples:
         if ex.id in tokens:  # rows, resume and these tokens are keyed by id
             raise ValueError(f"example id {ex.id!r} appears twice in the dataset; every example needs its own id")
-        ids = tokens[ex.id] = tokenise(pipe, tokenizer, ex)
+        ids = tokens[ex.id] = tokenise(pipe, tokenizer, ex, protocol)
         T, n_question = int(ids["context_ids"].shape[1]), int(ids["questions_ids"][0].shape[1])
-        top = max(int(t.max()) for t in (ids["context_ids"], ids["questions_ids"][0]) if t.numel())
-        guards.check_model_input(model, T, n_question, max_new_tokens or ex.max_new_tokens or 32, ex.id, top)
+        top = max(int(t.max()) for t in (ids["context_ids"], *ids["questions_ids"]) if t.numel())
+        max_new = max_new_tokens or ex.max_new_tokens or 32
+        if protocol is not None:
+            lengths = [int(q.shape[1]) for q in ids["questions_ids"]]
+            guards.check_shared_positions(model, T, lengths, max_new, protocol.turns, ex.id)
+        guards.check_model_input(model, T, n_question, max_new, ex.id, top)
         for run in runs:
             guards.check_press_input(run.press, model, T, multi_token_forward=True)  # the question forward follows
         if eager_capture:  # a shared eager prefill records every layer's attention weights
@@ -170,6 +187,33 @@ def _pipeline_row(run: Run, ex, pipe, dataset, model, tokenizer, T: int, max_new
     return harness.prediction_row(ex, run.names, dataset, prediction, cache, model, T, elapsed, run.press)
 
 
+def _pipeline_shared_rows(run: Run, ex, pipe, dataset, model, tokenizer, T: int, max_new: int, protocol: Protocol):
+    """Prefill and compress one example through kvpress's pipeline, then ask its questions on the compressed cache
+    (kvpress's ``questions=[...]``, each answer cut off after it; or, in turn, one chat): one row per question
+    (:func:`evaluation.shared.rows`)."""
+    questions, prefixes = shared.asked(ex, protocol)
+    cache = DynamicCache()
+    seed_example(run.cfg.seed, ex.id)
+    start = time.perf_counter()
+    with harness.chat_template(tokenizer, ex.metadata.get("chat_template", True)), torch.inference_mode():
+        answers = pipe(
+            ex.context,
+            questions=questions,
+            answer_prefixes=prefixes,
+            turns=protocol.turns,
+            press=run.press,
+            max_new_tokens=max_new,
+            cache=cache,
+        )["answers"]
+    elapsed = time.perf_counter() - start
+    decode = list(pipe.answer_seconds)
+    prefill = elapsed - sum(decode)  # the prefill with the press, and the pipeline's pre- and postprocessing
+    return [
+        (run, row)
+        for row in shared.rows(ex, run.names, dataset, answers, decode, cache, model, T, run.press, protocol, prefill)
+    ]
+
+
 def _shared_rows(
     pending: list[Run],
     ex,
@@ -182,8 +226,11 @@ def _shared_rows(
     max_new: int,
     batch_decode: bool,
     pad_decode: bool,
+    protocol: Protocol | None = None,
 ) -> list[tuple[Run, dict]]:
-    """One uncompressed prefill, every pending press replayed on it, the runs decoded in batches."""
+    """One uncompressed prefill, every pending press replayed on it, the runs decoded in batches (``question_ids``:
+    the question's ids, or with the shared-context ``protocol`` a list of each question's; in a chat, each run
+    alone)."""
     start = time.perf_counter()
     with torch.inference_mode(), PrefillCapture(model) as capture:
         model.model(input_ids=context_ids, past_key_values=DynamicCache())
@@ -207,14 +254,14 @@ def _shared_rows(
         """Replay ``runs`` and decode them in batches; their caches are freed on return."""
         items = list(replayed(runs))
         if pad_decode or not batch_decode:  # one batch already (one ratio, or one run)
-            return _decode_group(items, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+            return _decode_group(items, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds, protocol)
         groups: dict = {}  # equal per-layer cache lengths (and bias layers): one batch
         for item in items:
             lengths = tuple(item[1].get_seq_length(i) for i in range(len(item[1])))
             groups.setdefault((lengths, tuple(state is not None for state in item[3])), []).append(item)
         rows = []
         for group in groups.values():
-            rows += _decode_group(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+            rows += _decode_group(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds, protocol)
         return rows
 
     scored = [run for run in pending if run.caps.scores_once]  # one scoring pass, then each run on its own
@@ -226,13 +273,14 @@ def _shared_rows(
         )
     rows = []
     # only the runs of one decode batch hold a cache at a time: each run alone, the runs of one ratio (padded), or
-    # (batched by equal per-layer lengths, known only after the replays) every run
-    for runs in _decode_batches(replayable, batch_decode, pad_decode):
+    # (batched by equal per-layer lengths, known only after the replays) every run; a chat's runs each alone
+    alone = protocol is not None and protocol.turns
+    for runs in _decode_batches(replayable, batch_decode and not alone, pad_decode):
         rows += decoded(runs)
     for run, cache, seconds, masks, state in kvzip_path.selected_runs(scored, model, capture, context_ids):
         with kvzip_path.masked_keys(model, masks):
             item = (run, cache, seconds, state)
-            rows += _decode_group([item], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds)
+            rows += _decode_group([item], pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds, protocol)
     return rows
 
 
@@ -252,10 +300,22 @@ def _decode_batches(runs: list[Run], batch_decode: bool, pad_decode: bool) -> li
 
 
 def _decode_group(
-    group: list, pipe, question_ids, T: int, max_new: int, ex, dataset, model, prefill_seconds: float
+    group: list,
+    pipe,
+    question_ids,
+    T: int,
+    max_new: int,
+    ex,
+    dataset,
+    model,
+    prefill_seconds: float,
+    protocol: Protocol | None = None,
 ) -> list[tuple[Run, dict]]:
     """Decode replayed runs as one batch (padded to common per-layer lengths where they differ, their decode-time
-    biases stacked) and build each run's prediction row (with its own, unpadded cache)."""
+    biases stacked) and build each run's prediction row (with its own, unpadded cache); with the shared-context
+    ``protocol``, :func:`_decode_shared`."""
+    if protocol is not None:
+        return _decode_shared(group, pipe, question_ids, T, max_new, ex, dataset, model, prefill_seconds, protocol)
     start = time.perf_counter()
     caches, states = pad_to_common_lengths([item[1] for item in group], [item[3] for item in group])
     with torch.inference_mode():
@@ -284,6 +344,63 @@ def _decode_group(
                 ),
             )
         )
+    return rows
+
+
+def _decode_shared(
+    group: list,
+    pipe,
+    questions_ids: list,
+    T: int,
+    max_new: int,
+    ex,
+    dataset,
+    model,
+    prefill_seconds: float,
+    protocol: Protocol,
+) -> list[tuple[Run, dict]]:
+    """The shared-context protocol's decode of replayed runs: multi-request, each question decoded as one batch of the
+    runs (padded as :func:`_decode_group`; each batch on new copies of the caches, or one run's cache cut back after
+    its answer, as kvpress's pipeline does); a chat, each run alone (``group`` of one) through the pipeline's own
+    loop (:meth:`evaluation.pipeline.TextGenerationPipeline.answer_questions`). One row per run and question
+    (:func:`evaluation.shared.rows`)."""
+    caches, states = pad_to_common_lengths([item[1] for item in group], [item[3] for item in group])
+    answers = [[] for _ in group]
+    decode = [[] for _ in group]
+    if protocol.turns:
+        for k, (cache, state) in enumerate(zip(caches, states)):
+            attention.put_decode_state(cache, [state])
+            with torch.inference_mode():
+                answers[k] = pipe.answer_questions(cache, questions_ids, T, max_new, turns=True)
+            decode[k] = list(pipe.answer_seconds)
+    else:
+        for question_ids in questions_ids:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                predictions = generate_answers(pipe, question_ids.to(model.device), caches, T, max_new, states)
+            seconds = (time.perf_counter() - start) / len(group)
+            for k, prediction in enumerate(predictions):
+                answers[k].append(prediction)
+                decode[k].append(seconds)
+    rows = []
+    for (run, cache, replay_s, _), run_answers, run_decode in zip(group, answers, decode):
+        for row in shared.rows(
+            ex,
+            run.names,
+            dataset,
+            run_answers,
+            run_decode,
+            cache,
+            model,
+            T,
+            run.press,
+            protocol,
+            prefill_seconds,
+            replay_s,
+            shared_prefill=True,
+            decode_batch=len(group),
+        ):
+            rows.append((run, row))
     return rows
 
 
@@ -344,7 +461,10 @@ def evaluate(
     )
     examples = harness.run_examples(first, dataset, tokenizer)
     examples, delimiter = prompt_delimiter.setup(runs, model, tokenizer, examples, first.seed)  # Finch
-    tokens = _check_inputs(examples, runs, pipe, model, tokenizer, first.max_new_tokens, shared_prefill and eager)
+    protocol = Protocol.of(first)  # None: one question per context
+    tokens = _check_inputs(
+        examples, runs, pipe, model, tokenizer, first.max_new_tokens, shared_prefill and eager, protocol
+    )
     tokens = prompt_delimiter.strip(tokens, delimiter)  # rows count the context the press compresses
     with harness.claim_runs([cfgs[run.index] for run in runs]) as claimed:  # held until metrics.json
         for run, (out, done) in zip(runs, claimed):
@@ -381,7 +501,12 @@ def _run_examples(
         run.index: {r["id"] for r in harness.read_predictions(run.out / "predictions.jsonl", repair=True)}
         for run in runs
     }
-    todo = round_robin_by_task([e for e in examples if any(e.id not in done_ids[r.index] for r in runs)])
+
+    def needs(run: Run, ex) -> bool:  # a row of the example is missing (one per question: harness.row_ids)
+        return any(i not in done_ids[run.index] for i in harness.row_ids(ex))
+
+    protocol = Protocol.of(first)
+    todo = round_robin_by_task([e for e in examples if any(needs(r, e) for r in runs)])
     logger.info("%d runs x %d examples; %d examples still needed by some run", len(runs), len(examples), len(todo))
     torch.manual_seed(first.seed)
     desc = "shared prefill" if shared_prefill else f"{runs[0].names['press']} cr={runs[0].cfg.compression_ratio:g}"
@@ -389,12 +514,31 @@ def _run_examples(
         max_new = first.max_new_tokens or ex.max_new_tokens or 32
         ids = tokens[ex.id]
         context_ids, question_ids = ids["context_ids"].to(model.device), ids["questions_ids"][0]
+        if protocol is not None:  # every question's ids (evaluation.shared)
+            question_ids = ids["questions_ids"]
         T = int(context_ids.shape[1])
-        pending = [run for run in runs if ex.id not in done_ids[run.index]]
+        pending = [run for run in runs if needs(run, ex)]
         if shared_prefill:
             rows = _shared_rows(
-                pending, ex, pipe, dataset, model, context_ids, question_ids, T, max_new, batch_decode, pad_decode
+                pending,
+                ex,
+                pipe,
+                dataset,
+                model,
+                context_ids,
+                question_ids,
+                T,
+                max_new,
+                batch_decode,
+                pad_decode,
+                protocol,
             )
+        elif protocol is not None:
+            rows = [
+                pair
+                for run in pending
+                for pair in _pipeline_shared_rows(run, ex, pipe, dataset, model, tokenizer, T, max_new, protocol)
+            ]
         elif ex.continuation:  # nothing to generate: the loss of the text after the context (evaluation.continuation)
             rows = [
                 (run, continuation.run_row(run, ex, dataset, model, tokenizer, context_ids, max_new)) for run in pending
@@ -402,4 +546,5 @@ def _run_examples(
         else:
             rows = [(run, _pipeline_row(run, ex, pipe, dataset, model, tokenizer, T, max_new)) for run in pending]
         for run, row in rows:
-            harness.append_row(run.out / "predictions.jsonl", row)
+            if row["id"] not in done_ids[run.index]:  # a resumed example's rows already written are kept
+                harness.append_row(run.out / "predictions.jsonl", row)

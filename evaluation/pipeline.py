@@ -27,9 +27,14 @@ suffix itself, with ``enable_thinking=False`` whatever the run's setting (kvpres
 
 from __future__ import annotations
 
-from kvpress import KVPressTextGenerationPipeline
+import contextlib
+import time
 
-__all__ = ["TextGenerationPipeline", "end_of_turn_token", "has_thinking_switch", "stop_token_ids"]
+import torch
+from kvpress import KVPressTextGenerationPipeline
+from transformers import DynamicCache
+
+__all__ = ["TextGenerationPipeline", "end_of_turn_token", "has_thinking_switch", "next_turn_text", "stop_token_ids"]
 
 _ANSWER = "kvpress-research answer marker"  # an assistant message whose end the chat template closes
 
@@ -107,6 +112,49 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted(int(i) for i in found)
 
 
+#: What follows an answer before the next question of a chat when the tokenizer has no chat template: kvpress's
+#: pipeline writes ``question + "\n" + answer_prefix`` after the context, so a new paragraph starts the next turn.
+PLAIN_TURN_SEPARATOR = "\n\n"
+
+
+def next_turn_text(tokenizer, question: str, answer_prefix: str = "", enable_thinking: bool = False) -> str:
+    """The text that continues a chat after the model's answer with a new question: the end of the assistant's turn,
+    a user turn holding ``question``, the assistant's header (the chat template's generation prompt, rendered with
+    ``enable_thinking``) and ``answer_prefix``. Without a chat template: :data:`PLAIN_TURN_SEPARATOR`, the question,
+    ``"\n"`` and the prefix (kvpress's layout of a question without a template).
+
+    Rendered from ``[user, assistant, user]`` with ``tokenize=False``: what follows the assistant's text.
+
+    Raises:
+        ValueError: naming the tokenizer when its template does not render an assistant message's text.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return PLAIN_TURN_SEPARATOR + question + "\n" + answer_prefix
+    turns = [
+        {"role": "user", "content": "context"},
+        {"role": "assistant", "content": _ANSWER},
+        {"role": "user", "content": question},
+    ]
+    text = tokenizer.apply_chat_template(
+        turns, add_generation_prompt=True, tokenize=False, enable_thinking=enable_thinking
+    )
+    if _ANSWER not in text:
+        name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+        raise ValueError(f"the chat template of {name!r} does not render an assistant message: no turns on it")
+    return text[text.rindex(_ANSWER) + len(_ANSWER) :] + answer_prefix
+
+
+class _Conversation:
+    """The state of a chat on one cache (:meth:`TextGenerationPipeline.answer_questions` with ``turns``): the next
+    token's position, the last generated token when it is not in the cache yet, and the compressed context's
+    per-layer lengths (the cache is cut back to them when the chat ends)."""
+
+    def __init__(self):
+        self.position: int | None = None
+        self.pending: list[int] = []
+        self.lengths: list[int] | None = None
+
+
 class _EmptyBos:
     """A tokenizer seen with ``bos_token == ""`` (everything else is the tokenizer's own)."""
 
@@ -131,38 +179,183 @@ class TextGenerationPipeline(KVPressTextGenerationPipeline):
 
     def __init__(self, *args, enable_thinking: bool = False, **kwargs):
         self.enable_thinking = bool(enable_thinking)
+        #: seconds of each answer of the last call (each ``generate_answer``: question forward and greedy decode)
+        self.answer_seconds: list[float] = []
+        self._chat: _Conversation | None = None
         super().__init__(*args, **kwargs)
         self.stop_token_ids = stop_token_ids(self.model, self.tokenizer)  # with the chat template the model has
 
-    def _sanitize_parameters(self, *args, enable_thinking: bool | None = None, **kwargs):
-        """kvpress's, with ``enable_thinking`` defaulting to this pipeline's (kvpress's defaults to False)."""
+    def _sanitize_parameters(
+        self,
+        *args,
+        enable_thinking: bool | None = None,
+        answer_prefixes: list[str] | None = None,
+        turns: bool = False,
+        **kwargs,
+    ):
+        """kvpress's, with ``enable_thinking`` defaulting to this pipeline's (kvpress's defaults to False), and two
+        parameters of the shared-context protocol (:mod:`evaluation.shared`): ``answer_prefixes``, one per question
+        of ``questions`` (instead of kvpress's one ``answer_prefix`` for all), and ``turns``, the questions asked in
+        turn in one chat (each answer stays in the cache for the next question) instead of each on the compressed
+        context alone (kvpress's multi-request).
+
+        Raises:
+            ValueError: ``answer_prefixes`` of another length than ``questions``.
+        """
         thinking = getattr(self, "enable_thinking", False) if enable_thinking is None else enable_thinking
-        return super()._sanitize_parameters(*args, enable_thinking=thinking, **kwargs)
+        pre, forward, post = super()._sanitize_parameters(*args, enable_thinking=thinking, **kwargs)
+        if answer_prefixes is not None:
+            if len(answer_prefixes) != len(pre["questions"]):
+                raise ValueError(
+                    f"answer_prefixes has {len(answer_prefixes)} prefixes for {len(pre['questions'])} questions"
+                )
+            pre["answer_prefixes"] = list(answer_prefixes)
+        if turns:
+            pre["turns"] = forward["turns"] = True
+        return pre, forward, post
 
-    def generate_answer(self, *args, **kwargs) -> str:
+    def generate_answer(self, question_ids, cache, context_length: int, max_new_tokens: int) -> str:
         """kvpress's greedy ``generate_answer``, stopping on :attr:`stop_token_ids` (the generation config's
-        ``eos_token_id`` holds them for the call)."""
-        config = self.model.generation_config
-        saved = config.eos_token_id
-        config.eos_token_id = list(self.stop_token_ids)
+        ``eos_token_id`` holds them for the call); inside a chat (``turns``) the next turn of it
+        (:meth:`_chat_answer`). Its seconds are appended to :attr:`answer_seconds`."""
+        start = time.perf_counter()
         try:
-            return super().generate_answer(*args, **kwargs)
+            if self._chat is not None:
+                return self._chat_answer(question_ids, cache, context_length, max_new_tokens)
+            config = self.model.generation_config
+            saved = config.eos_token_id
+            config.eos_token_id = list(self.stop_token_ids)
+            try:
+                return super().generate_answer(question_ids, cache, context_length, max_new_tokens)
+            finally:
+                config.eos_token_id = saved
         finally:
-            config.eos_token_id = saved
+            self.answer_seconds.append(time.perf_counter() - start)
 
-    def preprocess(self, context: str, *args, enable_thinking: bool | None = None, **kwargs):
+    def _chat_answer(self, question_ids, cache, context_length: int, max_new_tokens: int) -> str:
+        """One turn of a chat on ``cache``: kvpress's greedy decode (question forward at the chat's position, then one
+        token at a time until a stop token after the first, or ``max_new_tokens``), its tokens left in the cache.
+
+        The first turn starts at ``context_length`` (as kvpress's pipeline asks a question); each later one where the
+        last ended, after the last turn's final token when that was not a stop token (a stop token is not fed: the
+        chat template's end of turn, in the next question's text, closes the answer).
+        """
+        chat = self._chat
+        if chat.position is None:
+            chat.position = context_length
+            chat.lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+        device = self.model.device
+        pending = torch.tensor([chat.pending], dtype=question_ids.dtype, device=device)
+        ids = torch.cat([pending, question_ids.to(device)], dim=1)
+        position_ids = torch.arange(chat.position, chat.position + ids.shape[1], device=device).unsqueeze(0)
+        outputs = self.model(input_ids=ids, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
+        generated = [outputs.logits[0, -1].argmax()]
+        for i in range(max_new_tokens - 1):
+            outputs = self.model(
+                input_ids=generated[-1].view(1, 1), past_key_values=cache, position_ids=position_ids[:, -1:] + 1 + i
+            )
+            generated.append(outputs.logits[0, -1].argmax())
+            if generated[-1].item() in self.stop_token_ids:
+                break
+        last = int(generated[-1])
+        chat.position += ids.shape[1] + len(generated) - 1  # the last token is not in the cache
+        chat.pending = [] if last in self.stop_token_ids else [last]
+        return str(self.tokenizer.decode(torch.stack(generated), skip_special_tokens=True))
+
+    def _remove_answer_from_cache(self, cache, cache_seq_lengths: list[int]):
+        """kvpress's (the cache cut back to the compressed context after each question), except inside a chat, whose
+        answers stay in the cache until it ends."""
+        if self._chat is None:
+            super()._remove_answer_from_cache(cache, cache_seq_lengths)
+
+    @contextlib.contextmanager
+    def _chat_on(self, cache, turns: bool):
+        """Inside the block, with ``turns``, the questions form one chat on ``cache``, which is cut back to the
+        compressed context when the block ends; :attr:`answer_seconds` starts empty."""
+        self.answer_seconds = []
+        if not turns:
+            yield
+            return
+        self._chat = _Conversation()
+        try:
+            yield
+        finally:
+            chat, self._chat = self._chat, None
+            if chat.lengths is not None:
+                self._remove_answer_from_cache(cache, chat.lengths)
+
+    def _forward(self, input_tensors, max_new_tokens: int = 50, press=None, cache=None, turns: bool = False):
+        """kvpress's ``_forward`` (prefill under ``press``, then each question on the compressed cache, the answer
+        cut off after it); with ``turns`` the questions form one chat (:meth:`_chat_answer`)."""
+        cache = DynamicCache() if cache is None else cache
+        with self._chat_on(cache, turns):
+            return super()._forward(input_tensors, max_new_tokens=max_new_tokens, press=press, cache=cache)
+
+    def answer_questions(
+        self, cache, questions_ids: list, context_length: int, max_new_tokens: int, turns: bool = False
+    ) -> list[str]:
+        """kvpress's decoding loop (the part of its ``_forward`` after the prefill) on an already compressed
+        ``cache``: each question answered greedily, the answer cut off after it (kvpress's multi-request), or with
+        ``turns`` one chat (:meth:`_chat_answer`); the cache holds the compressed context again on return.
+
+        Args:
+            cache: the compressed cache (its decode-time state on its layers).
+            questions_ids: ``(1, n_k)`` per question, as :meth:`preprocess` gives them (with ``turns`` for a chat).
+            context_length: ``T``, the uncompressed context's length (the first question's position).
+            max_new_tokens: the most tokens of each answer.
+            turns: the questions in turn in one chat.
+
+        Returns:
+            The answers, in order; :attr:`answer_seconds` holds each one's seconds.
+        """
+        answers = []
+        with self._chat_on(cache, turns):
+            for question_ids in questions_ids:
+                lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+                answers.append(self.generate_answer(question_ids, cache, context_length, max_new_tokens))
+                self._remove_answer_from_cache(cache, lengths)
+        return answers
+
+    def preprocess(
+        self,
+        context: str,
+        questions: list[str],
+        answer_prefix: str,
+        max_context_length: int,
+        enable_thinking: bool | None = None,
+        answer_prefixes: list[str] | None = None,
+        turns: bool = False,
+    ):
         """kvpress's ``preprocess`` with ``enable_thinking`` (default: this pipeline's); without a chat template and
-        without a BOS token nothing is prepended.
+        without a BOS token nothing is prepended. With ``answer_prefixes`` each question gets its own prefix (each
+        question's ids are kvpress's for that question alone); with ``turns`` the questions after the first are the
+        next turns of a chat (:func:`next_turn_text`).
 
         Returns:
             ``{"context_ids": (1, T), "questions_ids": [(1, n_q), ...]}`` as kvpress's.
         """
-        kwargs["enable_thinking"] = self.enable_thinking if enable_thinking is None else enable_thinking
+        thinking = self.enable_thinking if enable_thinking is None else enable_thinking
+        if answer_prefixes is None and not turns:
+            return self._preprocess(context, questions, answer_prefix, max_context_length, thinking)
+        prefixes = list(answer_prefixes) if answer_prefixes is not None else [answer_prefix] * len(questions)
+        first = self._preprocess(context, questions[:1], prefixes[0], max_context_length, thinking)
+        ids = first["questions_ids"]
+        for question, prefix in zip(questions[1:], prefixes[1:]):
+            if turns:
+                text = next_turn_text(self.tokenizer, question, prefix, thinking)
+                ids.append(self.tokenizer.encode(text, return_tensors="pt", add_special_tokens=False))
+            else:
+                ids += self._preprocess(context, [question], prefix, max_context_length, thinking)["questions_ids"]
+        return {"context_ids": first["context_ids"], "questions_ids": ids}
+
+    def _preprocess(self, context: str, questions: list[str], answer_prefix: str, max_context_length: int, thinking):
+        """kvpress's ``preprocess``; a tokenizer without chat template and BOS token gets nothing prepended."""
         tokenizer = self.tokenizer
+        args = (context, questions, answer_prefix, max_context_length, thinking)
         if tokenizer.chat_template is not None or getattr(tokenizer, "bos_token", None) is not None:
-            return super().preprocess(context, *args, **kwargs)
+            return super().preprocess(*args)
         self.tokenizer = _EmptyBos(tokenizer)
         try:
-            return super().preprocess(context, *args, **kwargs)
+            return super().preprocess(*args)
         finally:
             self.tokenizer = tokenizer

@@ -28,6 +28,10 @@ predictions are merged and de-duplicated by example id) and writes under ``--out
   press's score against its prefill cost per ratio, and which presses lie on the quality-cost frontier
   (:mod:`evaluation.frontier`); with ``--own-costs`` the same from the runs' own timings (the shared prefill and
   each press's replay that ``python -m evaluation.fused`` rows record), as ``make eval`` does;
+* for the shared-context protocol's rows (:mod:`evaluation.shared`, several questions per context):
+  ``tables/<dataset>__<model>__by_question.csv``, the score per question position, and ``__cost_per_answer.csv``,
+  the cost per answered question with the context's compression paid once over k = 1 and k = K answers, and each
+  ratio's frontier (:mod:`evaluation.shared_report`);
 * ``tables/<dataset>__<model>__continuation.csv`` for rows scored by the loss of the text after the context
   (:mod:`evaluation.continuation`): per press, ratio, task (``all`` too) and, when the rows carry 2 to 12 target
   lengths, per length (``all`` too), the mean NLL increase over the uncompressed context and the mean KL of the
@@ -49,12 +53,15 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from evaluation import shared_report
 from evaluation.atomic import save_figure, write_atomic
 from evaluation.cli import ArgumentParser
 from evaluation.frontier import COST_COLUMN, cost_table, read_costs, run_costs
 from evaluation.harness import (
     CONTINUATION_FIELDS,
     QA_SUFFIX,
+    SHARED_SUFFIX,
+    TURNS_SUFFIX,
 )
 from evaluation.metrics import score_interval, t_interval, win_scores
 from evaluation.plotting import MAX_LINES, fit_title, legend_below, name_points, press_groups, press_styles
@@ -700,9 +707,15 @@ def _cost_figure(w: _Writer, stem: str, title: str, costed: list[dict], presses:
 
 
 def _protocol(dataset: str) -> str:
-    """Which of the two protocols the runs of ``dataset`` follow (``<dataset>-qa``: the question inside the
-    compressed context, ``query_aware=true``; else after compression, kvpress's default)."""
-    return "question inside the context" if dataset.endswith(QA_SUFFIX) else "question after compression"
+    """Which protocol the runs of ``dataset`` follow (``<dataset>-qa``: the question inside the compressed context,
+    ``query_aware=true``; else after compression, kvpress's default; ``-shared`` / ``-turns`` before it: several
+    questions per context, :mod:`evaluation.shared`, the first one inside or after)."""
+    inside = dataset.endswith(QA_SUFFIX)
+    stem = dataset[: -len(QA_SUFFIX)] if inside else dataset
+    for suffix, how in ((SHARED_SUFFIX, "questions on copies of one compressed context"), (TURNS_SUFFIX, "a chat")):
+        if stem.endswith(suffix):
+            return f"{how}, the first question {'inside the context' if inside else 'after compression'}"
+    return "question inside the context" if inside else "question after compression"
 
 
 def _counts(values, noun: str) -> str:
@@ -960,6 +973,14 @@ def build_report(
             + (f" · plot:\n\n![score vs ratio]({plots['score']})" if "score" in plots else ""),
             "",
         ]
+        positions = shared_report.position_table(group, confidence)  # several questions per context
+        if positions:
+            per_answer = shared_report.answer_cost_table(group)
+            shared_links = {
+                "positions": w.text(f"tables/{stem}__by_question.csv", _csv(positions)),
+                "costs": w.text(f"tables/{stem}__cost_per_answer.csv", _csv(per_answer)) if per_answer else "",
+            }
+            md += shared_report.section(positions, per_answer, shared_links, pct)
         if losses:
             every = [r for r in losses if r["task"] == "all"]
             md += [
