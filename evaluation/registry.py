@@ -9,7 +9,8 @@ recognised by its class or its name (``no_press``, the uncompressed baseline, as
   their input limits from :func:`press_input_problem` (kvpress checks its inputs with ``assert``, skipped under
   ``python -O``, or not at all, so the harness turns each limit into a ``ValueError`` naming the value and the
   limit before the prefill, ``evaluation.guards.check_press_input``), and what they download for the model
-  (weights, statistics) from :func:`press_download_problem` (``evaluation.guards.check_press_downloads``).
+  (weights, statistics) from :func:`press_download_problem` (``evaluation.guards.check_press_downloads``), after
+  the project's own trained scorers and statistics are attached in their place (:func:`attach_scorers`).
 
 A press the registry does not know runs through kvpress's pipeline (it may not share a prefill), and only the
 model layout is checked for it.
@@ -75,6 +76,7 @@ __all__ = [
     "inner_press",
     "KVPRESS_FIELD_MINIMA",
     "attach_kvzap",
+    "attach_scorers",
     "press_download_problem",
     "press_field_problem",
     "press_input_problem",
@@ -495,11 +497,15 @@ def _hub_file_problem(label: str, what: str, repo: str, filename: str) -> str | 
     seconds, once per process).
     """
     import huggingface_hub
+    from huggingface_hub.errors import HFValidationError
 
     from evaluation.hub import hub_reachable
 
-    if isinstance(huggingface_hub.try_to_load_from_cache(repo, filename), str):
-        return None
+    try:
+        if isinstance(huggingface_hub.try_to_load_from_cache(repo, filename), str):
+            return None
+    except HFValidationError:  # a name kvpress builds from a local model path (too long, or '..' in it)
+        return f"{label} needs {what}, but kvpress would download them as {repo}, which is no hub repository name"
     if not hub_reachable():
         return (
             f"{label} needs {what} ({repo}, file {filename}), which is not in the local Hugging Face cache and the "
@@ -529,8 +535,9 @@ def press_download_problem(press, model) -> str | None:
     (``model.config.name_or_path``): QFilterPress (``nthngdy/<model>_qfilt``), KVzapPress
     (``nvidia/KVzap-<model_type>-<model>``, also inside DMSPress; none when the project trained its own,
     :mod:`evaluation.scorers`, which the harness attaches first: a missing one is then named with the command that
-    makes it), FastKVzipPress (``Jang-Hyun/Fast-KVzip``),
-    ExpectedAttentionStatsPress (``alessiodevoto/exp_att_stats_...``, unless ``stats_folder`` is set),
+    makes it; the same for QFilterPress and ExpectedAttentionStatsPress, :func:`attach_scorers`), FastKVzipPress
+    (``Jang-Hyun/Fast-KVzip``), ExpectedAttentionStatsPress (``alessiodevoto/exp_att_stats_...``, unless
+    ``stats_folder`` is set),
     DuoAttentionPress (attention patterns from GitHub for six models, or the BookSum dataset with
     ``on_the_fly_scoring``) and LUKVPress (a budget curve from GitHub, for Llama-3.1-8B-Instruct with
     ExpectedAttention only). The harness calls this once per run, before any run directory is created
@@ -543,11 +550,15 @@ def press_download_problem(press, model) -> str | None:
     name = model.config.name_or_path
     short = name.split("/")[-1]
     label = type(press).__name__
-    if isinstance(press, QFilterPress):
+    if isinstance(press, QFilterPress):  # the project's own (evaluation.scorers, attached first), else the hub's
+        from evaluation.scorers import QFILTER, qfilter_problem, scorer_dir
+
+        own = qfilter_problem(model)
+        if own is None or (scorer_dir(model, QFILTER) / "config.json").is_file():
+            return own  # None, or filters made for another model
         short = short if "Meta-Llama-3.1-405B" in short else short.replace("Meta-Llama", "Llama")
-        return _hub_file_problem(
-            label, "Q-filters trained for the model", f"nthngdy/{short}_qfilt", "model.safetensors"
-        )
+        hub = _hub_file_problem(label, "Q-filters trained for the model", f"nthngdy/{short}_qfilt", "model.safetensors")
+        return None if hub is None else f"{own}; nor can kvpress load its own: {hub}"
     if isinstance(press, KVzapPress):  # the project's own scorer (evaluation.scorers, attached first), else the hub's
         from evaluation.scorers import kvzap_dir, kvzap_problem
 
@@ -564,6 +575,12 @@ def press_download_problem(press, model) -> str | None:
     if isinstance(press, ExpectedAttentionStatsPress) and press.stats_folder is None:
         from kvpress.presses.expected_attention_with_stats import ExpectedAttentionStats
 
+        from evaluation.scorers import EA_STATS, ea_stats_problem, scorer_dir
+
+        own = ea_stats_problem(model)
+        if own is None or (scorer_dir(model, EA_STATS) / "config.json").is_file():
+            return own  # None, or statistics made for another model
+
         repo = ExpectedAttentionStats(
             num_layers=1,  # the statistics' id names the model and the sampling settings only
             num_heads=1,
@@ -574,7 +591,8 @@ def press_download_problem(press, model) -> str | None:
             sample_seq_len=press.sample_seq_len,
             n_sink=press.n_sink,
         ).stats_id()
-        return _hub_file_problem(label, "query statistics computed for the model", repo, "model.safetensors")
+        hub = _hub_file_problem(label, "query statistics computed for the model", repo, "model.safetensors")
+        return None if hub is None else f"{own}; nor can kvpress load its own: {hub}"
     if isinstance(press, DuoAttentionPress):
         from kvpress.presses.duo_attention_press import PATTERNS_DICT
 
@@ -641,6 +659,68 @@ def attach_kvzap(press, model, root=None, required: bool = True) -> list:
             continue
         inner.kvzap_model = load_kvzap(model, inner.model_type, root)
         inner.kvzap_model_name = f"nvidia/KVzap-{inner.model_type}-{model_key(model)}"  # what kvpress compares
+        attached.append(inner)
+    return attached
+
+
+class _ProjectFilters:
+    """Stands for ``QFilterPress.load_q_filters`` on one press (an instance attribute shadows kvpress's cached static
+    method, which would load ``nthngdy/<model>_qfilt`` from the hub in ``post_init_from_model``): returns the
+    project's filters whatever the model name."""
+
+    def __init__(self, q_filters: torch.Tensor):
+        self.q_filters = q_filters
+
+    def __call__(self, model_name: str) -> torch.Tensor:
+        return self.q_filters
+
+
+def attach_scorers(press, model, root=None, required: bool = True) -> list:
+    """Give every press that ``press`` is or holds the project's trained scorer or statistics for ``model``
+    (:mod:`evaluation.scorers`) in place of what kvpress's ``post_init_from_model`` downloads, so it downloads
+    nothing: KVzapPress its scorer (:func:`attach_kvzap`); QFilterPress its ``q_filters`` and a ``load_q_filters``
+    returning them (:class:`_ProjectFilters`: kvpress's ``post_init_from_model`` calls it, then casts to the
+    model's dtype); ExpectedAttentionStatsPress without a ``stats_folder`` its ``mu`` and ``cov`` (on the model's
+    device and dtype, which its ``post_init_from_model`` then keeps). The harness calls it for every run
+    (:func:`evaluation.guards.check_press_downloads`); from Python, call it once before ``with press(model)`` or the
+    pipeline.
+
+    Args:
+        press: a kvpress press (None: nothing).
+        model: the model the press will run on.
+        root: where the scorers live (default :data:`evaluation.scorers.SCORERS`, ``results/scorers/``).
+        required: raise when one is missing; with False, a press without one is left as it is (kvpress then loads
+            the hub's; :func:`press_download_problem` says whether it can).
+
+    Returns:
+        The presses given a scorer or statistics.
+
+    Raises:
+        FileNotFoundError: one made for another model (always) or a missing one (``required``): one line naming the
+            model, the file and the command that makes it (:func:`evaluation.scorers.qfilter_problem`,
+            :func:`evaluation.scorers.ea_stats_problem`, :func:`evaluation.scorers.kvzap_problem`).
+    """
+    from evaluation import scorers
+
+    attached = attach_kvzap(press, model, root, required)
+    for inner in [] if press is None else held_presses(press):
+        if isinstance(inner, QFilterPress):
+            name, problem = scorers.QFILTER, scorers.qfilter_problem(model, root)
+        elif isinstance(inner, ExpectedAttentionStatsPress) and inner.stats_folder is None:
+            name, problem = scorers.EA_STATS, scorers.ea_stats_problem(model, root)
+        else:
+            continue
+        if problem and (required or (scorers.scorer_dir(model, name, root) / "config.json").is_file()):
+            raise FileNotFoundError(problem)
+        if problem:
+            continue
+        if name == scorers.QFILTER:
+            inner.q_filters = scorers.load_qfilter(model, root).to(model.device, model.dtype)
+            inner.load_q_filters = _ProjectFilters(inner.q_filters)
+        else:
+            stats = scorers.load_ea_stats(model, root)
+            inner.mu = stats.query_mean.data.to(model.device, model.dtype)
+            inner.cov = stats.query_cov.data.to(model.device, model.dtype)
         attached.append(inner)
     return attached
 

@@ -11,16 +11,40 @@ and ``model.safetensors``, ``config.json`` also naming the model they were train
 ``python -m evaluation.train_scorers kvzap --model <name>`` (:mod:`evaluation.train_scorers`). A scorer made for
 another model (another name, layer count, hidden size or KV-head count) is refused, as is a missing one when the
 press needs it: one line naming the model, the file and the command that makes it.
+
+The same holds for the statistics kvpress downloads per model for its Q-Filters press (``nthngdy/<model>_qfilt``)
+and its expected-attention press with statistics (``alessiodevoto/exp_att_stats_...``): the project makes them from
+the model's own queries (``python -m evaluation.train_scorers qfilter`` and ``... ea_stats``) as
+``results/scorers/<model>/qfilters/`` (``QFilters.save_pretrained``, with ``training.json`` naming the model) and
+``results/scorers/<model>/ea_stats/`` (``ExpectedAttentionStats.save_pretrained``, whose ``config.json`` names the
+model); :func:`qfilter_problem`, :func:`ea_stats_problem` and their loaders refuse a missing or mismatched one in one
+line the same way.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["SCORERS", "kvzap_dir", "kvzap_problem", "load_kvzap", "model_key", "train_command"]
+__all__ = [
+    "EA_STATS",
+    "QFILTER",
+    "SCORERS",
+    "ea_stats_problem",
+    "kvzap_dir",
+    "kvzap_problem",
+    "load_ea_stats",
+    "load_kvzap",
+    "load_qfilter",
+    "model_key",
+    "qfilter_problem",
+    "scorer_dir",
+    "train_command",
+]
 
 #: Where trained scorers live: ``<SCORERS>/<model key>/kvzap_<model_type>/``.
 SCORERS = Path(__file__).resolve().parents[1] / "results" / "scorers"
+#: The directories of the query statistics under ``<SCORERS>/<model key>/``.
+QFILTER, EA_STATS = "qfilters", "ea_stats"
 
 
 def model_key(model) -> str:
@@ -31,13 +55,19 @@ def model_key(model) -> str:
 def train_command(model, model_type: str) -> str:
     """The command that makes the scorer ``model_type`` for ``model`` (the MLP's: ``make scorers`` for the embedded
     model, whose linear scorer is committed)."""
+    from evaluation.models import EMBEDDED
+
+    command = f"python -m evaluation.train_scorers kvzap --model {_model_arg(model)}"
+    return f"make scorers ({command})" if model_key(model) in EMBEDDED and model_type == "mlp" else command
+
+
+def _model_arg(model) -> str:
+    """The model's name for ``--model`` (``evaluation.models.load_model``): its short name for a hub model or the
+    embedded one, else its ``name_or_path``."""
     from evaluation.models import EMBEDDED, HUB_IDS
 
-    name = str(model.config.name_or_path)
-    key = model_key(model)
-    short = next((k for k, hub in HUB_IDS.items() if hub == name), key if key in EMBEDDED else name)
-    command = f"python -m evaluation.train_scorers kvzap --model {short}"
-    return f"make scorers ({command})" if key in EMBEDDED and model_type == "mlp" else command
+    full, key = str(model.config.name_or_path), model_key(model)
+    return next((k for k, hub in HUB_IDS.items() if hub == full), key if key in EMBEDDED else full)
 
 
 def kvzap_dir(model, model_type: str, root: Path | None = None) -> Path:
@@ -91,3 +121,115 @@ def load_kvzap(model, model_type: str, root: Path | None = None):
     if problem:
         raise FileNotFoundError(problem)
     return KVzapModel.from_pretrained(kvzap_dir(model, model_type, root)).eval()
+
+
+def _quiet():
+    """huggingface_hub's ``from_pretrained`` prints "Loading weights from local directory" on every load: kept off."""
+    import contextlib
+    import io
+
+    return contextlib.redirect_stdout(io.StringIO())
+
+
+def scorer_dir(model, name: str, root: Path | None = None) -> Path:
+    """``<root>/<model key>/<name>`` (root: :data:`SCORERS`; name: :data:`QFILTER` or :data:`EA_STATS`)."""
+    return Path(root or SCORERS) / model_key(model) / name
+
+
+def _head_dim(text) -> int:
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def _saved(model, name: str, what: str, command: str, root: Path | None, files: tuple[str, ...]):
+    """``(config.json of the saved statistics or None, the line naming the first missing file and ``command``)``."""
+    import json
+
+    where = scorer_dir(model, name, root)
+    missing = next((where / f for f in files if not (where / f).is_file()), None)
+    if missing is not None:
+        return None, f"the {what} for {model_key(model)}: {missing} is missing; make them with {command}"
+    return json.loads((where / "config.json").read_text()), ""
+
+
+def qfilter_problem(model, root: Path | None = None) -> str | None:
+    """Why the project has no usable Q-filters for ``model``, or None.
+
+    Returns:
+        One line naming the model, the file and the command that makes them: ``config.json``, ``model.safetensors``
+        or ``training.json`` of :func:`scorer_dir` is missing, or they were made for another model (the name in
+        ``training.json``, or the layers, KV heads or head dimension in ``config.json``).
+    """
+    import json
+
+    command = f"python -m evaluation.train_scorers qfilter --model {_model_arg(model)}"
+    files = ("config.json", "model.safetensors", "training.json")
+    config, line = _saved(model, QFILTER, "Q-filters", command, root, files)
+    if config is None:
+        return line
+    where = scorer_dir(model, QFILTER, root)
+    made_for = json.loads((where / "training.json").read_text()).get("base_model")
+    text = model.config.get_text_config()
+    want = (model_key(model), text.num_hidden_layers, text.num_key_value_heads, _head_dim(text))
+    got = (made_for, config.get("num_layers"), config.get("num_kv_heads"), config.get("kv_head_dim"))
+    if got == want:
+        return None
+    return (
+        f"the Q-filters for {want[0]} ({want[1]} layers, {want[2]} KV heads of {want[3]}): {where} holds filters "
+        f"for {got[0]} ({got[1]} layers, {got[2]} KV heads of {got[3]}); make them again with {command}"
+    )
+
+
+def load_qfilter(model, root: Path | None = None):
+    """The project's Q-filters for ``model``: ``(L, G, d)`` float32 (kvpress's ``QFilters.q_filters``).
+
+    Raises:
+        FileNotFoundError: :func:`qfilter_problem`'s line.
+    """
+    from kvpress.presses.qfilter_press import QFilters
+
+    problem = qfilter_problem(model, root)
+    if problem:
+        raise FileNotFoundError(problem)
+    with _quiet():
+        return QFilters.from_pretrained(scorer_dir(model, QFILTER, root)).q_filters.data
+
+
+def ea_stats_problem(model, root: Path | None = None) -> str | None:
+    """Why the project has no usable expected-attention query statistics for ``model``, or None.
+
+    Returns:
+        One line naming the model, the file and the command that makes them: ``config.json`` or
+        ``model.safetensors`` of :func:`scorer_dir` is missing, or its ``config.json`` names another model
+        (``model_name``), layer count, query-head count or head dimension.
+    """
+    command = f"python -m evaluation.train_scorers ea_stats --model {_model_arg(model)}"
+    files = ("config.json", "model.safetensors")
+    config, line = _saved(model, EA_STATS, "expected-attention statistics", command, root, files)
+    if config is None:
+        return line
+    text = model.config.get_text_config()
+    want = (model_key(model), text.num_hidden_layers, text.num_attention_heads, _head_dim(text))
+    got = (config.get("model_name"), config.get("num_layers"), config.get("num_heads"), config.get("head_dim"))
+    if got == want:
+        return None
+    return (
+        f"the expected-attention statistics for {want[0]} ({want[1]} layers, {want[2]} heads of {want[3]}): "
+        f"{scorer_dir(model, EA_STATS, root)} holds statistics for {got[0]} ({got[1]} layers, {got[2]} heads of "
+        f"{got[3]}); make them again with {command}"
+    )
+
+
+def load_ea_stats(model, root: Path | None = None):
+    """The project's expected-attention statistics for ``model`` (kvpress's ``ExpectedAttentionStats``: query mean
+    ``(L, H, d)`` and covariance ``(L, H, d, d)`` before RoPE).
+
+    Raises:
+        FileNotFoundError: :func:`ea_stats_problem`'s line.
+    """
+    from kvpress.presses.expected_attention_with_stats import ExpectedAttentionStats
+
+    problem = ea_stats_problem(model, root)
+    if problem:
+        raise FileNotFoundError(problem)
+    with _quiet():
+        return ExpectedAttentionStats.from_pretrained(scorer_dir(model, EA_STATS, root))

@@ -1,5 +1,6 @@
-"""The command line of :mod:`evaluation.train_scorers`: ``corpus`` (extract the committed corpus again) and
-``kvzap`` (targets, fits, saved scorers, held-out fit report). Bad input is one ``error:`` line, exit status 1."""
+"""The command line of :mod:`evaluation.train_scorers`: ``corpus`` (extract the committed corpus again), ``kvzap``
+(targets, fits, saved scorers, held-out fit report), ``qfilter`` and ``ea_stats`` (Q-filters and expected attention's
+query statistics from the model's queries). Bad input is one ``error:`` line, exit status 1."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _corpus(args) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The argument parser (``corpus``, ``kvzap``)."""
+    """The argument parser (``corpus``, ``kvzap``, ``qfilter``, ``ea_stats``)."""
     from evaluation.train_scorers.corpus import DATA_DIR
 
     top = argparse.ArgumentParser(prog="python -m evaluation.train_scorers", description=__doc__)
@@ -31,9 +32,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default="smollm2-135m", help="the embedded model whose tokenizer counts the tokens")
     c.add_argument("--out", default=str(DATA_DIR), help="where the corpus and its manifest are written")
     c.set_defaults(run=_corpus)
-    from evaluation.train_scorers import kvzap
+    from evaluation.train_scorers import ea_stats, kvzap, qfilter
 
     kvzap.add_arguments(commands.add_parser("kvzap", help=kvzap.__doc__.splitlines()[0]))
+    qfilter.add_arguments(commands.add_parser("qfilter", help=qfilter.__doc__.splitlines()[0]))
+    ea_stats.add_arguments(commands.add_parser("ea_stats", help=ea_stats.__doc__.splitlines()[0]))
     return top
 
 
