@@ -157,9 +157,7 @@ def test_the_commands_are_deterministic_and_save_what_kvpress_loads(tiny, tmp_pa
     assert stats.model_name == "checkpoint"
     torch.testing.assert_close(stats.query_cov, stats.query_cov.transpose(-1, -2))
     assert (torch.linalg.eigvalsh(stats.query_cov.double()) > -1e-6).all()  # covariances
-    again = ExpectedAttentionStats.from_pretrained(
-        _make(tmp_path, "ea_stats", "b", "--no-report") / "ea_stats"
-    )
+    again = ExpectedAttentionStats.from_pretrained(_make(tmp_path, "ea_stats", "b", "--no-report") / "ea_stats")
     assert torch.equal(stats.query_cov, again.query_cov)
     rows = (stats_dir.parent / "ea_stats_fit.csv").read_text().splitlines()
     assert any(r.startswith("expected_attention (the document's own queries),kvzip") for r in rows)
