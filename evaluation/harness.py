@@ -4,7 +4,8 @@ A run is one (model, dataset, press, compression ratio[, shard]); its directory 
 ``<output_dir>/<dataset>[-shared|-turns][-qa]/<model>/<press>/cr<ratio>[/shard_i_of_n]/`` (``-qa``: the question
 inside the compressed context, ``query_aware=true``; ``-shared`` / ``-turns``: several questions per compressed
 context, :mod:`evaluation.shared`; the protocols never share a directory, :func:`protocol_suffix`) and holds
-``predictions.jsonl`` (one row per example, appended and fsynced as each finishes), ``config.yaml`` (the resolved
+``predictions.jsonl`` (one row per example, appended and fsynced as each finishes; once finished it may be stored
+compressed, ``predictions.jsonl.gz``: :mod:`evaluation.predictions`), ``config.yaml`` (the resolved
 config), ``commands.txt`` (the commands that wrote rows, :func:`note_command`) and ``metrics.json`` (written last,
 atomically). A run whose ``metrics.json`` exists is skipped; an
 interrupted run resumes after its last complete row, only with the settings saved in its ``config.yaml``.
@@ -34,6 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from evaluation.atomic import write_atomic
+from evaluation.predictions import COMPRESSED, read_predictions, restore_run, rows_file
 
 logger = logging.getLogger("evaluation.harness")
 
@@ -153,31 +155,6 @@ def run_dir(cfg: DictConfig, names: dict[str, str]) -> Path:
     out = Path(cfg.output_dir) / dataset / names["model"] / run_label(names) / f"cr{ratio:g}"
     shard = parse_shard(cfg.get("shard"))
     return out / f"shard_{shard[0]}_of_{shard[1]}" if shard else out
-
-
-def read_predictions(path: Path, repair: bool = False) -> list[dict]:
-    """Complete rows of a ``predictions.jsonl`` (``[]`` when the file does not exist); a torn line (a run killed
-    mid-write) is skipped.
-
-    Args:
-        path: the run's ``predictions.jsonl``.
-        repair: rewrite the file without its torn lines (atomically), so that appending resumes cleanly. Only the
-            run's writer, which holds the run directory's lock (:func:`claim_runs`), repairs; every reader (the
-            report, studies) leaves the file as it is.
-    """
-    if not path.exists():
-        return []
-    rows, torn = [], False
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            torn = True
-    if torn and repair:
-        write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
-    return rows
 
 
 #: A run directory's log of the commands that wrote its rows, for the report while the run is unfinished (a
@@ -367,8 +344,8 @@ def _settings_problem(out: Path, cfg: DictConfig, why: str) -> str | None:
 
 
 def _has_rows(out: Path) -> bool:
-    path = out / "predictions.jsonl"
-    return path.exists() and path.stat().st_size > 0
+    path = rows_file(out)  # either form (evaluation.predictions)
+    return path is not None and path.stat().st_size > 0
 
 
 def check_existing_run(cfg: DictConfig, names: dict[str, str]) -> dict | None:
@@ -468,8 +445,9 @@ def _claim(cfg: DictConfig, names: dict[str, str], made: list[Path]):
             lock.release()
             return out, None, metrics
         if overwrite:
-            for name in ("predictions.jsonl", "metrics.json", COMMANDS_NAME):
+            for name in ("predictions.jsonl", COMPRESSED, "metrics.json", COMMANDS_NAME):
                 (out / name).unlink(missing_ok=True)
+        restore_run(out)  # a compressed run reopened (grow=true, or no metrics.json): its rows back in the plain file
         write_atomic(out / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(run_settings(cfg))))  # before any row
         return out, lock, None
     except BaseException:

@@ -16,12 +16,10 @@ from presses.core.paging import (
     check_compression_ratio,
     expand_pages,
     page_budget,
-    pages_to_positions,
     protected_page_mask,
-    select_pages,
-    select_tokens,
 )
 from presses.kernels import scorer_page_scores
+from presses.page_entrokv.selection import kept_positions
 from presses.probabilistic.proposals import needs_attention_weights
 
 __all__ = ["ScorerPagePress", "GROUP_SELECTIONS"]
@@ -181,14 +179,11 @@ class ScorerPagePress(ResearchPress, ScorerPress):
         plan = page_budget(
             T, self.compression_ratio, self.page_size, self.n_sink, self.window_size, "shrink", self.protect
         )
-        if plan.partial:  # whole pages would keep nothing: one partial page of the best tokens (methods.md §1.12)
-            tokens = self._token_scores(module, hidden_states, keys, values, attentions, kwargs)
-            tokens = tokens.float().mean(1, keepdim=True) if self.group_selection == "shared" else tokens
-            positions = select_tokens(tokens, plan.partial).expand(B, G, -1)
-        else:
-            scores = self._page_scores(module, hidden_states, keys, values, attentions, kwargs)
-            pages = select_pages(scores, plan.protected, plan.num_selected).expand(B, G, -1)
-            positions = pages_to_positions(pages, T, self.page_size)
+        tokens = self._token_scores(module, hidden_states, keys, values, attentions, kwargs)
+        shared = self.group_selection == "shared"
+        scores = scorer_page_scores(tokens, self.page_size, self.page_score, shared)
+        tokens = tokens.float().mean(1, keepdim=True) if shared else tokens  # read for a partial page (§1.12)
+        positions, _, _ = kept_positions(plan, scores, tokens, G, self.page_size, union=False)
         self._stats.append({"T": T, "kept": positions.shape[-1], "budget": plan.budget})
         if positions.shape[-1] == T:
             return keys, values
