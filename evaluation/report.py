@@ -51,6 +51,7 @@ import math
 import re
 import sys
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from evaluation import shared_report
@@ -92,6 +93,11 @@ def row_length(row: dict):
 def _row_depth(row: dict):
     """Needle depth of a row (percent), or None."""
     return row.get("depth")
+
+
+#: The row groups a report breaks the scores down by, when the rows carry 2 to ``MAX_BREAKDOWN_COLUMNS`` of them:
+#: ``(label, the row's group)``.
+_BREAKDOWNS = (("length", row_length), ("depth", _row_depth))
 
 
 MAX_BREAKDOWN_COLUMNS = 12
@@ -788,73 +794,128 @@ def _cost_section(
 
 
 # --------------------------------------------------------------------------------------------------
-# Report
+# Report: build_report's steps, in order
 # --------------------------------------------------------------------------------------------------
 
 
-def build_report(
-    results_dir: Path,
-    out: Path,
-    confidence: float = 0.95,
-    command: str | None = None,
-    plots: bool = True,
-    costs: Path | None = None,
-    own_costs: bool = False,
-) -> Path:
-    """Write the report of every run below ``results_dir`` into ``out``; returns ``out / "README.md"``.
+@dataclass
+class _Group:
+    """One dataset and model of the report: its runs (step 1), then what each step adds: the records of its tables,
+    the files written (``links``: a table's kind -> its path under the report directory; ``plots``: a plot's kind ->
+    its path) and the numbers the README states beside them."""
 
-    ``plots=False`` skips the PNGs (tables and README only; stale PNGs are then removed too). ``costs``: a speed
-    sweep's csv, for the quality-cost sections (:mod:`evaluation.frontier`); none when None or missing.
-    ``own_costs``: those sections from the runs' own timings instead (:func:`evaluation.frontier.run_costs`: rows
-    of ``python -m evaluation.fused``), each dataset's from its own runs.
+    dataset: str
+    model: str
+    runs: list[Run]
+    presses: list[str] = field(default_factory=list)  # every press, the baseline first (one style each in the plots)
+    summary: list[dict] = field(default_factory=list)
+    tasks: list[dict] = field(default_factory=list)
+    breakdowns: dict[str, list[dict]] = field(default_factory=dict)  # "length" / "depth" -> per-group records
+    ranges: list[dict] = field(default_factory=list)  # LongBench-E length ranges
+    losses: list[dict] = field(default_factory=list)  # continuation loss
+    positions: list[dict] = field(default_factory=list)  # shared-context protocol: score per question position
+    per_answer: list[dict] = field(default_factory=list)  # shared-context protocol: cost per answered question
+    shared_links: dict[str, str] = field(default_factory=dict)
+    wins: list[dict] = field(default_factory=list)
+    provisional: list[dict] = field(default_factory=list)
+    costed: list[dict] = field(default_factory=list)  # the quality-cost frontier's records
+    mean_length: float | None = None  # the runs' mean context length (tokens), beside the costs' lengths
+    floor: float | None = None  # the uncompressed run's own replay cost (--own-costs)
+    links: dict[str, str] = field(default_factory=dict)
+    plots: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stem(self) -> str:
+        """The file name stem of its tables and plots: ``<dataset>__<model>``."""
+        return f"{self.dataset}__{self.model}"
+
+    @property
+    def title(self) -> str:
+        return f"{self.dataset} / {self.model}"
+
+    @property
+    def ratios(self) -> list[float]:
+        return sorted({r["ratio"] for r in self.summary})
+
+
+def collect_runs(results_dir: Path) -> dict[tuple[str, str], list[Run]]:
+    """Step 1, collect runs: every run below ``results_dir`` (:func:`evaluation.runs.scan`: shards merged, why a run
+    is incomplete), grouped by ``(dataset, model)``, in sorted order.
 
     Raises:
-        FileNotFoundError: ``results_dir`` does not exist. ValueError: ``confidence`` outside (0, 1), or both
-        ``costs`` and ``own_costs``.
+        FileNotFoundError: ``results_dir`` does not exist.
     """
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence={confidence} must be in (0, 1)")
-    if costs is not None and own_costs:
-        raise ValueError(f"costs={costs} and own_costs=True: the frontier reads one source of costs, not both")
-    plots_on = plots
-    cost_rows = read_costs(costs) if costs is not None else []
-    runs = scan(Path(results_dir))
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    w = _Writer(out)
-    pct = f"{100 * confidence:g} %"
-    cmd = command or f"python -m evaluation.report {results_dir} --out {out}"
+    groups: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    for run in scan(Path(results_dir)):
+        groups[(run.dataset, run.model)].append(run)
+    return dict(sorted(groups.items()))
+
+
+def _write_tables(w: _Writer, g: _Group, confidence: float) -> None:
+    """Step 2, tables: the summary, per task, per length and per depth (their win scores come in step 3), LongBench-E
+    length ranges, continuation loss and the shared-context protocol's tables of one dataset and model; writes each
+    table's CSV (but the per-length and per-depth ones, which wait for their win scores)."""
+    g.presses = _press_order(r.press for r in g.runs)
+    g.summary = summary_table(g.runs, confidence)
+    g.tasks = per_task_table(g.runs)
+    for label, key in _BREAKDOWNS:
+        table = [r for r in per_task_table(g.runs, key=key) if r["group"] is not None]
+        if _breaks_down({r["group"] for r in table}):
+            g.breakdowns[label] = table
+    g.links["summary"] = w.text(f"tables/{g.stem}__summary.csv", _csv(g.summary))
+    g.links["per_task"] = w.text(f"tables/{g.stem}__per_task.csv", _csv(g.tasks))
+    g.ranges = length_range_table(g.runs)
+    if g.ranges:
+        g.links["by_length_range"] = w.text(f"tables/{g.stem}__by_length_range.csv", _csv(g.ranges))
+    g.losses = continuation_table(g.runs, confidence)
+    if g.losses:
+        g.links["continuation"] = w.text(f"tables/{g.stem}__continuation.csv", _csv(g.losses))
+    g.positions = shared_report.position_table(g.runs, confidence)  # several questions per context
+    if g.positions:
+        g.per_answer = shared_report.answer_cost_table(g.runs)
+        g.shared_links = {
+            "positions": w.text(f"tables/{g.stem}__by_question.csv", _csv(g.positions)),
+            "costs": w.text(f"tables/{g.stem}__cost_per_answer.csv", _csv(g.per_answer)) if g.per_answer else "",
+        }
+
+
+def _write_win_scores(w: _Writer, g: _Group) -> None:
+    """Step 3, win scores: per press and ratio over the complete runs (:func:`win_table`), the provisional ones where
+    some run is incomplete, and each length's and depth's own (:func:`group_win_table`) beside its scores; writes
+    ``__win.csv``, ``__win_provisional.csv`` and ``__by_length.csv`` / ``__by_depth.csv``."""
+    g.wins = win_table(g.runs)
+    for label, table in g.breakdowns.items():
+        group_wins = group_win_table(g.runs, dict(_BREAKDOWNS)[label])
+        for r in table:
+            r["win_score"] = group_wins.get((r["press"], r["ratio"], r["group"]))
+    if g.wins:
+        g.links["win"] = w.text(f"tables/{g.stem}__win.csv", _csv(g.wins))
+    g.provisional = win_table(g.runs, provisional=True)
+    if g.provisional:
+        g.links["win_provisional"] = w.text(f"tables/{g.stem}__win_provisional.csv", _csv(g.provisional))
+    for label, table in g.breakdowns.items():
+        g.links[f"by_{label}"] = w.text(f"tables/{g.stem}__by_{label}.csv", _csv(table))
+
+
+def _write_protocols(w: _Writer, groups: dict[tuple[str, str], list[Run]], confidence: float) -> list[str]:
+    """Step 4, the two protocols side by side: per dataset and model run with the question after compression
+    (``<dataset>/``) and inside the context (``<dataset>-qa/``), :func:`protocol_table` written to
+    ``__protocols.csv``; returns the README's section (none without such a pair)."""
+    pairs = [(d, m) for d, m in groups if (d + QA_SUFFIX, m) in groups]
+    if not pairs:
+        return []
     md = [
-        "# Benchmark results",
+        '<a id="protocols"></a>',
+        "## The two protocols side by side",
         "",
-        f"_Generated by `{cmd}` from the runs in `{results_dir}`. Regenerate it; never edit by hand._",
+        "Question after compression (kvpress's default protocol, `<dataset>/`) against the question inside "
+        "the compressed context (`<dataset>-qa/`, `query_aware=true`), on the same examples' contexts: those that "
+        "every run at that ratio holds in both protocols (n). "
+        f"Score: mean [{_percent(confidence)} interval]. Win score: among the presses run in both protocols at "
+        "that ratio (so the two columns compare the same presses; it can differ from the per-protocol sections "
+        "below).",
         "",
     ]
-    if not runs:
-        md += ["No runs found."]
-    groups: dict[tuple[str, str], list[Run]] = defaultdict(list)
-    for run in runs:
-        groups[(run.dataset, run.model)].append(run)
-    pairs = [(d, m) for d, m in sorted(groups) if (d + QA_SUFFIX, m) in groups]
-    if groups:
-        md += (
-            ["## Contents", ""]
-            + (["- [The two protocols side by side](#protocols)"] if pairs else [])
-            + [f"- [{d} / {m}](#{_anchor(d, m)})" for d, m in sorted(groups)]
-            + [""]
-        )
-    if pairs:
-        md += [
-            '<a id="protocols"></a>',
-            "## The two protocols side by side",
-            "",
-            "Question after compression (kvpress's default protocol, `<dataset>/`) against the question inside "
-            "the compressed context (`<dataset>-qa/`, `query_aware=true`), on the same examples' contexts: those that "
-            "every run at that ratio holds in both protocols (n). "
-            f"Score: mean [{pct} interval]. Win score: among the presses run in both protocols at that ratio "
-            "(so the two columns compare the same presses; it can differ from the per-protocol sections below).",
-            "",
-        ]
     for dataset, model in pairs:
         table = protocol_table(groups[(dataset, model)], groups[(dataset + QA_SUFFIX, model)], confidence)
         if not table:  # no press at a ratio in both protocols, or no example in all of them
@@ -889,235 +950,316 @@ def build_report(
             f"Table: [{link}]({link})",
             "",
         ]
-    for (dataset, model), group in sorted(groups.items()):
-        stem = f"{dataset}__{model}"
-        presses = _press_order(r.press for r in group)
-        summary = summary_table(group, confidence)
-        tasks = per_task_table(group)
-        wins = win_table(group)
-        breakdowns = {}
-        for label, key in (("length", row_length), ("depth", _row_depth)):
-            table = [r for r in per_task_table(group, key=key) if r["group"] is not None]
-            if _breaks_down({r["group"] for r in table}):
-                group_wins = group_win_table(group, key)
-                for r in table:
-                    r["win_score"] = group_wins.get((r["press"], r["ratio"], r["group"]))
-                breakdowns[label] = table
-        links = {
-            "summary": w.text(f"tables/{stem}__summary.csv", _csv(summary)),
-            "per_task": w.text(f"tables/{stem}__per_task.csv", _csv(tasks)),
-        }
-        if wins:
-            links["win"] = w.text(f"tables/{stem}__win.csv", _csv(wins))
-        provisional = win_table(group, provisional=True)
-        if provisional:
-            links["win_provisional"] = w.text(f"tables/{stem}__win_provisional.csv", _csv(provisional))
-        for label, table in breakdowns.items():
-            links[f"by_{label}"] = w.text(f"tables/{stem}__by_{label}.csv", _csv(table))
-        ranges = length_range_table(group)
-        if ranges:
-            links["by_length_range"] = w.text(f"tables/{stem}__by_length_range.csv", _csv(ranges))
-        losses = continuation_table(group, confidence)
-        if losses:
-            links["continuation"] = w.text(f"tables/{stem}__continuation.csv", _csv(losses))
-        plots = _figures(w, stem, f"{dataset} / {model}", summary, wins, tasks, presses) if plots_on else {}
-        lengths = [row["context_length"] for r in group for row in r.rows if row.get("context_length")]
-        mean_length = sum(lengths) / len(lengths) if lengths else None
-        floor = None
-        if own_costs:
-            cost_rows = run_costs((r.model, r.press, r.ratio, r.rows) for r in group)
-            floor = next((c[COST_COLUMN] for c in cost_rows if c["press"] == BASELINE), None)
-        costed = cost_table(summary, cost_rows, model, mean_length, BASELINE)
-        if costed:
-            links["cost"] = w.text(f"tables/{stem}__cost.csv", _csv(costed))
-            if plots_on:
-                plots["cost"] = _cost_figure(w, stem, f"{dataset} / {model}", costed, presses)
-        if losses and plots_on:
-            plots["loss"] = _loss_figure(w, stem, f"{dataset} / {model}", losses, presses)
+    return md
 
-        ratios = sorted({r["ratio"] for r in summary})
-        md += [f'<a id="{_anchor(dataset, model)}"></a>', f"## {dataset} / {model}", ""]
-        if dataset.endswith(QA_SUFFIX):
-            md += [
-                f"Protocol: the question inside the compressed context (`query_aware=true`); the runs of "
-                f"`{dataset[: -len(QA_SUFFIX)]}` ask it after compression (kvpress's default).",
-                "",
-            ]
+
+def _write_plots(w: _Writer, g: _Group) -> None:
+    """Step 5, plots: score, win score and per task against the ratio (:func:`_figures`), and the continuation loss
+    (:func:`_loss_figure`) when the runs have it."""
+    g.plots = _figures(w, g.stem, g.title, g.summary, g.wins, g.tasks, g.presses)
+    if g.losses:
+        g.plots["loss"] = _loss_figure(w, g.stem, g.title, g.losses, g.presses)
+
+
+def _write_frontier(w: _Writer, g: _Group, cost_rows: list[dict], own_costs: bool, plots: bool) -> None:
+    """Step 6, the quality-cost frontier: each press's score beside its prefill cost (:func:`evaluation.frontier.
+    cost_table`), from a speed sweep's ``cost_rows`` or, with ``own_costs``, from the runs' own timings
+    (:func:`evaluation.frontier.run_costs`); writes ``__cost.csv`` and, with ``plots``, ``__cost.png``."""
+    lengths = [row["context_length"] for r in g.runs for row in r.rows if row.get("context_length")]
+    g.mean_length = sum(lengths) / len(lengths) if lengths else None
+    if own_costs:
+        cost_rows = run_costs((r.model, r.press, r.ratio, r.rows) for r in g.runs)
+        g.floor = next((c[COST_COLUMN] for c in cost_rows if c["press"] == BASELINE), None)
+    g.costed = cost_table(g.summary, cost_rows, g.model, g.mean_length, BASELINE)
+    if g.costed:
+        g.links["cost"] = w.text(f"tables/{g.stem}__cost.csv", _csv(g.costed))
+        if plots:
+            g.plots["cost"] = _cost_figure(w, g.stem, g.title, g.costed, g.presses)
+
+
+def _percent(confidence: float) -> str:
+    """``95 %`` for a confidence of 0.95: how the README names an interval."""
+    return f"{100 * confidence:g} %"
+
+
+def _link(table: str, plot: str | None = None, caption: str = "") -> str:
+    """``Table: [path](path)``, and `` · plot:`` with the image below it when there is a ``plot``."""
+    return f"Table: [{table}]({table})" + (f" · plot:\n\n![{caption}]({plot})" if plot else "")
+
+
+def _readme(
+    command: str, results_dir: Path, groups: dict[tuple[str, str], list[Run]], protocols: list[str], sections: list
+) -> str:
+    """Step 7, the README text: its title and the command that made it, the contents, the protocols side by side
+    (``protocols``: step 4's section) and each dataset and model's section (``sections``: their lines, in order)."""
+    md = [
+        "# Benchmark results",
+        "",
+        f"_Generated by `{command}` from the runs in `{results_dir}`. Regenerate it; never edit by hand._",
+        "",
+    ]
+    if not groups:
+        md += ["No runs found."]
+    else:
+        pairs = any((d + QA_SUFFIX, m) in groups for d, m in groups)
+        md += (
+            ["## Contents", ""]
+            + (["- [The two protocols side by side](#protocols)"] if pairs else [])
+            + [f"- [{d} / {m}](#{_anchor(d, m)})" for d, m in groups]
+            + [""]
+        )
+    md += protocols
+    for lines in sections:
+        md += lines
+    return "\n".join(md).rstrip() + "\n"
+
+
+def _group_text(g: _Group, results_dir: Path, confidence: float, costs: Path | None) -> list[str]:
+    """Step 7 for one dataset and model: its README section, in this order: the runs, score, the shared-context
+    protocol's positions and costs, continuation loss, win score, the quality-cost frontier, provisional win scores,
+    per task, per length / depth, LongBench-E ranges, incomplete runs and the commands that made the runs."""
+    md = [f'<a id="{_anchor(g.dataset, g.model)}"></a>', f"## {g.title}", ""]
+    if g.dataset.endswith(QA_SUFFIX):
         md += [
-            f"Runs: {len(group)} ({len(presses)} press(es), ratios {', '.join(f'{x:g}' for x in ratios)}); "
-            f"examples per run: {', '.join(sorted({str(r['n']) for r in summary}, key=int))}.",
+            f"Protocol: the question inside the compressed context (`query_aware=true`); the runs of "
+            f"`{g.dataset[: -len(QA_SUFFIX)]}` ask it after compression (kvpress's default).",
             "",
         ]
+    md += [
+        f"Runs: {len(g.runs)} ({len(g.presses)} press(es), ratios {', '.join(f'{x:g}' for x in g.ratios)}); "
+        f"examples per run: {', '.join(sorted({str(r['n']) for r in g.summary}, key=int))}.",
+        "",
+    ]
+    md += _score_text(g, confidence)
+    if g.positions:
+        md += shared_report.section(g.positions, g.per_answer, g.shared_links, _percent(confidence))
+    if g.losses:
+        md += _continuation_text(g, confidence)
+    if g.wins:
         md += [
-            f"### Score (mean over examples, {pct} interval)",
+            "### Win score (paper 003 section 7)",
             "",
-            "Mean over all examples, which is paper 003's average of the per-split scores weighted by split "
-            "size; interval: Wilson when every score is 0 or 1, Student t otherwise. `*`: incomplete run.",
+            "Per example each press gets the number of other presses it beats or ties, averaged per task, "
+            "divided by (presses - 1) and averaged over tasks; compared at each ratio on the examples "
+            f"every press scored (`{BASELINE}` and incomplete runs left out).",
+            "",
+            _win_table_markdown(g.wins, g.presses),
+            "",
+            _link(g.links["win"], g.plots.get("win"), "win score vs ratio"),
             "",
         ]
-
-        def scored(r):
-            return f"{r['score']:.3f} [{r['low']:.3f}, {r['high']:.3f}]" + ("" if r["complete"] else " *")
-
-        md += [_press_by_ratio(summary, scored, presses, ratios), ""]
+    if g.costed:
+        protocol = None if g.losses else _protocol(g.dataset)  # continuation rows ask no question
+        md += _cost_section(g.costed, g.links["cost"], g.plots.get("cost"), costs, g.mean_length, protocol, g.floor)
+    if g.provisional:
+        n = {r["ratio"]: r["n_examples"] for r in g.provisional}
         md += [
-            "Task average (every task weighs the same):",
+            "### Win score on the examples every run holds (some runs incomplete)",
             "",
-            _press_by_ratio(summary, lambda r: f"{r['task_average']:.3f}", presses, ratios),
+            "As above, at the ratios where some run is incomplete (unfinished, or run on a subset of its shards: "
+            "see Incomplete runs), on the examples every run at the ratio holds ("
+            + ", ".join(f"cr {x:g}: n = {n[x]}" for x in sorted(n))
+            + "). These change as those runs grow; no other table or the claims ledger reads them.",
+            "",
+            _win_table_markdown(g.provisional, g.presses),
+            "",
+            _link(g.links["win_provisional"]),
             "",
         ]
-        compression = _press_by_ratio(summary, lambda r: f"{r['effective_compression']:.3f}", presses, ratios)
-        md += ["Measured effective compression:", "", compression, ""]
-        md += [
-            f"Table: [{links['summary']}]({links['summary']})"
-            + (f" · plot:\n\n![score vs ratio]({plots['score']})" if "score" in plots else ""),
-            "",
-        ]
-        positions = shared_report.position_table(group, confidence)  # several questions per context
-        if positions:
-            per_answer = shared_report.answer_cost_table(group)
-            shared_links = {
-                "positions": w.text(f"tables/{stem}__by_question.csv", _csv(positions)),
-                "costs": w.text(f"tables/{stem}__cost_per_answer.csv", _csv(per_answer)) if per_answer else "",
-            }
-            md += shared_report.section(positions, per_answer, shared_links, pct)
-        if losses:
-            every = [r for r in losses if r["task"] == "all"]
-            md += [
-                f"### Continuation loss (mean over examples, {pct} Student-t interval)",
-                "",
-                "The context compressed, the text that follows teacher-forced on the compressed cache "
-                "(`evaluation/continuation.py`): the increase of the mean negative log-likelihood per token over "
-                "the uncompressed context, and the mean KL(uncompressed || compressed) of the next-token "
-                "distributions, in nats per token (the rows' `score` is exp(-KL)).",
-                "",
-            ]
-            lengths = _loss_lengths(losses)
-            for key, label in (("nll_increase", "NLL increase"), ("kl", "KL")):
+    md += _breakdown_text(g)
+    bad = [r for r in g.runs if not r.complete]
+    if bad:
+        md += (
+            ["### Incomplete runs", ""]
+            + [f"- `{r.path.relative_to(results_dir)}`: {'; '.join(r.problems)}" for r in bad]
+            + [""]
+        )
+    commands = sorted({c for r in g.runs for c in r.commands})
+    md += ["### Commands", "", "The runs above were produced by:", "", "```"]
+    md += commands or ["(no run recorded a command)"]
+    md += ["```", ""]
+    return md
 
-                def loss(r, k=key):
-                    return f"{r[k]:.4f} [{r[f'{k}_low']:.4f}, {r[f'{k}_high']:.4f}]"
 
-                for length in lengths:
-                    cut = [r for r in every if r["context_length"] == length]
-                    md += [
-                        f"{label}{_length_caption(length, lengths)}:",
-                        "",
-                        _press_by_ratio(cut, loss, presses, ratios),
-                        "",
-                    ]
+def _score_text(g: _Group, confidence: float) -> list[str]:
+    """The README's score tables of one dataset and model: mean and interval (``*``: an incomplete run), task
+    average and measured effective compression, press x ratio."""
+
+    def scored(r):
+        return f"{r['score']:.3f} [{r['low']:.3f}, {r['high']:.3f}]" + ("" if r["complete"] else " *")
+
+    compression = _press_by_ratio(g.summary, lambda r: f"{r['effective_compression']:.3f}", g.presses, g.ratios)
+    return [
+        f"### Score (mean over examples, {_percent(confidence)} interval)",
+        "",
+        "Mean over all examples, which is paper 003's average of the per-split scores weighted by split "
+        "size; interval: Wilson when every score is 0 or 1, Student t otherwise. `*`: incomplete run.",
+        "",
+        _press_by_ratio(g.summary, scored, g.presses, g.ratios),
+        "",
+        "Task average (every task weighs the same):",
+        "",
+        _press_by_ratio(g.summary, lambda r: f"{r['task_average']:.3f}", g.presses, g.ratios),
+        "",
+        "Measured effective compression:",
+        "",
+        compression,
+        "",
+        _link(g.links["summary"], g.plots.get("score"), "score vs ratio"),
+        "",
+    ]
+
+
+def _continuation_text(g: _Group, confidence: float) -> list[str]:
+    """The README's continuation-loss tables of one dataset and model: NLL increase and KL with their intervals,
+    press x ratio, per context length when the losses are broken down by length, then over all."""
+    every = [r for r in g.losses if r["task"] == "all"]
+    md = [
+        f"### Continuation loss (mean over examples, {_percent(confidence)} Student-t interval)",
+        "",
+        "The context compressed, the text that follows teacher-forced on the compressed cache "
+        "(`evaluation/continuation.py`): the increase of the mean negative log-likelihood per token over "
+        "the uncompressed context, and the mean KL(uncompressed || compressed) of the next-token "
+        "distributions, in nats per token (the rows' `score` is exp(-KL)).",
+        "",
+    ]
+    lengths = _loss_lengths(g.losses)
+    for key, label in (("nll_increase", "NLL increase"), ("kl", "KL")):
+
+        def loss(r, k=key):
+            return f"{r[k]:.4f} [{r[f'{k}_low']:.4f}, {r[f'{k}_high']:.4f}]"
+
+        for length in lengths:
+            cut = [r for r in every if r["context_length"] == length]
             md += [
-                f"Table (per task{' and length' if len(lengths) > 1 else ''} too): "
-                f"[{links['continuation']}]({links['continuation']})"
-                + (f" · plot:\n\n![loss vs ratio]({plots['loss']})" if "loss" in plots else ""),
+                f"{label}{_length_caption(length, lengths)}:",
+                "",
+                _press_by_ratio(cut, loss, g.presses, g.ratios),
                 "",
             ]
-        if wins:
-            md += [
-                "### Win score (paper 003 section 7)",
-                "",
-                "Per example each press gets the number of other presses it beats or ties, averaged per task, "
-                "divided by (presses - 1) and averaged over tasks; compared at each ratio on the examples "
-                f"every press scored (`{BASELINE}` and incomplete runs left out).",
-                "",
-                _win_table_markdown(wins, presses),
-                "",
-                f"Table: [{links['win']}]({links['win']})"
-                + (f" · plot:\n\n![win score vs ratio]({plots['win']})" if "win" in plots else ""),
-                "",
-            ]
-        if costed:
-            protocol = None if losses else _protocol(dataset)  # continuation rows ask no question
-            md += _cost_section(costed, links["cost"], plots.get("cost"), costs, mean_length, protocol, floor)
-        if provisional:
-            n = {r["ratio"]: r["n_examples"] for r in provisional}
-            md += [
-                "### Win score on the examples every run holds (some runs incomplete)",
-                "",
-                "As above, at the ratios where some run is incomplete (unfinished, or run on a subset of its shards: "
-                "see Incomplete runs), on the examples every run at the ratio holds ("
-                + ", ".join(f"cr {x:g}: n = {n[x]}" for x in sorted(n))
-                + "). These change as those runs grow; no other table or the claims ledger reads them.",
-                "",
-                _win_table_markdown(provisional, presses),
-                "",
-                f"Table: [{links['win_provisional']}]({links['win_provisional']})",
-                "",
-            ]
-        labels = [
-            _label(p, x) for p in presses for x in ratios if any(r["press"] == p and r["ratio"] == x for r in summary)
-        ]
+    table = g.links["continuation"]
+    md += [
+        f"Table (per task{' and length' if len(lengths) > 1 else ''} too): [{table}]({table})"
+        + (f" · plot:\n\n![loss vs ratio]({g.plots['loss']})" if "loss" in g.plots else ""),
+        "",
+    ]
+    return md
+
+
+def _breakdown_text(g: _Group) -> list[str]:
+    """The README's per-task table of one dataset and model, then per length and per depth (each score with its own
+    win score) and the LongBench-E length ranges, rows ``press @ ratio``."""
+    labels = [
+        _label(p, x) for p in g.presses for x in g.ratios if any(r["press"] == p and r["ratio"] == x for r in g.summary)
+    ]
+    hdr, rows = _pivot(
+        g.tasks,
+        lambda r: _label(r["press"], r["ratio"]),
+        lambda r: r["group"],
+        lambda r: f"{r['score']:.3f}",
+        row_order=labels,
+    )
+    md = [
+        "### Per task",
+        "",
+        _markdown(["press @ ratio"] + [str(c) for c in hdr], rows),
+        "",
+        _link(g.links["per_task"], g.plots.get("tasks"), "per task"),
+        "",
+    ]
+    for label, table in g.breakdowns.items():
         hdr, rows = _pivot(
-            tasks,
+            table,
             lambda r: _label(r["press"], r["ratio"]),
             lambda r: r["group"],
-            lambda r: f"{r['score']:.3f}",
+            lambda r: f"{r['score']:.3f}" + ("" if r["win_score"] is None else f" ({r['win_score']:.3f})"),
             row_order=labels,
+            col_order=sorted({r["group"] for r in table}),
         )
+        title = "context length (tokens)" if label == "length" else "needle depth (%)"
         md += [
-            "### Per task",
+            f"### Per {title}",
             "",
-            _markdown(["press @ ratio"] + [str(c) for c in hdr], rows),
+            "Mean score and, in parentheses, the win score among the presses of the ratio on that "
+            f"{label}'s examples alone.",
             "",
-            f"Table: [{links['per_task']}]({links['per_task']})"
-            + (f" · plot:\n\n![per task]({plots['tasks']})" if "tasks" in plots else ""),
+            _markdown(["press @ ratio"] + [f"{c:g}" for c in hdr], rows),
+            "",
+            _link(g.links[f"by_{label}"]),
             "",
         ]
-        for label, table in breakdowns.items():
-            hdr, rows = _pivot(
-                table,
-                lambda r: _label(r["press"], r["ratio"]),
-                lambda r: r["group"],
-                lambda r: f"{r['score']:.3f}" + ("" if r["win_score"] is None else f" ({r['win_score']:.3f})"),
-                row_order=labels,
-                col_order=sorted({r["group"] for r in table}),
-            )
-            title = "context length (tokens)" if label == "length" else "needle depth (%)"
-            md += [
-                f"### Per {title}",
-                "",
-                "Mean score and, in parentheses, the win score among the presses of the ratio on that "
-                f"{label}'s examples alone.",
-                "",
-                _markdown(["press @ ratio"] + [f"{c:g}" for c in hdr], rows),
-                "",
-                f"Table: [{links[f'by_{label}']}]({links[f'by_{label}']})",
-                "",
-            ]
-        if ranges:
-            everything = [r for r in ranges if r["task"] == "all"]
-            hdr, rows = _pivot(
-                everything,
-                lambda r: _label(r["press"], r["ratio"]),
-                lambda r: r["range"],
-                lambda r: f"{r['score']:.3f}",
-                row_order=labels,
-                col_order=[name for name, _ in LENGTH_RANGES if any(r["range"] == name for r in everything)],
-            )
-            md += [
-                "### LongBench-E by length range",
-                "",
-                "The official LongBench-E breakdown (LongBench `eval.py`): each row falls in 0-4k, 4-8k or 8k+ "
-                "by its `length` (words); per range, the mean score of each task, averaged over tasks. "
-                "Per-task values are in the table file.",
-                "",
-                _markdown(["press @ ratio"] + hdr, rows),
-                "",
-                f"Table: [{links['by_length_range']}]({links['by_length_range']})",
-                "",
-            ]
-        bad = [r for r in group if not r.complete]
-        if bad:
-            md += (
-                ["### Incomplete runs", ""]
-                + [f"- `{r.path.relative_to(results_dir)}`: {'; '.join(r.problems)}" for r in bad]
-                + [""]
-            )
-        commands = sorted({c for r in group for c in r.commands})
-        md += ["### Commands", "", "The runs above were produced by:", "", "```"]
-        md += commands or ["(no run recorded a command)"]
-        md += ["```", ""]
-    readme = Path(w.text("README.md", "\n".join(md).rstrip() + "\n"))
+    if g.ranges:
+        everything = [r for r in g.ranges if r["task"] == "all"]
+        hdr, rows = _pivot(
+            everything,
+            lambda r: _label(r["press"], r["ratio"]),
+            lambda r: r["range"],
+            lambda r: f"{r['score']:.3f}",
+            row_order=labels,
+            col_order=[name for name, _ in LENGTH_RANGES if any(r["range"] == name for r in everything)],
+        )
+        md += [
+            "### LongBench-E by length range",
+            "",
+            "The official LongBench-E breakdown (LongBench `eval.py`): each row falls in 0-4k, 4-8k or 8k+ "
+            "by its `length` (words); per range, the mean score of each task, averaged over tasks. "
+            "Per-task values are in the table file.",
+            "",
+            _markdown(["press @ ratio"] + hdr, rows),
+            "",
+            _link(g.links["by_length_range"]),
+            "",
+        ]
+    return md
+
+
+def build_report(
+    results_dir: Path,
+    out: Path,
+    confidence: float = 0.95,
+    command: str | None = None,
+    plots: bool = True,
+    costs: Path | None = None,
+    own_costs: bool = False,
+) -> Path:
+    """Write the report of every run below ``results_dir`` into ``out``; returns ``out / "README.md"``.
+
+    The steps, each a function: collect the runs (:func:`collect_runs`), then per dataset and model its tables
+    (:func:`_write_tables`), win scores (:func:`_write_win_scores`), plots (:func:`_write_plots`) and quality-cost
+    frontier (:func:`_write_frontier`); the two protocols side by side (:func:`_write_protocols`); the README text
+    (:func:`_readme`, each dataset's section :func:`_group_text`); last, files of an earlier report that this one did
+    not write are removed.
+
+    ``plots=False`` skips the PNGs (tables and README only; stale PNGs are then removed too). ``costs``: a speed
+    sweep's csv, for the quality-cost sections (:mod:`evaluation.frontier`); none when None or missing.
+    ``own_costs``: those sections from the runs' own timings instead (:func:`evaluation.frontier.run_costs`: rows
+    of ``python -m evaluation.fused``), each dataset's from its own runs.
+
+    Raises:
+        FileNotFoundError: ``results_dir`` does not exist. ValueError: ``confidence`` outside (0, 1), or both
+        ``costs`` and ``own_costs``.
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must be in (0, 1)")
+    if costs is not None and own_costs:
+        raise ValueError(f"costs={costs} and own_costs=True: the frontier reads one source of costs, not both")
+    cost_rows = read_costs(costs) if costs is not None else []
+    groups = collect_runs(results_dir)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    w = _Writer(out)
+    protocols = _write_protocols(w, groups, confidence)
+    sections = []
+    for (dataset, model), runs in groups.items():
+        g = _Group(dataset, model, runs)
+        _write_tables(w, g, confidence)
+        _write_win_scores(w, g)
+        if plots:
+            _write_plots(w, g)
+        _write_frontier(w, g, cost_rows, own_costs, plots)
+        sections.append(_group_text(g, results_dir, confidence, costs))
+    command = command or f"python -m evaluation.report {results_dir} --out {out}"
+    readme = Path(w.text("README.md", _readme(command, results_dir, groups, protocols, sections)))
     w.prune()
     return out / readme
 
