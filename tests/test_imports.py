@@ -68,7 +68,10 @@ FLOORS = (
             "evaluation.train_scorers",
         ),
     ),
-    ("report", ("evaluation.frontier", "evaluation.shared_report", "evaluation.report")),  # runs into tables and plots
+    (
+        "report",
+        ("evaluation.frontier", "evaluation.shared_report", "evaluation.report", "evaluation.readme_table"),
+    ),  # runs into tables and plots
     ("studies", ("evaluation.studies", "evaluation.uor")),  # analysis: the studies behind results/
 )
 
