@@ -24,7 +24,7 @@ LAUNCH = $(if $(LAUNCHER),-m hydra/launcher=$(LAUNCHER) shard=$(shell seq -s, -f
 SWEEP_PRESSES ?= no_press,snapkv,tova,streaming_llm,knorm,expected_attention,page_entrokv,page_entrokv_mean,snis_min,snis_min_uncorrected,snis_min_h,snis_min_h_uncorrected,snis_h2o,snis_h2o_uncorrected,snis_h2o_h,snis_h2o_h_uncorrected
 SWEEP_RATIOS ?= 0.5,0.75
 
-.PHONY: install eval sweep report test lint clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check claims paper003-grid scorers
+.PHONY: install eval sweep report test lint clean uor snis-study entroprefill-bench bench-kernels bench-speed gpu-check claims paper003-grid scorers compress
 
 install: $(VENV)/.installed
 
@@ -69,6 +69,12 @@ sweep: install
 
 report: install              # with the quality-cost frontier from the 2k speed sweep (results/speed_memory_2k/)
 	$(PY) -m evaluation.report $(RESULTS) --out $(RESULTS) --costs results/speed_memory_2k/speed_memory.csv
+
+# make compress: every finished run under $(RESULTS) stores its rows compressed (predictions.jsonl.gz, about 6 times
+# smaller; every reader reads either form); a run without metrics.json or being written is left plain, so it can run
+# beside a grid and again when the grid is done. Before committing a grid's runs (tests/test_predictions.py checks).
+compress: install
+	$(PY) -m evaluation.compress_runs $(RESULTS)
 
 uor: install                 # paper 000 UOR / pooling analysis -> results/uor/$(MODEL)/
 	$(PY) -m evaluation.uor model=$(MODEL)

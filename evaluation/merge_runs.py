@@ -20,7 +20,8 @@ and then nothing is written at all:
 - no source row's id is in the target with another content (a row already there as it is, from an earlier merge,
   is kept once: merging twice changes nothing).
 
-Per target, in this order and each file atomically: ``predictions.jsonl`` (its rows, then the new ones),
+Per target, in this order and each file atomically: ``predictions.jsonl`` (its rows, then the new ones; a target
+stored compressed stays so, ``predictions.jsonl.gz``: :mod:`evaluation.predictions`),
 ``config.yaml`` (the lengths' sorted union), ``commands.txt`` (the commands that wrote the new rows added), and
 ``metrics.json`` (:func:`evaluation.harness.summarize` over every row; ``command`` is this merge's command line and
 ``merged`` the commands of the pieces: the target's, then the source's). A merge cut off between files is completed
@@ -48,6 +49,7 @@ from evaluation.harness import (
     run_in_progress,
     summarize,
 )
+from evaluation.predictions import rows_file, write_text
 from evaluation.runs import SHARD_DIR, scan
 
 __all__ = ["Merge", "plan_merges", "merge_runs", "main"]
@@ -77,7 +79,7 @@ def _load(path: Path) -> dict:
 def _piece_dirs(run_dir: Path) -> list[Path]:
     """The directories holding a run's rows: ``cr<ratio>/`` itself and / or its ``shard_i_of_n/``."""
     shards = sorted(p for p in run_dir.iterdir() if p.is_dir() and SHARD_DIR.fullmatch(p.name))
-    return ([run_dir] if (run_dir / "predictions.jsonl").exists() else []) + shards
+    return ([run_dir] if rows_file(run_dir) is not None else []) + shards
 
 
 def _plan(run, source: Path, results: Path) -> Merge | None:
@@ -166,7 +168,7 @@ def merge_runs(source: Path, results: Path, command: str, dataset: str | None = 
     """
     plans = plan_merges(source, results, dataset)
     for m in plans:
-        write_atomic(m.target / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in m.rows))
+        write_text(m.target, "".join(json.dumps(r) + "\n" for r in m.rows))  # compressed if the target was
         write_atomic(m.target / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(m.config)))
         for command_run in m.commands:
             note_command(m.target, command_run)

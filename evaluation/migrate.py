@@ -17,7 +17,8 @@ Two changes, both idempotent and written atomically:
    that pads its per-group caches (probabilistic eviction) hold the padded (physical) figure there, which their
    ``physical_compression`` also holds; their press reported the kept one as ``press_stats.logical_compression``,
    which is copied over; only a row whose ``effective_compression`` equals its ``physical_compression`` (the
-   padded figure) is such a row. Nothing else in a row changes.
+   padded figure) is such a row. Nothing else in a row changes, and the rows keep their form (plain, or a finished
+   run's compressed ``predictions.jsonl.gz``: :mod:`evaluation.predictions`).
 
 A third, on request: ``--rename-press OLD NEW`` gives the runs of press config ``OLD`` the name ``NEW`` when a
 class's defaults move and another config now states the settings they ran with (the committed runs of the
@@ -38,6 +39,7 @@ from omegaconf import OmegaConf
 
 from evaluation.atomic import write_atomic
 from evaluation.cli import ArgumentParser
+from evaluation.predictions import read_text, rows_file, write_text
 from evaluation.settings import saved_run_settings
 
 __all__ = ["migrate", "rename_press"]
@@ -57,16 +59,16 @@ def migrate(root: Path) -> dict[str, int]:
     """Migrate every run directory under ``root``; returns the counts of configs and rows changed."""
     changed = {"configs": 0, "rows": 0}
     for config in sorted(Path(root).rglob("config.yaml")):
-        if not (config.parent / "predictions.jsonl").exists() and not (config.parent / "metrics.json").exists():
+        rows_path = rows_file(config.parent)  # predictions.jsonl, or a finished run's predictions.jsonl.gz
+        if rows_path is None and not (config.parent / "metrics.json").exists():
             continue  # not a run directory
         node = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
         new = saved_run_settings(node)
         if new != node:
             write_atomic(config, OmegaConf.to_yaml(OmegaConf.create(new)))
             changed["configs"] += 1
-        rows_path = config.parent / "predictions.jsonl"
-        if rows_path.exists():
-            lines = rows_path.read_text().splitlines(keepends=True)
+        if rows_path is not None:
+            lines = read_text(rows_path).splitlines(keepends=True)
             try:
                 rows = [json.loads(line) for line in lines]
             except json.JSONDecodeError:  # a torn last line (a killed run): leave the file to the harness's resume
@@ -76,7 +78,7 @@ def migrate(root: Path) -> dict[str, int]:
             n = sum(a is not b for a, b in zip(rows, new_rows))
             if n:  # unchanged rows keep their bytes
                 text = "".join(line if a is b else json.dumps(b) + "\n" for line, a, b in zip(lines, rows, new_rows))
-                write_atomic(rows_path, text)
+                write_text(config.parent, text)  # in the form the run stores them
                 changed["rows"] += n
     return changed
 

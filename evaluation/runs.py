@@ -2,7 +2,8 @@
 
 The report's first step (:mod:`evaluation.report`), and what :mod:`evaluation.merge_runs`, the paired comparison
 (:mod:`evaluation.studies.paired`) and the claims ledger read. A run is laid out by the harness
-(:mod:`evaluation.harness`): ``<dataset>/<model>/<press>/cr<ratio>/predictions.jsonl``, or in shards
+(:mod:`evaluation.harness`): ``<dataset>/<model>/<press>/cr<ratio>/predictions.jsonl`` (or ``predictions.jsonl.gz``,
+a finished run's rows compressed: :mod:`evaluation.predictions`; either reads the same), or in shards
 ``cr<ratio>/shard_<i>_of_<n>/`` whose rows are merged and de-duplicated by example id (the first shard's row wins).
 A run that another process is writing (it holds the run directory's lock, :func:`evaluation.harness.claim_runs`)
 is in progress, never finished.
@@ -17,7 +18,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from evaluation.harness import COMMANDS_NAME, config_changes, read_predictions, run_in_progress
+from evaluation.harness import COMMANDS_NAME, config_changes, run_in_progress
+from evaluation.predictions import read_predictions, rows_files
 
 __all__ = ["RATIO_DIR", "SHARD_DIR", "Run", "scan"]
 
@@ -74,7 +76,7 @@ def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
         raise FileNotFoundError(f"results directory {results_dir} does not exist")
     parts: dict[Path, list[tuple[tuple[int, int] | None, Path]]] = defaultdict(list)
     below = results_dir / dataset if dataset is not None else results_dir
-    for pred in sorted(below.rglob("predictions.jsonl")):
+    for pred in rows_files(below):  # either form, one per directory
         rel = pred.relative_to(results_dir).parts
         if any(p.startswith(".") for p in rel):
             continue
@@ -98,7 +100,7 @@ def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
         )
         seen: set[str] = set()
         for _, piece in sorted(pieces, key=lambda x: (x[0] is not None, x[0] or (0, 0))):
-            for row in read_predictions(piece / "predictions.jsonl"):
+            for row in read_predictions(piece / "predictions.jsonl"):  # or its .gz
                 if row.get("id") not in seen:
                     seen.add(row.get("id"))
                     run.rows.append(row)

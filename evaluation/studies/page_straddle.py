@@ -28,6 +28,7 @@ from pathlib import Path
 from evaluation import tables
 from evaluation.atomic import write_atomic
 from evaluation.cli import ArgumentParser
+from evaluation.predictions import rows_files
 
 __all__ = ["straddles", "main"]
 
@@ -49,7 +50,7 @@ def straddles(positions: list[int], page_size: int) -> bool:
 def _runs(root: Path, press: str, ratio: float) -> list[Path]:
     """The run directories of ``press`` at ``ratio`` under ``root`` (one, or one per shard)."""
     base = root / press / f"cr{ratio:g}"
-    found = sorted(p.parent for p in base.rglob("predictions.jsonl"))
+    found = [p.parent for p in rows_files(base)]  # either form (evaluation.predictions)
     if not found:
         raise ValueError(f"no run of press {press!r} at ratio {ratio:g} under {root}")
     return found

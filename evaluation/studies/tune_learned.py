@@ -39,6 +39,7 @@ from evaluation import harness, tables
 from evaluation.cli import ArgumentParser
 from evaluation.loop import evaluate
 from evaluation.metrics import win_scores
+from evaluation.predictions import rows_files
 from evaluation.studies import REPO
 
 __all__ = ["CANDIDATES", "SPLITS", "RATIOS", "label", "runs_for", "score_cells", "ranking", "report", "main"]
@@ -113,7 +114,7 @@ def runs_for(dataset: str, shard: str | None = None) -> list:
 def _rows(dataset: str, name: str, ratio: float) -> dict:
     """The rows of one run by example id (shards merged)."""
     out = {}
-    for path in sorted((RUNS / dataset / "smollm2-135m" / name / f"cr{ratio:g}").rglob("predictions.jsonl")):
+    for path in rows_files(RUNS / dataset / "smollm2-135m" / name / f"cr{ratio:g}"):
         out.update({r["id"]: r for r in harness.read_predictions(path)})
     return out
 

@@ -40,6 +40,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from evaluation import harness, tables
 from evaluation.loop import evaluate
 from evaluation.metrics import win_scores
+from evaluation.predictions import rows_files
 from evaluation.studies import REPO
 
 SEED = 7
@@ -133,7 +134,7 @@ def rows_of(dataset: str, protocol: str, name: str, ratio: float) -> list[dict]:
     """All rows of one run (merging shards)."""
     d = RUNS / (dataset + ("-qa" if PROTOCOLS[protocol] else "")) / "smollm2-135m" / name / f"cr{ratio:g}"
     rows = {}
-    for path in sorted(d.rglob("predictions.jsonl")):
+    for path in rows_files(d):  # either form (evaluation.predictions)
         for r in harness.read_predictions(path):
             rows[r["id"]] = r
     return list(rows.values())

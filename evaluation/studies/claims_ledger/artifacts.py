@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from evaluation.predictions import read_text
+
 #: the UOR study's run record: the embedded model's shape and the study's press config
 UOR_RUN = "results/uor/smollm2-135m/run.json"
 
@@ -163,12 +165,19 @@ def scaled(x, scale):
 
 
 def jsonl_rows(root: Path, pattern: str) -> list[tuple[str, dict]]:
-    files = sorted(glob.glob(str(root / pattern)))
+    """``(path under root, row)`` of every JSON line of the files ``pattern`` (a glob under ``root``) names; a
+    ``*.jsonl`` pattern also reads a file stored compressed (``<name>.jsonl.gz``, as a finished run's rows are:
+    :mod:`evaluation.predictions`) where the plain file is absent."""
+    files = glob.glob(str(root / pattern))
+    if pattern.endswith(".jsonl"):
+        plain = set(files)
+        files += [f for f in glob.glob(str(root / pattern) + ".gz") if f.removesuffix(".gz") not in plain]
+    files = sorted(files)
     if not files:
         raise Missing(pattern)
     rows = []
     for f in files:
-        for line in Path(f).read_text().splitlines():
+        for line in read_text(Path(f)).splitlines():
             if line.strip():
                 rows.append((str(Path(f).relative_to(root)), json.loads(line)))
     if not rows:
