@@ -1,4 +1,4 @@
-"""Compress once, ask many: the shared-context protocol (``protocol=shared``; docs/methods.md §5.10).
+"""Compress once, ask many: the shared-context protocol (``protocol=shared``; docs/methods.md §5.7).
 
 A context is prefilled and compressed once, then asked its K questions (``questions``, default 4:
 :data:`evaluation.settings.SHARED_DEFAULTS`) one after another, as a cached document, code base or chat history is

@@ -287,6 +287,7 @@ def test_hydra_entry_points_refuse_what_they_do_not_read(
         ["-m", "press=snapkv,knorm", "compression_ratio=range(0.25,1,0.25)", "shard=0/2,1/2"],
         ["dataset=longbench", "dataset.tasks=[trec]", "+dataset.source=/x", "hydra.run.dir=/tmp/x", "--cfg", "job"],
         ["press=per_layer_compression", "press.compression_ratios=[0.0,0.5]", "~press.press"],
+        ["dataset=ruler_shared", "protocol=shared", "questions=3", "shared_mode=turn", "query_aware=true"],
     ],
 )
 def test_hydra_entry_points_take_every_key_they_read(args):
