@@ -18,6 +18,11 @@ Every command refuses what it does not read (issue 65 item 3), with one line and
   the command holds but does not read (``evaluation.fused press=<press>``: it reads ``presses=``);
 - the argparse entry points (``evaluation.report``, ``evaluation.migrate``, ``evaluation.merge_runs``, the studies)
   parse with :class:`ArgumentParser`: an unknown option gets its closest options, and every usage error is one line.
+
+``--help`` of ``evaluation.run`` and ``evaluation.fused`` (``configs/hydra/help/harness.yaml``) lists the presses a
+user runs, this project's and kvpress's, apart from the tuning and ablation variants (:func:`config_groups_help`):
+a press config whose first line is ``# variant of <press>: <what it tries>`` (:data:`VARIANT_LINE`) is a variant of
+that press; it keeps its name, so ``press=<variant>`` and its committed runs are as before (issue 65 item 6).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -32,9 +38,12 @@ from pathlib import Path
 __all__ = [
     "INPUT_ERRORS",
     "ArgumentParser",
+    "VARIANT_LINE",
     "check_command_line",
+    "config_groups_help",
     "input_error",
     "one_line_errors",
+    "press_variants",
     "refuse",
 ]
 
@@ -234,6 +243,82 @@ def check_command_line(
             if part not in node.keys():  # keys() also holds a '???' value, which ``in`` does not see
                 refuse(_unknown_key(".".join([*path, part]), list(node.keys()), command))
             node, path = node._get_node(part), [*path, part]  # the node itself: a '???' value is not read
+
+
+#: The first line of a press config that is a tuning or ablation variant of another press (``<press>``, a press
+#: config that is no variant): ``# variant of <press>: <what it tries>``.
+VARIANT_LINE = re.compile(r"# variant of (\w+):")
+
+
+def press_variants(config_dir: Path | None = None) -> dict[str, str]:
+    """Each tuning or ablation variant among the press configs (first line :data:`VARIANT_LINE`), with the press
+    it varies: ``{"page_entrokv_rung0_chunkkv": "page_entrokv", ...}``.
+
+    Args:
+        config_dir: the config directory (default :data:`evaluation.harness.CONFIG_DIR`).
+    """
+    from evaluation import harness
+
+    found = {}
+    for path in sorted((Path(config_dir or harness.CONFIG_DIR) / "press").glob("*.yaml")):
+        with path.open(encoding="utf-8") as f:
+            match = VARIANT_LINE.match(f.readline())
+        if match:
+            found[path.stem] = match.group(1)
+    return found
+
+
+def _press_target(path: Path) -> str | None:
+    """The ``_target_`` a press config builds: its own, else that of the config its defaults put ``@_here_``."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(path)
+    if "_target_" in cfg:
+        return cfg._target_
+    for entry in cfg.get("defaults", []):
+        if isinstance(entry, str) and entry.endswith("@_here_"):
+            return _press_target(path.parent / f"{entry.removesuffix('@_here_')}.yaml")
+    return None
+
+
+def config_groups_help(config_dir: Path | None = None) -> str:
+    """The config groups of ``--help`` (Hydra's ``$APP_CONFIG_GROUPS``, with the presses split), one line a group:
+    the presses of this project (a ``_target_`` outside kvpress), kvpress's (``no_press``, ``_target_: null``, among
+    them), then the tuning and ablation variants (:func:`press_variants`), one line per press they vary. A group's
+    ``base/`` configs, which other configs include, are left out.
+
+    Args:
+        config_dir: the config directory (default :data:`evaluation.harness.CONFIG_DIR`).
+    """
+    from evaluation import harness
+
+    config_dir = Path(config_dir or harness.CONFIG_DIR)
+    lines = []
+    for group in sorted(p.name for p in config_dir.iterdir() if p.is_dir() and p.name != "hydra"):
+        names = sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+        if group != "press":
+            lines.append(f"{group}: {', '.join(names)}")
+            continue
+        variants = press_variants(config_dir)
+        users = [n for n in names if n not in variants]
+        targets = {n: _press_target(config_dir / group / f"{n}.yaml") for n in users}
+        ours = [n for n in users if targets[n] is not None and not targets[n].startswith("kvpress.")]
+        lines.append(f"press, this project's: {', '.join(ours)}")
+        lines.append(f"press, kvpress's: {', '.join(n for n in users if n not in ours)}")
+        lines.append("press, tuning and ablation variants (each runs as any press), by the press each varies:")
+        for base in sorted(set(variants.values())):
+            lines.append(f"  {base}: {', '.join(n for n in names if variants.get(n) == base)}")
+    return "\n".join(lines)
+
+
+def _register_help_resolver() -> None:
+    """``${config_groups:}``, which ``configs/hydra/help/harness.yaml`` reads (:func:`config_groups_help`)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("config_groups", lambda: config_groups_help(), replace=True)
+
+
+_register_help_resolver()
 
 
 class ArgumentParser(argparse.ArgumentParser):
