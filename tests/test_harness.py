@@ -41,7 +41,12 @@ def test_required_press_configs_exist():
 
 # presses whose run ratio sets another field (ThinK: the fraction of key channels, DuoAttention: of streaming heads),
 # or none (DMS: a score threshold); the others' compression_ratio (a wrapper's is its scorer's) is the run's
-RATIO_FIELD = {"think": "key_channel_compression_ratio", "duo_attention": "head_compression_ratio", "dms": None}
+RATIO_FIELD = {
+    "think": "key_channel_compression_ratio",
+    "duo_attention": "head_compression_ratio",
+    "dms": None,
+    "dms_linear": None,
+}
 # configs with a mandatory value (``???``): the override a user gives
 REQUIRED = {"per_layer_compression": ["press.compression_ratios=[0.0,0.5]"]}
 
