@@ -91,6 +91,18 @@ def readme(title: str, body: str, record: dict, fit: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _shown(path: Path | None) -> str:
+    """``path`` as a README shows it: under the model cache as ``<model cache>/...``; ``none stored`` for None."""
+    from evaluation.models import cache_dir
+
+    if path is None:
+        return "none stored"
+    try:
+        return f"<model cache>/{Path(path).relative_to(cache_dir())}"
+    except ValueError:
+        return str(path)
+
+
 def report(args, model, tokenizer, scorers: dict, main: str, stem: str, title: str, what: str, rec: dict) -> dict:
     """The held-out fit of ``scorers`` (:func:`evaluation.train_scorers.query_fit.evaluate`) written as
     ``<out>/<model>/<stem>.csv`` and ``.md`` (``what``: the paragraph saying what is compared; the per-layer table
@@ -110,7 +122,7 @@ def report(args, model, tokenizer, scorers: dict, main: str, stem: str, title: s
         f"Command: `{rec['command']}` ({time.perf_counter() - t0:.0f} s for the held-out fit, "
         f"{rec['seconds']:.0f} s for the {rec['train_docs']} training documents' queries, {args.threads} thread(s))",
         "",
-        f"{what} KVzip+'s scores: {kvzip_work or 'none stored'} (per document and KV head, then averaged: "
+        f"{what} KVzip+'s scores: {_shown(kvzip_work)} (per document and KV head, then averaged: "
         "evaluation/train_scorers/query_fit.py).",
     ]
     query_fit.write_report(Path(args.out) / model_key(model), stem, title, means, notes, [main])
