@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from test_harness import composed
 
 from evaluation import harness
+from evaluation.predictions import rows_file
 from evaluation.settings import press_settings, public_path, run_settings, saved_press, saved_run_settings
 from evaluation.studies.ladder import PageEntroKVLadderPress
 from presses import PageEntroKVPress, PageEntroKVReconstructionPress, ProbabilisticEvictionPress
@@ -101,7 +102,7 @@ run configs, and equal to it on every one of them (checked 2026-12-04)."""
 
 def _committed_runs():
     for config in sorted((ROOT / "results").rglob("config.yaml")):
-        if (config.parent / "predictions.jsonl").exists():
+        if rows_file(config.parent) is not None:  # predictions.jsonl, or a finished run's .gz
             yield config
 
 

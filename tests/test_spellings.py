@@ -25,6 +25,7 @@ from test_harness import CONFIG_DIR, composed
 
 from evaluation import fused, harness, settings
 from evaluation import run as entry
+from evaluation.predictions import rows_file
 from evaluation.settings import normal_value, run_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,7 +159,7 @@ def test_the_committed_runs_are_saved_in_their_one_spelling():
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     checked = 0
     for config in sorted((ROOT / "results").rglob("config.yaml")):
-        if not (config.parent / "predictions.jsonl").exists():
+        if rows_file(config.parent) is None:  # predictions.jsonl, or a finished run's .gz
             continue
         saved = yaml.load(config.read_text(encoding="utf-8"), Loader=loader)
         for key in settings.SETTING_KINDS:
