@@ -6,8 +6,9 @@ Usage::
         [--costs SPEED_CSV | --own-costs]
 
 Reads every run below ``RESULTS_DIR`` laid out by ``evaluation.run``
-(``<dataset>/<model>/<press>/cr<ratio>/predictions.jsonl``, shards in ``cr<ratio>/shard_<i>_of_<n>/``, whose
-predictions are merged and de-duplicated by example id) and writes under ``--out``:
+(``<dataset>/<model>/<press>/cr<ratio>/predictions.jsonl``, or a finished run's ``predictions.jsonl.gz``; shards in
+``cr<ratio>/shard_<i>_of_<n>/``, whose predictions are merged and de-duplicated by example id:
+:func:`evaluation.runs.scan`) and writes under ``--out``:
 
 * ``tables/<dataset>__<model>__summary.csv``: per press and ratio, the mean score over all examples with its
   interval (Wilson when every score is 0/1, Student t otherwise), the split-size-weighted average of paper 003
