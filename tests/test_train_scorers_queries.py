@@ -221,3 +221,24 @@ def test_missing_or_mismatched_statistics_are_refused_in_one_line(tiny, tmp_path
     assert "holds filters for another-model" in scorers.qfilter_problem(model)
     with pytest.raises(FileNotFoundError, match="another-model"):
         registry.attach_scorers(QFilterPress(0.5), model, required=False)
+
+
+def test_the_pass_resumes_where_it_stopped(tiny, tmp_path, monkeypatch):
+    calls = []
+    real = queries.prefill
+    monkeypatch.setattr(queries, "prefill", lambda model, ids: calls.append(1) or real(model, ids))
+    settings = queries.Settings("tiny")
+    work, first = queries.compute(settings, [300], tmp_path / "a")  # one document
+    assert first[300].docs == 1 and len(calls) == 1
+    _, more = queries.compute(settings, [300, 900], tmp_path / "a")  # two more, from the first's resume point
+    assert more[900].docs == 3 and len(calls) == 3
+    _, fresh = queries.compute(settings, [900], tmp_path / "b")
+    for which in ("pre", "post"):
+        assert np.array_equal(getattr(more[900], which).cxx, getattr(fresh[900], which).cxx)
+    # a run stopped between the two files of its resume point: the pass again, the same moments
+    (work / "running.pre.npz").write_bytes((work / "docs00001.pre.npz").read_bytes())
+    calls.clear()
+    _, again = queries.compute(settings, [1500], tmp_path / "a")
+    assert again[1500].docs == 5 and len(calls) == 5
+    _, fresh = queries.compute(settings, [1500], tmp_path / "c")
+    assert np.array_equal(again[1500].post.cxx, fresh[1500].post.cxx)

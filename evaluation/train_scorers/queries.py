@@ -179,8 +179,15 @@ class QueryMoments:
 
     @classmethod
     def load(cls, stem: Path, layers: int, heads: int) -> tuple[QueryMoments, dict]:
+        """What :meth:`save` wrote: the moments and the extra arrays.
+
+        Raises:
+            ValueError: the two files hold different documents (a run stopped between writing them).
+        """
         pre, extra = Moments.load(stem.with_name(f"{stem.name}.pre.npz"))
-        post, _ = Moments.load(stem.with_name(f"{stem.name}.post.npz"))
+        post, other = Moments.load(stem.with_name(f"{stem.name}.post.npz"))
+        if int(extra["docs"]) != int(other["docs"]):
+            raise ValueError(f"{stem}.pre.npz holds {int(extra['docs'])} documents, .post.npz {int(other['docs'])}")
         return cls(pre, post, layers, heads, int(extra.pop("docs"))), extra
 
 
@@ -301,12 +308,13 @@ def _run(settings: Settings, work: Path, train: list, wanted: list[int]) -> None
     layers, heads = config.num_hidden_layers, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     (work / "shape.json").write_text(json.dumps({"layers": layers, "heads": heads, "head_dim": head_dim}) + "\n")
-    running = work / "running"
+    running, position = work / "running", 0
     if running.with_name("running.post.npz").exists():
-        moments, extra = QueryMoments.load(running, layers, heads)
-        position = int(extra["next"])
-    else:
-        position = 0
+        try:
+            moments, extra = QueryMoments.load(running, layers, heads)
+            position = int(extra["next"])
+        except ValueError as err:  # stopped between its two files: the pass again (minutes)
+            print(f"queries: {err}; again", flush=True)
     behind = [k for k in wanted if k < position and not _kept(work, k)]
     if behind:  # a milestone asked for after the pass went past it: the pass again (minutes)
         print(f"queries: the pass in {work} went past {behind[0]} documents without keeping them; again", flush=True)
