@@ -222,7 +222,8 @@ def test_migrate_drops_a_removed_field_and_the_run_stays_the_same(tmp_path):
     run = next(c.parent for c in _committed_runs() if f"_target_: {target}\n" in c.read_text(encoding="utf-8"))
     copy = tmp_path / "run"
     copy.mkdir()
-    shutil.copy(run / "predictions.jsonl", copy / "predictions.jsonl")
+    rows = rows_file(run)  # plain or compressed (a finished run's predictions.jsonl.gz)
+    shutil.copy(rows, copy / rows.name)
     before = OmegaConf.load(run / "config.yaml")
     before.press.update({name: removed.value for name, removed in PageEntroKVPress.removed_fields.items()})
     (copy / "config.yaml").write_text(OmegaConf.to_yaml(before))
@@ -230,7 +231,7 @@ def test_migrate_drops_a_removed_field_and_the_run_stays_the_same(tmp_path):
     after = OmegaConf.load(copy / "config.yaml")
     assert not set(PageEntroKVPress.removed_fields) & set(after.press) and after.press._target_ == target
     assert harness.config_changes(before, after, both_saved=True) == []
-    assert (copy / "predictions.jsonl").read_bytes() == (run / "predictions.jsonl").read_bytes()
+    assert (copy / rows.name).read_bytes() == rows.read_bytes()
 
 
 def test_settings_are_the_built_press_not_the_yaml():
