@@ -252,7 +252,7 @@ VARIANT_LINE = re.compile(r"# variant of (\w+):")
 
 def press_variants(config_dir: Path | None = None) -> dict[str, str]:
     """Each tuning or ablation variant among the press configs (first line :data:`VARIANT_LINE`), with the press
-    it varies: ``{"page_entrokv_rung0_chunkkv": "page_entrokv", ...}``.
+    it varies: ``{<variant config>: <the press config it varies>, ...}``.
 
     Args:
         config_dir: the config directory (default :data:`evaluation.harness.CONFIG_DIR`).
@@ -283,7 +283,7 @@ def _press_target(path: Path) -> str | None:
 
 def config_groups_help(config_dir: Path | None = None) -> str:
     """The config groups of ``--help`` (Hydra's ``$APP_CONFIG_GROUPS``, with the presses split), one line a group:
-    the presses of this project (a ``_target_`` outside kvpress), kvpress's (``no_press``, ``_target_: null``, among
+    the presses of this project (a ``_target_`` outside kvpress), kvpress's (the uncompressed config, ``_target_: null``, among
     them), then the tuning and ablation variants (:func:`press_variants`), one line per press they vary. A group's
     ``base/`` configs, which other configs include, are left out.
 

@@ -23,6 +23,8 @@ import re
 import sys
 from pathlib import Path
 
+from evaluation.registry import KVZIP_CONFIG
+from evaluation.report import BASELINE
 from evaluation.tables import num, read_rows
 
 __all__ = ["END", "KVZIP_SLACK", "ONE_PREFILL", "START", "best_press", "render", "rewrite"]
@@ -31,10 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 START = "<!-- which-press:start -->"
 END = "<!-- which-press:end -->"
 MODEL = "smollm2-135m"
-#: The uncompressed model's config name: shown for reference, never chosen.
-BASELINE = "no_press"
-#: The KVzip config whose measured cost sets the second budget.
-KVZIP = "kvzip"
+#: The KVzip config whose measured cost sets the second budget (the registry names presses).
+KVZIP = KVZIP_CONFIG
 #: The first budget: a prefill cost of at most this many uncompressed prefills.
 ONE_PREFILL = 1.25
 #: The second budget: at most this many times KVzip's measured cost at the same ratio.

@@ -150,6 +150,10 @@ _FOLLOW_INNER = (ChunkKVPress, ChunkPress, BlockPress, MergingPress, CriticalKVP
 #: Of those, the ones that assert they receive no attention weights (so neither an eager scorer nor eager attention).
 _NO_ATTENTION = (ChunkKVPress, ChunkPress, BlockPress)
 
+#: The config of kvpress's KVzip (arXiv 2505.23416), the quality reference of the question-after protocol: the
+#: README's which-press table (:mod:`evaluation.readme_table`) takes its measured cost as the second cost budget.
+KVZIP_CONFIG = "kvzip"
+
 #: Anything else (kvpress's other wrappers and presses, user presses): run it through kvpress's pipeline, with the
 #: attention wrapper that fits each layer's mask to its own cache length (it may keep different counts per layer).
 UNKNOWN = Capabilities(shares_prefill=False, uneven_layers=True)
