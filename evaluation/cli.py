@@ -283,9 +283,9 @@ def _press_target(path: Path) -> str | None:
 
 def config_groups_help(config_dir: Path | None = None) -> str:
     """The config groups of ``--help`` (Hydra's ``$APP_CONFIG_GROUPS``, with the presses split), one line a group:
-    the presses of this project (a ``_target_`` outside kvpress), kvpress's (the uncompressed config, ``_target_: null``, among
-    them), then the tuning and ablation variants (:func:`press_variants`), one line per press they vary. A group's
-    ``base/`` configs, which other configs include, are left out.
+    the presses of this project (a ``_target_`` outside kvpress), kvpress's (the uncompressed config, ``_target_:
+    null``, among them), then the tuning and ablation variants (:func:`press_variants`), one line per press they
+    vary. A group's ``base/`` configs, which other configs include, are left out.
 
     Args:
         config_dir: the config directory (default :data:`evaluation.harness.CONFIG_DIR`).
