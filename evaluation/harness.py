@@ -258,6 +258,9 @@ def check_names(names: dict[str, str]) -> None:
             raise ValueError(unknown_config(group, name))
 
 
+#: The uncompressed model's press config: its runs keep the whole cache (ratio 0) and are every report's baseline.
+BASELINE = "no_press"
+
 #: The lock file of a run directory (:func:`claim_runs`).
 LOCK_NAME = ".run.lock"
 #: Seconds between two looks at a busy run directory's settings while waiting for its lock.

@@ -10,7 +10,7 @@ on the others, and a chat's first ``k`` turns are a chat of ``k`` turns), the co
 
 averaged over the contexts, and the quality the mean score of those ``k`` questions. :func:`answer_cost_table` gives
 both at ``k = 1`` (a context asked one question) and ``k = K`` (all of them), each press's cost also over the
-uncompressed run's cost per answer at the same ``k`` (``no_press``, when the group has it), and per ratio and ``k`` the
+uncompressed run's cost per answer at the same ``k`` (when the group has it), and per ratio and ``k`` the
 presses on the quality-cost frontier (:func:`evaluation.frontier.frontier_rows`: no other press scores as much at no
 more cost per answer).
 """
@@ -21,11 +21,10 @@ import math
 from collections import defaultdict
 
 from evaluation.frontier import frontier_rows
+from evaluation.harness import BASELINE
 from evaluation.metrics import score_interval
 
 __all__ = ["answer_cost_table", "has_questions", "position_table", "section"]
-
-BASELINE = "no_press"
 
 
 def has_questions(rows: list[dict]) -> bool:
