@@ -23,6 +23,7 @@ line the same way.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 __all__ = [
@@ -110,17 +111,28 @@ def kvzap_problem(model, model_type: str, root: Path | None = None) -> str | Non
 
 
 def load_kvzap(model, model_type: str, root: Path | None = None):
-    """The project's KVzap scorer ``model_type`` for ``model`` (kvpress's ``KVzapModel``, in eval mode).
+    """The project's KVzap scorer ``model_type`` for ``model`` (kvpress's ``KVzapModel``, in eval mode), loaded once per
+    file version and process (a sweep's presses share it: kvpress only reads it) and without transformers' weight-
+    loading bar.
 
     Raises:
         FileNotFoundError: :func:`kvzap_problem`'s line, when there is none or it was made for another model.
     """
-    from kvpress.presses.kvzap_press import KVzapModel
-
     problem = kvzap_problem(model, model_type, root)
     if problem:
         raise FileNotFoundError(problem)
-    return KVzapModel.from_pretrained(kvzap_dir(model, model_type, root)).eval()
+    path = kvzap_dir(model, model_type, root)
+    return _load_kvzap(str(path), (path / "model.safetensors").stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_kvzap(path: str, version: int):
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    from evaluation.models import quiet_weight_loading
+
+    with quiet_weight_loading(), _quiet():
+        return KVzapModel.from_pretrained(path).eval()
 
 
 def _quiet():
