@@ -23,6 +23,7 @@ import re
 import sys
 from pathlib import Path
 
+from evaluation.atomic import write_atomic
 from evaluation.registry import KVZIP_CONFIG
 from evaluation.report import BASELINE
 from evaluation.tables import num, read_rows
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {args.readme}: the which-press block is out of date; run python -m evaluation.readme_table")
             return 1
         return 0
-    args.readme.write_text(new, encoding="utf-8")
+    write_atomic(args.readme, new)
     return 0
 
 

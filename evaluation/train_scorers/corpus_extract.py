@@ -36,6 +36,8 @@ import lzma
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from evaluation.atomic import write_atomic
+
 __all__ = ["MAX_DOCUMENTS_PER_PACKAGE", "MAX_TOKENS", "MIN_TOKENS", "PACKAGES", "extract", "package_documents"]
 
 #: Distribution name -> import name and licence (SPDX), as the distribution's metadata states it.
@@ -171,10 +173,10 @@ def extract(out_dir: Path, tokenizer, tokenizer_name: str) -> list[dict]:
             )
     out_dir.mkdir(parents=True, exist_ok=True)
     data = lzma.compress(("\n".join(lines) + "\n").encode(), preset=9 | lzma.PRESET_EXTREME)
-    (out_dir / "scorer_corpus.jsonl.xz").write_bytes(data)
+    write_atomic(out_dir / "scorer_corpus.jsonl.xz", data)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    (out_dir / "scorer_corpus_manifest.csv").write_text(buffer.getvalue())
+    write_atomic(out_dir / "scorer_corpus_manifest.csv", buffer.getvalue())
     return rows

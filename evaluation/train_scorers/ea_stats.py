@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from evaluation.atomic import write_atomic
+
 __all__ = ["add_arguments", "run", "statistics"]
 
 #: ``ExpectedAttentionStats.dataset_name`` of the statistics made here.
@@ -107,7 +109,7 @@ def run(args) -> None:
         where = scorer_dir(model, EA_STATS, Path(args.out))
         where.mkdir(parents=True, exist_ok=True)
         made[args.train_tokens].save_pretrained(where)
-        (where / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+        write_atomic(where / "training.json", json.dumps(record, indent=1) + "\n")
         body = (
             "kvpress's `ExpectedAttentionStats` (`config.json`, `model.safetensors`: the mean `(layers, heads, head "
             "dim)` and covariance `(layers, heads, head dim, head dim)` of the queries before RoPE), made from the "
@@ -115,7 +117,7 @@ def run(args) -> None:
             "`evaluation.registry.attach_scorers` gives them to an `ExpectedAttentionStatsPress` on this model whose "
             "`stats_folder` is unset (the harness does so for every run)."
         )
-        (where / "README.md").write_text(query_cli.readme("Expected-attention query statistics", body, record, fit))
+        write_atomic(where / "README.md", query_cli.readme("Expected-attention query statistics", body, record, fit))
         print(f"saved {where}", flush=True)
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from evaluation.atomic import write_atomic
+
 __all__ = ["add_arguments", "filters", "qfilter_scorer", "run"]
 
 
@@ -112,12 +114,12 @@ def run(args) -> None:
         module.q_filters.data.copy_(made[args.train_tokens])
         where.mkdir(parents=True, exist_ok=True)
         module.save_pretrained(where)
-        (where / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+        write_atomic(where / "training.json", json.dumps(record, indent=1) + "\n")
         body = (
             "kvpress's `QFilters` (`config.json`, `model.safetensors`: `(layers, KV heads, head dim)`), made from the "
             "model's own queries after RoPE on the scorer corpus (evaluation/train_scorers/qfilter.py); "
             "`evaluation.registry.attach_scorers` gives them to a `QFilterPress` on this model (the harness does so "
             "for every run)."
         )
-        (where / "README.md").write_text(query_cli.readme("Q-filters", body, record, fit))
+        write_atomic(where / "README.md", query_cli.readme("Q-filters", body, record, fit))
         print(f"saved {where}", flush=True)

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from evaluation.atomic import write_atomic
 from evaluation.train_scorers import corpus
 from evaluation.train_scorers.moments import Moments
 
@@ -253,7 +254,7 @@ def work_dir(settings: Settings, root: Path | None = None) -> Path:
     path = (root or cache_dir() / "scorers") / settings.model / f"queries-{key}"
     path.mkdir(parents=True, exist_ok=True)
     if not (path / "settings.json").exists():
-        (path / "settings.json").write_text(json.dumps(identity, indent=1, sort_keys=True) + "\n")
+        write_atomic(path / "settings.json", json.dumps(identity, indent=1, sort_keys=True) + "\n")
     return path
 
 
@@ -307,7 +308,7 @@ def _run(settings: Settings, work: Path, train: list, wanted: list[int]) -> None
     config = text_config(model)
     layers, heads = config.num_hidden_layers, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    (work / "shape.json").write_text(json.dumps({"layers": layers, "heads": heads, "head_dim": head_dim}) + "\n")
+    write_atomic(work / "shape.json", json.dumps({"layers": layers, "heads": heads, "head_dim": head_dim}) + "\n")
     running, position = work / "running", 0
     if running.with_name("running.post.npz").exists():
         try:

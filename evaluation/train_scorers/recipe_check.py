@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from scipy.stats import spearmanr
 
+from evaluation.atomic import write_atomic
+
 __all__ = ["recipe_scores"]
 
 
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     key = model_key(model)
     Path(args.out, key).mkdir(parents=True, exist_ok=True)
-    Path(args.out, key, "kvzap_targets_vs_recipe.md").write_text(text)
+    write_atomic(Path(args.out, key, "kvzap_targets_vs_recipe.md"), text)
     return 0
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from evaluation.atomic import write_atomic
+
 __all__ = ["kvzap_model", "save"]
 
 
@@ -54,4 +56,4 @@ def save(model, where: Path, readme: str) -> None:
     """``model.save_pretrained(where)`` and ``where/README.md``."""
     where.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(where)
-    (where / "README.md").write_text(readme)
+    write_atomic(where / "README.md", readme)

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from evaluation.atomic import write_atomic
 from evaluation.train_scorers import corpus
 from evaluation.train_scorers.moments import Moments
 
@@ -126,7 +127,7 @@ def work_dir(settings: Settings, root: Path | None = None) -> Path:
     path = (root or cache_dir() / "scorers") / settings.model / f"kvzap-{key}"
     path.mkdir(parents=True, exist_ok=True)
     if not (path / "settings.json").exists():
-        (path / "settings.json").write_text(json.dumps(identity, indent=1, sort_keys=True) + "\n")
+        write_atomic(path / "settings.json", json.dumps(identity, indent=1, sort_keys=True) + "\n")
     return path
 
 
