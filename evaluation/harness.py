@@ -553,7 +553,8 @@ def prediction_row(
     """One ``predictions.jsonl`` row: the example, the prediction and its score (``dataset.score``, or ``score`` when
     given: a continuation row's, :mod:`evaluation.continuation`), the effective and the
     physical compression (:func:`cache_stats`), seconds, and
-    ``press.summary()`` when the press has one."""
+    ``press.summary()`` when the press has one, and the project's trained scorers it ran with
+    (:func:`evaluation.registry.scorer_files`: their files' SHA-256, only when it holds one)."""
     row = {
         "id": ex.id,
         "task": ex.task or names["dataset"],
@@ -568,6 +569,11 @@ def prediction_row(
         **extra,
         "metadata": ex.metadata,
     }
+    from evaluation.registry import scorer_files  # torch and kvpress only once a model runs
+
+    files = scorer_files(press)
+    if files:  # the trained scorers it ran with (their files are not settings): only rows of such presses hold it
+        row["scorer_files"] = files
     return row
 
 

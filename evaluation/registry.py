@@ -78,6 +78,7 @@ __all__ = [
     "attach_kvzap",
     "attach_scorers",
     "press_download_problem",
+    "scorer_files",
     "press_field_problem",
     "press_input_problem",
     "run_ratio_problem",
@@ -663,6 +664,7 @@ def attach_kvzap(press, model, root=None, required: bool = True) -> list:
             continue
         inner.kvzap_model = load_kvzap(model, inner.model_type, root)
         inner.kvzap_model_name = f"nvidia/KVzap-{inner.model_type}-{model_key(model)}"  # what kvpress compares
+        _record_file(inner, f"kvzap_{inner.model_type}", kvzap_dir(model, inner.model_type, root))
         attached.append(inner)
     return attached
 
@@ -725,8 +727,32 @@ def attach_scorers(press, model, root=None, required: bool = True) -> list:
             stats = scorers.load_ea_stats(model, root)
             inner.mu = stats.query_mean.data.to(model.device, model.dtype)
             inner.cov = stats.query_cov.data.to(model.device, model.dtype)
+        _record_file(inner, name, scorers.scorer_dir(model, name, root))
         attached.append(inner)
     return attached
+
+
+#: The attribute (outside a press's fields: not a setting) where :func:`attach_scorers` records the weights it gave.
+_SCORER_FILE = "_kvpress_research_scorer_file"
+
+
+def _record_file(press, name: str, directory) -> None:
+    from evaluation.scorers import weights_sha256
+
+    press.__dict__[_SCORER_FILE] = (name, weights_sha256(directory))
+
+
+def scorer_files(press) -> dict[str, str]:
+    """The project's trained scorers ``press`` (or a press it holds) runs with, as :func:`attach_scorers` gave them:
+    ``{"kvzap_linear": <SHA-256 of its model.safetensors>, ...}``; ``{}`` for a press that holds none. A run's rows
+    record it (:func:`evaluation.harness.prediction_row`), since a scorer's file is not one of the press's settings:
+    rows made with a retrained scorer say so."""
+    found = {}
+    for inner in [] if press is None else held_presses(press):
+        entry = inner.__dict__.get(_SCORER_FILE) if hasattr(inner, "__dict__") else None
+        if entry:
+            found[entry[0]] = entry[1]
+    return found
 
 
 def research_presses(press) -> list[ResearchPress]:

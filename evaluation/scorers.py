@@ -245,3 +245,21 @@ def load_ea_stats(model, root: Path | None = None):
         raise FileNotFoundError(problem)
     with _quiet():
         return ExpectedAttentionStats.from_pretrained(scorer_dir(model, EA_STATS, root))
+
+
+@functools.lru_cache(maxsize=32)
+def _file_sha256(path: str, version: int) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weights_sha256(directory: Path) -> str:
+    """The SHA-256 of a scorer's ``model.safetensors`` in ``directory`` (once per file version and process): what a
+    run's rows record of the scorer it ran with (:func:`evaluation.registry.scorer_files`)."""
+    path = Path(directory) / "model.safetensors"
+    return _file_sha256(str(path), path.stat().st_mtime_ns)

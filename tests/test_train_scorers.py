@@ -5,6 +5,7 @@ mismatched scorer is refused in one line. Tiny random Llama and a few tiny docum
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -154,6 +155,11 @@ def test_scorers_run_offline_through_the_harness_and_any_wrapper(tiny, tmp_path,
     cfg.dataset.context_length, cfg.dataset.max_new_tokens = 256, 4
     metrics = entry.run(cfg, {"press": "kvzap_linear", "dataset": "needle", "model": "smollm2-135m"})
     assert metrics["n"] == 2 and loads and all(Path(p).parent.parent == tmp_path / "scorers" for p in loads)
+    # the rows say which scorer file they ran with (a file is not a setting: a retrained one would join silently)
+    weights = tmp_path / "scorers" / "checkpoint" / "kvzap_linear" / "model.safetensors"
+    run_dir = tmp_path / "runs" / "needle" / "smollm2-135m" / "kvzap_linear" / "cr0.5"
+    rows = harness.read_predictions(harness.rows_file(run_dir))
+    assert [r["scorer_files"] for r in rows] == [{"kvzap_linear": hashlib.sha256(weights.read_bytes()).hexdigest()}] * 2
     saved = KVzapModel.from_pretrained(tmp_path / "scorers" / "checkpoint" / "kvzap_linear")
     ids = torch.tensor([[ord(c) for c in "keys and values of every token " * 6]])
     for press in (
