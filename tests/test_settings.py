@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra.utils import get_class
+from hydra.utils import get_class, instantiate
+from kvpress import KnormPress
 from omegaconf import OmegaConf
 from test_harness import composed
 
@@ -27,7 +28,7 @@ from evaluation import harness
 from evaluation.predictions import rows_file
 from evaluation.settings import press_settings, public_path, run_settings, saved_press, saved_run_settings
 from evaluation.studies.ladder import PageEntroKVLadderPress
-from presses import PageEntroKVPress, PageEntroKVReconstructionPress, ProbabilisticEvictionPress
+from presses import PageEntroKVPress, PageEntroKVReconstructionPress, ProbabilisticEvictionPress, ScorerPagePress
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESS_CONFIGS = sorted((ROOT / "configs" / "press").rglob("*.yaml"))
@@ -263,3 +264,14 @@ def test_reading_settings_holds_back_kvpress_construction_warnings(caplog):
 
         KVzipPress(0.3)  # built to run it: kvpress's warning is not held back
     assert [r for r in caplog.records if r.name.startswith("kvpress")]
+
+
+def test_the_learned_presses_defaults_are_the_tuned_values():
+    """The development search on KVzap's learned scores (results/tuning/learned/chosen.json): ScorerPagePress's class
+    defaults are its choice, and the snis_kvzap configs hold the proposal temperature and unit it chose."""
+    chosen = json.loads((ROOT / "results" / "tuning" / "learned" / "chosen.json").read_text())
+    press = ScorerPagePress(press=KnormPress())
+    assert {key: getattr(press, key) for key in chosen["kvzap_page"]} == chosen["kvzap_page"]
+    sampling = instantiate(composed("press=snis_kvzap_token").press)
+    assert {key: getattr(sampling, key) for key in chosen["snis_kvzap_page"]} == chosen["snis_kvzap_page"]
+    assert instantiate(composed("press=snis_kvzap_page").press).proposal_temperature == sampling.proposal_temperature

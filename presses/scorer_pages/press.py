@@ -37,11 +37,13 @@ class ScorerPagePress(ResearchPress, ScorerPress):
     2601.07891: a linear layer per layer predicting KVzip+'s log-scores from the hidden states, trained for the
     model by ``python -m evaluation.train_scorers kvzap``), with Page-EntroKV's page policy (paper 000, page policy
     paper 001 section 7, https://arxiv.org/abs/2610.09757): each page of ``page_size`` positions scores its tokens'
-    block max (``page_score``), the sink and window pages are protected (``protect``), and the best pages are kept
-    under the strict budget ``max(1, floor(T (1 - compression_ratio)))`` tokens, so the cache stays dense.
-    Against kvpress's ``ChunkKVPress`` (arXiv 2502.00299: the chunk mean, one selection for all heads, kvpress's
-    budget of chunks), the block max, per-head pages and protection are this press's choices, tuned on the
-    development split (``results/tuning/scorer_pages/``).
+    mean (``page_score``), one selection serves every KV head of a layer (``group_selection``), the sink and window
+    pages are protected (``protect``), and the best pages are kept under the strict budget
+    ``max(1, floor(T (1 - compression_ratio)))`` tokens, so the cache stays dense. These defaults were chosen on the
+    development split among 12 candidates (``results/tuning/learned/``: the mean over the block max and its halo, one
+    selection over one per head, protected pages over none); against kvpress's ``ChunkKVPress`` on the same scores
+    (arXiv 2502.00299: the chunk mean, one selection, kvpress's budget of chunks) what differs is the protection and the
+    strict token budget.
 
     Parameters:
         press: the kvpress ``ScorerPress`` whose ``score`` ranks the tokens (its own ``compression_ratio`` is not
@@ -62,8 +64,8 @@ class ScorerPagePress(ResearchPress, ScorerPress):
     press: ScorerPress = None
     compression_ratio: float = 0.0
     page_size: int = 32
-    page_score: str = "block_max"
-    group_selection: str = "group"
+    page_score: str = "mean"
+    group_selection: str = "shared"
     protect: str = "sink_window"
     n_sink: int = 4
     window_size: int = 64
