@@ -1,7 +1,8 @@
 """KVzip's context-reconstruction scores with eviction by pages (docs/methods.md §1.15) and as the proposal of
-probabilistic eviction (docs/methods.md §3.9)."""
+probabilistic eviction (docs/methods.md §3.9); KVzip's own scores at a lower cost (docs/methods.md §1.18)."""
 
+from presses.kvzip_pages.fast import KVzipFastPress
 from presses.kvzip_pages.press import KVzipPagePress
 from presses.kvzip_pages.sampling import KVzipSamplingPress
 
-__all__ = ["KVzipPagePress", "KVzipSamplingPress"]
+__all__ = ["KVzipFastPress", "KVzipPagePress", "KVzipSamplingPress"]
