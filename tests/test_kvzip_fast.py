@@ -192,3 +192,22 @@ def test_prompts_of_a_few_tokens_score_as_kvpress_and_keep_an_entry_per_head(fam
             for h in range(family.config.num_key_value_heads)
         }
         assert {(layer, h) for layer, h, _ in kept} >= heads, T
+
+
+def test_the_cost_study_counts_kept_sets_from_kvpress_masks():
+    from evaluation.studies.kvzip_fast import RATIOS, VARIANTS, jaccard, kept_mask, readme
+
+    masks = ((torch.tensor([0, 0]), torch.tensor([1, 0]), torch.tensor([2, 0])), None)
+    kept = kept_mask(masks, (2, 2, 3))
+    assert int(kept.sum()) == 10 and not kept[0, 1, 2] and not kept[0, 0, 0] and kept[1].all()
+    other = kept.clone()
+    other[1, 0, 0] = False
+    assert jaccard(kept, kept) == 1.0 and jaccard(kept, other) == 9 / 10
+    rows = [
+        {"example": "e", "tokens": 9, "variant": v, "prefill_cpu_s": "2", "cpu_s": str(4 + i)}
+        | {f"jaccard_{r:g}": "1" for r in RATIOS}
+        for i, v in enumerate(VARIANTS)
+    ]
+    text = readme(rows, ["1", "8", "out"], "x")
+    assert "`python scripts/kvzip_fast.py 1 8 out`" in text
+    assert f"| {next(iter(VARIANTS))} | 4.0 | 2.00 |" in text
