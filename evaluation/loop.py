@@ -483,6 +483,35 @@ def evaluate(
     return [metrics[k] for k in range(len(cfgs))]
 
 
+def check_scorer_files(name: str, out, press, rows: list[dict]) -> None:
+    """Refuse to add rows to a run whose rows were made with other trained scorer files than ``press`` holds now.
+
+    A scorer's weights are not a press setting (:func:`evaluation.harness.config_changes` cannot see them), so a
+    surrogate retrained after a run started would otherwise mix two scorers' rows in one run. Rows record the
+    SHA-256 of the files they ran with (``scorer_files``, :func:`evaluation.registry.scorer_files`).
+
+    Args:
+        name: the press's config name (for the message); out: the run directory; press: the run's press, its
+            scorers attached; rows: the run's rows so far.
+
+    Raises:
+        ValueError: naming the run directory, the scorer and both hashes' first characters.
+    """
+    from evaluation.registry import scorer_files  # kvpress only once a model runs
+
+    if not rows:
+        return
+    now, before = scorer_files(press), rows[0].get("scorer_files") or {}  # a run's rows share one scorer
+    for key in sorted(set(before) | set(now)):
+        if before.get(key) != now.get(key):
+            made = f"{key} {before[key][:12]}" if key in before else f"no record of {key}"
+            held = f"{now[key][:12]}" if key in now else "not attached"
+            raise ValueError(
+                f"press {name}: {out} holds rows made with {made}, but the scorer file now is {held}: move that "
+                "run away to rerun it with this scorer"
+            )
+
+
 def _run_examples(
     runs: list[Run],
     examples: list,
@@ -497,10 +526,10 @@ def _run_examples(
     pad_decode: bool,
 ) -> None:
     """Append one row per held run and example it still lacks (``tokens``: :func:`_check_inputs`'s)."""
-    done_ids = {
-        run.index: {r["id"] for r in harness.read_predictions(run.out / "predictions.jsonl", repair=True)}
-        for run in runs
-    }
+    held = {run.index: harness.read_predictions(run.out / "predictions.jsonl", repair=True) for run in runs}
+    for run in runs:
+        check_scorer_files(run.names["press"], run.out, run.press, held[run.index])
+    done_ids = {index: {r["id"] for r in rows} for index, rows in held.items()}
 
     def needs(run: Run, ex) -> bool:  # a row of the example is missing (one per question: harness.row_ids)
         return any(i not in done_ids[run.index] for i in harness.row_ids(ex))

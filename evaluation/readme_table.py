@@ -47,6 +47,16 @@ PROTOCOLS = (
     ("-qa", "inside the context (`query_aware=true`)"),
     ("", "after compression (the default)"),
 )
+#: The shared-context protocol's rows (issue 66, :mod:`evaluation.shared`): (the needle's directory stem, the row's
+#: title); a row is shown when its cost table exists. Its score is the mean over the K questions of each context.
+SHARED = (
+    ("needle-shared", "several questions, each on a copy of the compressed cache (`protocol=shared`), all after"),
+    (
+        "needle-shared-qa",
+        "several questions on copies, only the first inside the context (`protocol=shared query_aware=true`)",
+    ),
+    ("needle-turns", "several questions in turn, one chat (`protocol=shared shared_mode=turn`), all after"),
+)
 
 
 def _path(root: Path, stem: str, kind: str) -> Path:
@@ -84,11 +94,12 @@ def _kvzip_cost(rows: list[dict], ratio: float) -> float | None:
     return found[0] if found and math.isfinite(found[0]) else None
 
 
-def _cell(root: Path, stem: str, ratio: float, budget_of) -> str:
-    """One dataset's line of a cell: its name linking to the cost table, the press, score (n) and cost."""
+def _cell(root: Path, stem: str, ratio: float, budget_of, name: str | None = None) -> str:
+    """One dataset's line of a cell: its name (``name``, else the dataset's in :data:`DATASETS`) linking to the
+    cost table, the press, score (n) and cost."""
     path = _path(root, stem, "cost")
     rows = read_rows(path)
-    name = dict(DATASETS)[stem.removesuffix("-qa")]
+    name = name or dict(DATASETS)[stem.removesuffix("-qa")]
     link = f"[{name}]({path.relative_to(root).as_posix()})"
     budget = budget_of(rows, ratio)
     if budget is None:
@@ -170,7 +181,24 @@ def render(root: Path = ROOT, readme: str = "") -> str:
         lines.append(f"| {protocol} | uncompressed (`press={BASELINE}`, 1 x) | " + "<br>".join(base) + " | |")
     anchor = _shared_anchor(readme)
     where = f" ([the shared-context protocol]({anchor}))" if anchor else " (issue 66's shared-context protocol)"
-    lines.append(f"| several questions on one compressed context{where} | | not measured yet | not measured yet |")
+    shared = [(stem, title) for stem, title in SHARED if _path(root, stem, "cost").is_file()]
+    for stem, title in shared:
+        rows = read_rows(_path(root, stem, "cost"))
+        K = len({r["question_index"] for r in read_rows(_path(root, stem, "by_question"))})
+        for ratio in sorted({num(r["ratio"]) for r in rows if r["press"] != BASELINE and num(r["ratio"]) > 0}):
+            cells = [_cell(root, stem, ratio, of, name="needle") for _, of in budgets]
+            lines.append(f"| {title}{where}, K = {K} | {ratio:g} | " + " | ".join(cells) + " |")
+    if shared:
+        lines += [
+            "",
+            "In the rows of several questions the score is the mean over each context's K questions, the last of "
+            "which asks for every needle (scored by recall); the cost is the context's prefill, paid once for the K "
+            "answers (per position and per answer: the linked table's `__by_question.csv` and "
+            "`__cost_per_answer.csv`).",
+            "",
+        ]
+    if not shared:
+        lines.append(f"| several questions on one compressed context{where} | | not measured yet | not measured yet |")
     untimed = [r for r in _ratios(root, "summary") if r not in ratios]
     if untimed:
         shown = ", ".join(f"{r:g}" for r in untimed)

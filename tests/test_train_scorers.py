@@ -160,6 +160,13 @@ def test_scorers_run_offline_through_the_harness_and_any_wrapper(tiny, tmp_path,
     run_dir = tmp_path / "runs" / "needle" / "smollm2-135m" / "kvzap_linear" / "cr0.5"
     rows = harness.read_predictions(harness.rows_file(run_dir))
     assert [r["scorer_files"] for r in rows] == [{"kvzap_linear": hashlib.sha256(weights.read_bytes()).hexdigest()}] * 2
+    # a scorer retrained under a run stopped halfway (its second row lost) is refused when the run resumes
+    _train(tmp_path, "scorers", "--seed", "1", "--surrogates", "linear", "--no-report")
+    (run_dir / "metrics.json").unlink()
+    harness.rows_file(run_dir).write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(ValueError, match=r"holds rows made with kvzap_linear [0-9a-f]{12}, but the scorer file now"):
+        entry.run(cfg, {"press": "kvzap_linear", "dataset": "needle", "model": "smollm2-135m"})
+    assert len(harness.read_predictions(harness.rows_file(run_dir))) == 1
     saved = KVzapModel.from_pretrained(tmp_path / "scorers" / "checkpoint" / "kvzap_linear")
     ids = torch.tensor([[ord(c) for c in "keys and values of every token " * 6]])
     for press in (
