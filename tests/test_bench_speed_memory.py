@@ -303,3 +303,19 @@ def test_plots_give_each_of_21_presses_its_own_colour_and_one_legend_below(tmp_p
         for ax in fig.axes:
             colours = {line.get_label(): line.get_color() for line in ax.get_lines() if line.get_linestyle() == "-"}
             assert len(colours) == len(shown) and len(set(map(tuple, colours.values()))) == len(shown)
+
+
+def test_the_cpu_clock_is_the_thread_s_cpu_time_only_with_one_torch_thread():
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert measure.clock_fn("cpu") is time.thread_time
+        assert measure.clock_fn("cuda:0") is time.perf_counter
+        torch.set_num_threads(2)
+        assert measure.clock_fn("cpu") is time.perf_counter
+    finally:
+        torch.set_num_threads(before)

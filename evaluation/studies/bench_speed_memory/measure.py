@@ -16,6 +16,17 @@ import time
 from pathlib import Path
 
 
+def clock_fn(device: str):
+    """The clock the benchmark times with: on a CPU with one torch thread, the calling thread's CPU seconds
+    (``time.thread_time``: the whole computation runs on that thread, so other processes on the machine do not
+    inflate it); elsewhere (CUDA, or several threads) wall seconds (``time.perf_counter``)."""
+    import torch
+
+    if not str(device).startswith("cuda") and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
 def _sync_fn(device: str):
     """``torch.cuda.synchronize`` for a CUDA device, else a no-op."""
     import torch
@@ -39,8 +50,8 @@ class HookTimer:
         sync: called before and after each timed call (``torch.cuda.synchronize`` on GPU).
     """
 
-    def __init__(self, press, sync=lambda: None):
-        self.press, self.sync = press, sync
+    def __init__(self, press, sync=lambda: None, clock=time.perf_counter):
+        self.press, self.sync, self.clock = press, sync, clock
         self.seconds, self.calls = 0.0, 0
         self._depth = 0
         self._patched: list[str] = []
@@ -51,14 +62,14 @@ class HookTimer:
             if self._depth:
                 return fn(*args, **kwargs)
             self.sync()
-            start = time.perf_counter()
+            start = self.clock()
             self._depth += 1
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
                 self.sync()
-                self.seconds += time.perf_counter() - start
+                self.seconds += self.clock() - start
                 self.calls += 1
 
         return timed
@@ -155,12 +166,13 @@ def greedy_decode(model, cache, question_ids, context_length: int, n_tokens: int
     next_pos = context_length + question_ids.shape[1]
     if n_tokens <= 0:
         return math.nan
+    clock = clock_fn(str(token.device))
     sync()
-    start = time.perf_counter()
+    start = clock()
     for i in range(n_tokens):
         token = greedy_step(model, cache, token, next_pos + i).unsqueeze(1)
     sync()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def measure_row(model, press, context_ids, question_ids, decode_tokens: int, device: str, repeats: int = 1) -> dict:
@@ -181,7 +193,7 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
 
     from evaluation.harness import cache_stats
 
-    sync = _sync_fn(device)
+    sync, clock = _sync_fn(device), clock_fn(device)
     ids = context_ids.to(device)
     T = ids.shape[1]
     if question_ids.shape[1] == 0:  # a query-aware context with no template after it: the decode (timed only)
@@ -191,14 +203,14 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
         mem = PeakMemory(device)
         mem.start()
         cache = DynamicCache()
-        timer = HookTimer(press, sync)
+        timer = HookTimer(press, sync, clock)
         with torch.inference_mode():
             sync()
-            start = time.perf_counter()
+            start = clock()
             with timer, press(model) if press is not None else contextlib.nullcontext():
                 model.model(input_ids=ids, past_key_values=cache)
             sync()
-            prefill.append(time.perf_counter() - start)
+            prefill.append(clock() - start)
             press_s.append(timer.seconds)
             full, physical = kv_bytes(cache, T)
             stats = press.summary() if press is not None and hasattr(press, "summary") else {}

@@ -108,7 +108,10 @@ def write_report(
         f"last sweep {seconds:.0f} s.",
         "",
         *[n + "\n" for n in notes],
-        "How to read: `prefill s` is the prefill call (press included); `vs full` divides it by the uncompressed "
+        "How to read: times are the calling thread's CPU seconds on a CPU with one torch thread (the whole "
+        "computation runs on it, so other processes on the machine do not inflate them: "
+        "`measure.clock_fn`), wall seconds on a GPU or with several threads. "
+        "`prefill s` is the prefill call (press included); `vs full` divides it by the uncompressed "
         "prefill on the same context in the same run. `press ms` is the time inside the press's compression "
         "hooks (kvpress `forward_hook` -> `compress`, plus the SNIS press's deferred `finalize` and EntroPrefill's "
         "`_model_pre_hook` chunk planning), summed over layers; `overhead` = press ms / SnapKV press ms at the same "
