@@ -21,7 +21,7 @@ from evaluation import fused, kvzip_path
 from evaluation import run as entry
 from evaluation.registry import capabilities
 from presses import KVzipFastPress
-from presses.kvzip_pages.fast import (
+from presses.core.kvzip_scores import (
     attention_with_lse,
     attention_with_lse_reference,
     reconstruction_column_maxes,

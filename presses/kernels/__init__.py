@@ -27,6 +27,8 @@ Dispatch function -> torch reference -> Triton implementation:
   :func:`presses.kernels.row_masses.row_chunk_masses_triton`
 - :func:`scorer_page_scores` -> :func:`presses.kernels.references.scorer_page_scores_reference` ->
   :func:`presses.kernels.scorer_pages.scorer_page_scores_triton`
+- :func:`reconstruction_column_maxes` -> :func:`presses.core.kvzip_scores.reconstruction_column_maxes` ->
+  :func:`presses.kernels.kvzip_scores.reconstruction_column_maxes_triton`
 
 The references need no Triton: without it installed, the Triton modules are ``None`` and every call takes
 the reference (``KVPRESS_RESEARCH_KERNELS=triton`` then raises).
@@ -40,6 +42,7 @@ import torch
 
 from presses.core.columns import column_maxes as column_maxes_reference
 from presses.core.columns import column_sums as column_sums_reference
+from presses.core.kvzip_scores import reconstruction_column_maxes as reconstruction_column_maxes_reference
 from presses.core.observer import observer_attention_reference
 from presses.core.prefill_stats import attention_with_column_sums as attention_with_column_sums_reference
 from presses.core.row_masses import row_chunk_masses_reference
@@ -56,13 +59,14 @@ try:  # the Triton implementations (an optional dependency: the ``triton`` extra
         biased_decode,
         expected_unique,
         fused_prefill,
+        kvzip_scores,
         renyi_pages,
         row_masses,
         scorer_pages,
     )
 except ImportError:  # pragma: no cover - only without triton
     attention_columns = biased_decode = expected_unique = fused_prefill = renyi_pages = row_masses = None
-    scorer_pages = None
+    scorer_pages = kvzip_scores = None
 
 __all__ = [
     "KERNEL_MODES",
@@ -77,6 +81,7 @@ __all__ = [
     "attention_with_column_sums",
     "row_chunk_masses",
     "scorer_page_scores",
+    "reconstruction_column_maxes",
 ]
 
 KERNEL_MODES = ("auto", "reference", "triton")
@@ -274,3 +279,21 @@ def scorer_page_scores(tokens: torch.Tensor, page_size: int, method: str, shared
     if use_triton(tokens) and tokens.dtype in _TRITON_DTYPES:
         return scorer_pages.scorer_page_scores_triton(tokens, page_size, method, shared)
     return scorer_page_scores_reference(tokens, page_size, method, shared)
+
+
+def reconstruction_column_maxes(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    lse: torch.Tensor,
+    scaling: float,
+    row_weights: torch.Tensor | None = None,
+    column_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dispatch for KVzip's reconstruction scores under given log normalisers (:class:`presses.KVzipFastPress`,
+    docs/methods.md §1.18): queries ``(B, H, n, d)``, keys ``(B, G, c, d)``, lse ``(B, H, n)``, KVzip+'s row weights
+    ``(B, n)`` and column weights ``(B, H, c)`` -> ``(B, G, c)`` float32; see
+    :func:`presses.core.kvzip_scores.reconstruction_column_maxes` for the contract and errors. The Triton path is
+    :mod:`presses.kernels.attention_columns`'s column pass with the given normalisers (no row-statistics pass)."""
+    if use_triton(keys) and queries.dtype == keys.dtype and keys.dtype in _TRITON_DTYPES:
+        return kvzip_scores.reconstruction_column_maxes_triton(queries, keys, lse, scaling, row_weights, column_weights)
+    return reconstruction_column_maxes_reference(queries, keys, lse, scaling, row_weights, column_weights)

@@ -12,130 +12,11 @@ from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
 from presses.base import Capabilities
+from presses.core.kvzip_scores import attention_with_lse, value_output_norms
+from presses.kernels import reconstruction_column_maxes
 from presses.kvzip_pages.base import KVzipResearchPress
 
-__all__ = [
-    "KVzipFastPress",
-    "attention_with_lse",
-    "attention_with_lse_reference",
-    "reconstruction_column_maxes",
-    "value_output_norms",
-]
-
-_ROW_BLOCK = 512  # query rows per score block: (B G, 512, chunk) float32 logits at a time, not (B H, n, chunk)
-
-
-def attention_with_lse(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention and each row's log normaliser, from one fused kernel where the device has one.
-
-    Args:
-        queries: ``(B, H, n, d)``.
-        keys, values: ``(B, H, k, d)`` (heads already repeated to the queries'); with ``causal``, ``k == n`` and
-            row ``i`` sees keys ``<= i``.
-        causal: whether to apply the causal mask.
-        scaling: logit scale.
-
-    Returns:
-        ``(out, lse)``: ``(B, H, n, d)`` in the queries' dtype and ``(B, H, n)`` float32,
-        ``lse = logsumexp_j(q . k_j * scaling)``. CPU: torch's flash kernel
-        (``_scaled_dot_product_flash_attention_for_cpu``); CUDA: torch's memory-efficient kernel; else the explicit
-        softmax (:func:`attention_with_lse_reference`). The CUDA branch has not yet run on a GPU.
-    """
-    if queries.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            queries, keys, values, 0.0, causal, scale=scaling
-        )
-        return out, lse.float()
-    if queries.device.type == "cuda":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            queries, keys, values, None, True, 0.0, causal, scale=scaling
-        )[:2]
-        return out, lse[..., : queries.shape[2]].float()  # the kernel pads its rows to a block
-    return attention_with_lse_reference(queries, keys, values, causal, scaling)
-
-
-def attention_with_lse_reference(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention_with_lse` through the explicit ``(B, H, n, k)`` softmax (devices without a fused kernel)."""
-    logits = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scaling
-    if causal:
-        n = queries.shape[2]
-        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool, device=logits.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    return torch.matmul(torch.exp(logits - lse[..., None]), values.float()).to(queries.dtype), lse
-
-
-def reconstruction_column_maxes(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    lse: torch.Tensor,
-    scaling: float,
-    row_weights: torch.Tensor | None = None,
-    column_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """KVzip's score of each key: the most attention any query of the group pays it, under a softmax whose
-    normaliser is given (so the softmax may run over more keys than those scored), without the ``(H, n, k)`` weights.
-
-    ``s[g, i] = max_{h in group g, j} w_j c_{h, i} exp(q^h_j . k^g_i * scaling - lse^h_j)``; the log normaliser enters
-    the matrix product as one more coordinate, and rows are taken ``512`` at a time.
-
-    Args:
-        queries: ``(B, H, n, d)`` RoPE'd queries.
-        keys: ``(B, G, c, d)`` RoPE'd keys to score, ``G`` dividing ``H``.
-        lse: ``(B, H, n)`` each row's log normaliser.
-        scaling: logit scale.
-        row_weights: ``(B, n)`` positive row weights ``w`` (KVzip+: ``1 / ||h_j||``), or None for 1.
-        column_weights: ``(B, H, c)`` column weights ``c`` (KVzip+: ``||W_O^h v_i||``), or None for 1.
-
-    Returns:
-        ``(B, G, c)`` float32.
-
-    Raises:
-        ValueError: if ``G`` does not divide ``H``.
-    """
-    B, H, n, d = queries.shape
-    G, c = keys.shape[1], keys.shape[2]
-    if H % G:
-        raise ValueError(f"num_kv_heads={G} must divide num_heads={H}")
-    r = H // G
-    offset = lse.float()
-    if row_weights is not None:
-        offset = offset - torch.log(row_weights.float())[:, None, :]
-    rows = torch.cat([queries.float() * scaling, -offset[..., None]], dim=-1).view(B * G, r, n, d + 1)
-    cols = torch.cat([keys.float(), keys.new_ones(B, G, c, 1, dtype=torch.float32)], dim=-1).view(B * G, c, d + 1)
-    cols_t = cols.transpose(-1, -2)
-    best = torch.full((B * G, r, c), float("-inf"), device=keys.device)
-    for h in range(r):
-        for start in range(0, n, _ROW_BLOCK):
-            block = torch.matmul(rows[:, h, start : start + _ROW_BLOCK], cols_t)  # (B G, rows, c) log-weights
-            torch.maximum(best[:, h], block.amax(dim=1), out=best[:, h])
-    best = torch.exp(best).view(B, G, r, c)
-    if column_weights is not None:
-        best = best * column_weights.float().view(B, G, r, c)
-    return best.amax(dim=2)
-
-
-def value_output_norms(module, values: torch.Tensor) -> torch.Tensor:
-    """``||W_O^h v_i||`` per query head ``h`` and value ``i`` (KVzip+'s column weight), through each head's Gram
-    matrix ``W_O^h^T W_O^h`` (``d x d``) rather than the ``(H, c, hidden)`` products.
-
-    Args:
-        module: the attention module (its ``o_proj.weight``: ``(hidden, H d)``).
-        values: ``(B, G, c, d)``.
-
-    Returns:
-        ``(B, H, c)`` float32.
-    """
-    B, G, c, d = values.shape
-    H = module.o_proj.weight.shape[1] // d
-    w = module.o_proj.weight.float().view(-1, H, d)  # (hidden, H, d)
-    gram = torch.einsum("jhi,jhk->hik", w, w).view(G, H // G, d, d)
-    v = values.float()
-    squared = torch.einsum("bgci,grik,bgck->bgrc", v, gram, v)
-    return squared.clamp_min(0).sqrt().reshape(B, H, c)
+__all__ = ["KVzipFastPress"]
 
 
 @dataclass
@@ -158,10 +39,10 @@ class KVzipFastPress(KVzipResearchPress):
     - ``fused=False``: the hook recomputes the queries, as kvpress's, and the log normaliser with the fused kernel.
 
     Either way the scores are ``max exp(q . k / sqrt(d) - lse)`` over the chunk's keys (the normaliser a coordinate
-    of the product, :func:`reconstruction_column_maxes`), never the ``(H, n, keys)`` weights. They equal kvpress's
-    to float round-off (tests/test_kvzip_fast.py), so the kept sets are KVzip's; the cost against kvpress's is in
-    results/kvzip_cost/. ``chunk_size`` below the context (kvpress's field) shortens each reconstruction: fewer keys
-    per softmax, other scores.
+    of the product, :func:`presses.kernels.reconstruction_column_maxes`: a Triton kernel on CUDA), never the
+    ``(H, n, keys)`` weights. They equal kvpress's to float round-off (tests/test_kvzip_fast.py), so the kept sets
+    are KVzip's; the cost against kvpress's is in results/kvzip_cost/. ``chunk_size`` below the context (kvpress's
+    field) shortens each reconstruction: fewer keys per softmax, other scores.
 
     Based on KVzip (https://arxiv.org/abs/2505.23416).
 
