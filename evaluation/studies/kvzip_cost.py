@@ -149,17 +149,22 @@ def main(n_examples: int = 2, context_length: int = 2048, output: str = "results
     print("\n".join(lines))
 
 
-def cli(argv: list[str] | None = None) -> None:
-    """``[n_examples] [context_length] [output]`` from the command line (:func:`main`'s defaults where left out;
-    a fourth argument is refused, :class:`evaluation.cli.ArgumentParser`)."""
+def example_cli(prog: str, description: str, main, argv: list[str] | None = None) -> None:
+    """``[n_examples] [context_length] [output]`` from the command line into ``main`` (its defaults where left out;
+    a fourth argument is refused, :class:`evaluation.cli.ArgumentParser`): the cost studies' command line."""
     from evaluation.cli import ArgumentParser
 
-    parser = ArgumentParser(prog="python -m evaluation.studies.kvzip_cost", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog=prog, description=description)
     parser.add_argument("n_examples", type=int, nargs="?", help="examples (default: main's)")
     parser.add_argument("context_length", type=int, nargs="?", help="needle context tokens (default: main's)")
     parser.add_argument("output", nargs="?", help="output directory (default: main's)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     main(**{k: v for k, v in vars(args).items() if v is not None})
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """This study's command line (:func:`example_cli`)."""
+    example_cli("python -m evaluation.studies.kvzip_cost", __doc__.split("\n")[0], main, argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ variants). Writes ``<output>/README.md`` and ``<output>/kvzip_fast.csv`` (one ro
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -165,16 +164,10 @@ def readme(rows: list[dict], argv: list[str], torch_version: str) -> str:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """``[n_examples] [context_length] [output]`` from the command line (:func:`main`'s defaults where left out;
-    a fourth argument is refused, :class:`evaluation.cli.ArgumentParser`)."""
-    from evaluation.cli import ArgumentParser
+    """This study's command line (:func:`evaluation.studies.kvzip_cost.example_cli`)."""
+    from evaluation.studies.kvzip_cost import example_cli
 
-    parser = ArgumentParser(prog="python -m evaluation.studies.kvzip_fast", description=__doc__.split("\n")[0])
-    parser.add_argument("n_examples", type=int, nargs="?", help="examples (default: main's)")
-    parser.add_argument("context_length", type=int, nargs="?", help="needle context tokens (default: main's)")
-    parser.add_argument("output", nargs="?", help="output directory (default: main's)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    main(**{k: v for k, v in vars(args).items() if v is not None})
+    example_cli("python -m evaluation.studies.kvzip_fast", __doc__.split("\n")[0], main, argv)
 
 
 if __name__ == "__main__":
