@@ -15,6 +15,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from evaluation.cli import check_command_line
+from evaluation.guards import check_press_downloads
 from evaluation.harness import (
     CONFIG_DIR,
     check_ratio,
@@ -258,6 +259,7 @@ def run_bench(
                 run_model, (ids, q_ids) = with_delimiter(name, press, kind)
             else:
                 run_model, (ids, q_ids) = model, context(kind)
+            check_press_downloads(press, run_model)  # the project's trained scorers, as the harness attaches them
             if cfg.warmup and name not in warmed:
                 measure_row(run_model, press, ids, q_ids, min(2, int(cfg.decode_tokens)), device)
                 warmed.add(name)
