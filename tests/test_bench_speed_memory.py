@@ -319,3 +319,20 @@ def test_the_cpu_clock_is_the_thread_s_cpu_time_only_with_one_torch_thread():
         assert measure.clock_fn("cpu") is time.perf_counter
     finally:
         torch.set_num_threads(before)
+
+
+def test_each_press_gets_the_project_s_scorers_before_it_is_measured(tmp_path, model, monkeypatch):
+    """The sweep attaches the trained scorers the harness attaches (guards.check_press_downloads: KVzap, Q-Filters,
+    statistics), so a learned press is measured offline; one whose scorer is missing gets that line as its error."""
+    seen = []
+
+    def check(press, run_model):
+        seen.append((type(press).__name__, run_model is model))
+        if type(press).__name__ == "KnormPress":
+            raise OSError("press knorm needs results/scorers/tiny/x: python -m evaluation.train_scorers x")
+
+    monkeypatch.setattr(sweep, "check_press_downloads", check)
+    rows = sweep.run_bench(_cfg(tmp_path, "compression_ratios=[0.5]"), model, _tokenizer(), "tiny", "cpu", command="c")
+    by = {r["press"]: r for r in rows}
+    assert ("SnapKVPress", True) in seen and ("KnormPress", True) in seen
+    assert "python -m evaluation.train_scorers x" in by["knorm"]["error"] and not by["snapkv"]["error"]
