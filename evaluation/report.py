@@ -32,7 +32,8 @@ Reads every run below ``RESULTS_DIR`` laid out by ``evaluation.run``
 * for the shared-context protocol's rows (:mod:`evaluation.shared`, several questions per context):
   ``tables/<dataset>__<model>__by_question.csv``, the score per question position, and ``__cost_per_answer.csv``,
   the cost per answered question with the context's compression paid once over k = 1 and k = K answers, and each
-  ratio's frontier (:mod:`evaluation.shared_report`);
+  ratio's frontier, and ``__question_drop.csv``, the first question's score minus the later ones', context by
+  context, with its interval (:mod:`evaluation.shared_report`);
 * ``tables/<dataset>__<model>__continuation.csv`` for rows scored by the loss of the text after the context
   (:mod:`evaluation.continuation`): per press, ratio, task (``all`` too) and, when the rows carry 2 to 12 target
   lengths, per length (``all`` too), the mean NLL increase over the uncompressed context and the mean KL of the
@@ -817,6 +818,7 @@ class _Group:
     positions: list[dict] = field(default_factory=list)  # shared-context protocol: score per question position
     per_answer: list[dict] = field(default_factory=list)  # shared-context protocol: cost per answered question
     shared_links: dict[str, str] = field(default_factory=dict)
+    drops: list = field(default_factory=list)
     wins: list[dict] = field(default_factory=list)
     provisional: list[dict] = field(default_factory=list)
     costed: list[dict] = field(default_factory=list)  # the quality-cost frontier's records
@@ -874,7 +876,9 @@ def _write_tables(w: _Writer, g: _Group, confidence: float) -> None:
     g.positions = shared_report.position_table(g.runs, confidence)  # several questions per context
     if g.positions:
         g.per_answer = shared_report.answer_cost_table(g.runs)
+        g.drops = shared_report.drop_table(g.runs, confidence)
         g.shared_links = {
+            "drops": w.text(f"tables/{g.stem}__question_drop.csv", _csv(g.drops)) if g.drops else "",
             "positions": w.text(f"tables/{g.stem}__by_question.csv", _csv(g.positions)),
             "costs": w.text(f"tables/{g.stem}__cost_per_answer.csv", _csv(g.per_answer)) if g.per_answer else "",
         }
@@ -1033,7 +1037,7 @@ def _group_text(g: _Group, results_dir: Path, confidence: float, costs: Path | N
     ]
     md += _score_text(g, confidence)
     if g.positions:
-        md += shared_report.section(g.positions, g.per_answer, g.shared_links, _percent(confidence))
+        md += shared_report.section(g.positions, g.per_answer, g.shared_links, _percent(confidence), g.drops)
     if g.losses:
         md += _continuation_text(g, confidence)
     if g.wins:

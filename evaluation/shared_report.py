@@ -22,9 +22,9 @@ from collections import defaultdict
 
 from evaluation.frontier import frontier_rows
 from evaluation.harness import BASELINE
-from evaluation.metrics import score_interval
+from evaluation.metrics import score_interval, t_interval
 
-__all__ = ["answer_cost_table", "has_questions", "position_table", "section"]
+__all__ = ["answer_cost_table", "drop_table", "has_questions", "position_table", "section"]
 
 
 def has_questions(rows: list[dict]) -> bool:
@@ -64,6 +64,48 @@ def position_table(runs: list, confidence: float) -> list[dict]:
                 }
             )
     return out
+
+
+def drop_table(runs: list, confidence: float) -> list[dict]:
+    """Per run (``press``, ``ratio``): how much the later questions lose against the first, context by context.
+
+    For each context that has all its K >= 2 questions, ``d = score(q1) - mean(score(q2..qK))``; the row gives the
+    mean of ``d`` over the contexts with its Student-t interval (:func:`evaluation.metrics.t_interval`). With the
+    first question inside the compressed context (a ``-qa`` directory) this is what the press loses on the questions
+    it never saw (issue 66's third goal); with every question after, the questions' own difficulty.
+
+    Returns:
+        Rows ``press, ratio, contexts, first, later, drop, low, high`` (``first`` and ``later``: the mean scores);
+        ``[]`` for runs of other protocols or of one question.
+    """
+    out = []
+    for run in runs:
+        if not has_questions(run.rows):
+            continue
+        contexts: dict[str, dict[int, float]] = defaultdict(dict)
+        for row in run.rows:
+            contexts[row["example_id"]][int(row["question_index"])] = float(row["score"])
+        K = max(int(r["questions"]) for r in run.rows)
+        full = [c for c in contexts.values() if K >= 2 and len(c) == K]
+        if not full:
+            continue
+        firsts = [c[1] for c in full]
+        laters = [sum(c[q] for q in range(2, K + 1)) / (K - 1) for c in full]
+        drops = [f - later for f, later in zip(firsts, laters)]
+        low, high = t_interval(drops, confidence)
+        out.append(
+            {
+                "press": run.press,
+                "ratio": run.ratio,
+                "contexts": len(full),
+                "first": sum(firsts) / len(full),
+                "later": sum(laters) / len(full),
+                "drop": sum(drops) / len(full),
+                "low": low,
+                "high": high,
+            }
+        )
+    return sorted(out, key=lambda r: (r["press"] != BASELINE, r["ratio"], r["press"]))
 
 
 def _per_answer(rows: list[dict], k: int) -> tuple[float, float, int] | None:
@@ -130,7 +172,9 @@ def answer_cost_table(runs: list) -> list[dict]:
     return out
 
 
-def section(positions: list[dict], costs: list[dict], links: dict[str, str], pct: str) -> list[str]:
+def section(
+    positions: list[dict], costs: list[dict], links: dict[str, str], pct: str, drops: list[dict] | None = None
+) -> list[str]:
     """The README lines of the shared-context view: the score per question position (press @ ratio by position)
     and the cost per answer at ``k = 1`` and ``k = K`` with each ratio's frontier; ``links``: the csv paths
     (``positions``, ``costs``)."""
@@ -163,6 +207,24 @@ def section(positions: list[dict], costs: list[dict], links: dict[str, str], pct
         f"Table: [{links['positions']}]({links['positions']})",
         "",
     ]
+    if drops:
+        md += [
+            f"### The later questions against the first (mean over contexts, {pct} Student-t interval)",
+            "",
+            "Per context, q1's score minus the mean of the later questions' (`drop_table`); positive: the later "
+            "questions lose. In a `-qa` directory q1 was inside the compressed context and the later ones were not.",
+            "",
+            "| press @ ratio | contexts | q1 | later | drop [interval] |",
+            "| --- | --- | --- | --- | --- |",
+            *[
+                f"| {r['press']} @ {r['ratio']:g} | {r['contexts']} | {r['first']:.3f} | {r['later']:.3f} | "
+                f"{r['drop']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}] |"
+                for r in drops
+            ],
+            "",
+            f"Table: [{links['drops']}]({links['drops']})",
+            "",
+        ]
     if costs:
         md += [
             "### Cost per answered question",

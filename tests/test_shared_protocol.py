@@ -419,3 +419,14 @@ def test_report_gives_the_score_per_position_and_the_cost_per_answer(tiny, tmp_p
         assert cell["seconds_per_answer"] == pytest.approx(per_answer(rows, k))
         assert cell["cost_vs_uncompressed"] == pytest.approx(per_answer(rows, k) / per_answer(base, k))
         assert cell["score"] == pytest.approx(sum(r["score"] for r in rows if r["question_index"] <= k) / (2 * k))
+    # the later questions against the first, context by context (issue 66's third goal), with its interval
+    assert "### The later questions against the first" in readme
+    with open(tmp_path / "report/tables/needle-shared__smollm2-135m__question_drop.csv", newline="") as f:
+        (drop,) = [r for r in csv.DictReader(f) if r["press"] == "snapkv"]
+    per_context = []
+    for example in {r["example_id"] for r in rows}:
+        asked = {r["question_index"]: r["score"] for r in rows if r["example_id"] == example}
+        per_context.append(asked[1] - sum(asked[q] for q in (2, 3, 4)) / 3)
+    mean = sum(per_context) / len(per_context)
+    assert int(drop["contexts"]) == 2 and float(drop["drop"]) == pytest.approx(mean)
+    assert float(drop["low"]) <= mean <= float(drop["high"])
