@@ -182,11 +182,18 @@ def render(root: Path = ROOT, readme: str = "") -> str:
     anchor = _shared_anchor(readme)
     where = f" ([the shared-context protocol]({anchor}))" if anchor else " (issue 66's shared-context protocol)"
     shared = [(stem, title) for stem, title in SHARED if _path(root, stem, "cost").is_file()]
+    single = read_rows(_path(root, "needle", "cost"))  # KVzip's cost where a shared cell ran no kvpress KVzip
+
+    def kvzip_budget(rows, ratio):
+        cost = _kvzip_cost(rows, ratio) or _kvzip_cost(single, ratio)  # one speed sweep gives both
+        return None if cost is None else KVZIP_SLACK * cost
+
+    shared_budgets = (budgets[0], (budgets[1][0], kvzip_budget))
     for stem, title in shared:
         rows = read_rows(_path(root, stem, "cost"))
         K = len({r["question_index"] for r in read_rows(_path(root, stem, "by_question"))})
         for ratio in sorted({num(r["ratio"]) for r in rows if r["press"] != BASELINE and num(r["ratio"]) > 0}):
-            cells = [_cell(root, stem, ratio, of, name="needle") for _, of in budgets]
+            cells = [_cell(root, stem, ratio, of, name="needle") for _, of in shared_budgets]
             lines.append(f"| {title}{where}, K = {K} | {ratio:g} | " + " | ".join(cells) + " |")
     if shared:
         lines += [
