@@ -146,7 +146,14 @@ def test_the_fused_pass_leaves_the_attention_functions_and_the_model_output_as_t
         torch.testing.assert_close(family(ids).logits, reference)
 
 
-def test_refusals(family):
+@pytest.mark.parametrize("registered", [False, True])
+def test_refusals(family, registered, monkeypatch):
+    """An eager model is refused by name, also when some module has put an "eager" entry in transformers' attention
+    registry (an eager model never calls through it: the first full-suite run failed on that order)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if registered:
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "eager", ALL_ATTENTION_FUNCTIONS["sdpa"])
     family.config._attn_implementation = "eager"
     ids = torch.randint(4, 128, (1, 40))
     with pytest.raises(ValueError, match="attn_implementation='eager': KVzipFastPress\\(fused=True\\) needs sdpa"):

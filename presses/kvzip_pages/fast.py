@@ -74,7 +74,9 @@ class KVzipFastPress(KVzipResearchPress):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         name = model.config._attn_implementation
-        if name not in ALL_ATTENTION_FUNCTIONS:
+        # an eager model calls its eager function directly, never through the registry (where another module may
+        # have registered an "eager" entry): refused by name
+        if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(f"attn_implementation={name!r}: KVzipFastPress(fused=True) needs sdpa or flash attention")
         original = ALL_ATTENTION_FUNCTIONS[name]
         ALL_ATTENTION_FUNCTIONS[name] = self._attention
