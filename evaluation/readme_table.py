@@ -145,12 +145,17 @@ def render(root: Path = ROOT, readme: str = "") -> str:
         raise ValueError(
             f"no ratio has a cost table under {root / 'results' / 'tables'} for every dataset and protocol"
         )
+    single = read_rows(_path(root, "needle", "cost"))
+
+    def kvzip_budget(rows: list[dict], ratio: float) -> float | None:
+        """KVZIP_SLACK times KVzip's cost at ``ratio`` in ``rows``, else in the single needle's table (a cell that ran
+        no kvpress KVzip, e.g. a shared one: every table's costs come from one speed sweep)."""
+        cost = _kvzip_cost(rows, ratio) or _kvzip_cost(single, ratio)
+        return None if cost is None else KVZIP_SLACK * cost
+
     budgets = (
         (f"about one prefill (cost <= {ONE_PREFILL} x)", lambda rows, ratio: ONE_PREFILL),
-        (
-            f"up to KVzip's cost (<= {KVZIP_SLACK} x `press={KVZIP}`'s)",
-            lambda rows, ratio: None if _kvzip_cost(rows, ratio) is None else KVZIP_SLACK * _kvzip_cost(rows, ratio),
-        ),
+        (f"up to KVzip's cost (<= {KVZIP_SLACK} x `press={KVZIP}`'s)", kvzip_budget),
     )
     lines = [
         START,
@@ -182,18 +187,11 @@ def render(root: Path = ROOT, readme: str = "") -> str:
     anchor = _shared_anchor(readme)
     where = f" ([the shared-context protocol]({anchor}))" if anchor else " (issue 66's shared-context protocol)"
     shared = [(stem, title) for stem, title in SHARED if _path(root, stem, "cost").is_file()]
-    single = read_rows(_path(root, "needle", "cost"))  # KVzip's cost where a shared cell ran no kvpress KVzip
-
-    def kvzip_budget(rows, ratio):
-        cost = _kvzip_cost(rows, ratio) or _kvzip_cost(single, ratio)  # one speed sweep gives both
-        return None if cost is None else KVZIP_SLACK * cost
-
-    shared_budgets = (budgets[0], (budgets[1][0], kvzip_budget))
     for stem, title in shared:
         rows = read_rows(_path(root, stem, "cost"))
         K = len({r["question_index"] for r in read_rows(_path(root, stem, "by_question"))})
         for ratio in sorted({num(r["ratio"]) for r in rows if r["press"] != BASELINE and num(r["ratio"]) > 0}):
-            cells = [_cell(root, stem, ratio, of, name="needle") for _, of in shared_budgets]
+            cells = [_cell(root, stem, ratio, of, name="needle") for _, of in budgets]
             lines.append(f"| {title}{where}, K = {K} | {ratio:g} | " + " | ".join(cells) + " |")
     if shared:
         lines += [
@@ -204,7 +202,7 @@ def render(root: Path = ROOT, readme: str = "") -> str:
             "`__cost_per_answer.csv`).",
             "",
         ]
-    if not shared:
+    else:
         lines.append(f"| several questions on one compressed context{where} | | not measured yet | not measured yet |")
     untimed = [r for r in _ratios(root, "summary") if r not in ratios]
     if untimed:

@@ -157,16 +157,16 @@ def kv_bytes(cache, context_length: int) -> tuple[int, int]:
     return full, physical
 
 
-def greedy_decode(model, cache, question_ids, context_length: int, n_tokens: int, sync) -> float:
+def greedy_decode(model, cache, question_ids, context_length: int, n_tokens: int, sync, clock) -> float:
     """Feed ``question_ids`` at positions ``context_length..`` then time ``n_tokens`` greedy single-token
-    steps (EOS ignored). Returns the seconds of those steps (``nan`` for ``n_tokens == 0``)."""
+    steps (EOS ignored) on ``clock`` (:func:`clock_fn`). Returns the seconds of those steps (``nan`` for
+    ``n_tokens == 0``)."""
     from evaluation.replay import greedy_step
 
     token = greedy_step(model, cache, question_ids.to(model.device), context_length).unsqueeze(1)
     next_pos = context_length + question_ids.shape[1]
     if n_tokens <= 0:
         return math.nan
-    clock = clock_fn(str(token.device))
     sync()
     start = clock()
     for i in range(n_tokens):
@@ -215,7 +215,7 @@ def measure_row(model, press, context_ids, question_ids, decode_tokens: int, dev
             full, physical = kv_bytes(cache, T)
             stats = press.summary() if press is not None and hasattr(press, "summary") else {}
             logical = full * (1 - cache_stats(cache, model, T, press)["effective_compression"])
-            decode.append(greedy_decode(model, cache, question_ids, T, decode_tokens, sync))
+            decode.append(greedy_decode(model, cache, question_ids, T, decode_tokens, sync, clock))
         peak, delta = mem.stop()
         peaks.append(peak)
         deltas.append(delta)
