@@ -64,6 +64,11 @@ def _read_json(path: Path) -> dict | None:
 def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
     """All runs below ``results_dir`` (hidden directories such as ``.hydra`` are skipped).
 
+    A run sits exactly at ``<dataset>/<model>/<press>/cr<ratio>/`` below ``results_dir`` (its shards one level
+    deeper). A run directory deeper than that belongs to another results root kept inside this one (e.g.
+    ``results/learned_2k/``, whose runs share a dataset's name but not its examples): it is left out, with one
+    warning per such root, so that its runs never join this root's tables.
+
     Args:
         results_dir: the directory holding ``<dataset>/<model>/<press>/cr<ratio>/``.
         dataset: read only ``results_dir/<dataset>/`` (``None``: every dataset).
@@ -75,6 +80,7 @@ def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
     if not results_dir.is_dir():
         raise FileNotFoundError(f"results directory {results_dir} does not exist")
     parts: dict[Path, list[tuple[tuple[int, int] | None, Path]]] = defaultdict(list)
+    nested: set[Path] = set()  # other results roots inside this one, warned about once each
     below = results_dir / dataset if dataset is not None else results_dir
     for pred in rows_files(below):  # either form, one per directory
         rel = pred.relative_to(results_dir).parts
@@ -85,7 +91,14 @@ def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
         match = SHARD_DIR.fullmatch(directory.name)
         if match:
             shard, directory = (int(match.group(1)), int(match.group(2))), directory.parent
-        if not RATIO_DIR.fullmatch(directory.name) or len(directory.relative_to(results_dir).parts) < 4:
+        depth = len(directory.relative_to(results_dir).parts)
+        if RATIO_DIR.fullmatch(directory.name) and depth > 4:
+            root = results_dir.joinpath(*directory.relative_to(results_dir).parts[: depth - 4])
+            if root not in nested:
+                nested.add(root)
+                logger.warning("skipping the runs of %s: another results root (report it on its own)", root)
+            continue
+        if not RATIO_DIR.fullmatch(directory.name) or depth < 4:
             logger.warning("skipping %s: not <dataset>/<model>/<press>/cr<ratio>/", pred)
             continue
         parts[directory].append((shard, pred.parent))

@@ -91,6 +91,21 @@ def test_scan_merges_shards_and_flags_missing(results):
     assert stream.commands == ["python -m evaluation.fused dataset=ruler shard=0/2"]  # from its command log
 
 
+def test_scan_leaves_a_results_root_nested_inside_to_its_own_report(results, caplog):
+    """Runs of another root kept inside this one (results/learned_2k/<dataset>/...) share a dataset's name but not
+    its examples: they must not join this root's runs, and they are found when that root is scanned."""
+    nested = results / "learned_2k"
+    _write_run(nested, "kvzap_page", "0.5", [("a1", "A", 1)])
+    _write_run(nested, "kvzap_page", "0.25", [("a1", "A", 0)])
+    with caplog.at_level("WARNING", logger="evaluation.runs"):
+        presses = {r.press for r in scan(results)}
+    assert "kvzap_page" not in presses and len(presses) == 4
+    assert [m for m in caplog.messages if "learned_2k" in m and "another results root" in m] == [
+        f"skipping the runs of {nested}: another results root (report it on its own)"
+    ]  # once for the root, not per run
+    assert {(r.press, r.ratio) for r in scan(nested)} == {("kvzap_page", 0.5), ("kvzap_page", 0.25)}
+
+
 def test_summary_intervals_averages_and_win_score(results, tmp_path):
     out = tmp_path / "results"
     readme = build_report(results, out)
