@@ -818,7 +818,7 @@ class _Group:
     positions: list[dict] = field(default_factory=list)  # shared-context protocol: score per question position
     per_answer: list[dict] = field(default_factory=list)  # shared-context protocol: cost per answered question
     shared_links: dict[str, str] = field(default_factory=dict)
-    drops: list = field(default_factory=list)
+    drops: list[dict] = field(default_factory=list)  # shared-context protocol: the later questions against q1
     wins: list[dict] = field(default_factory=list)
     provisional: list[dict] = field(default_factory=list)
     costed: list[dict] = field(default_factory=list)  # the quality-cost frontier's records

@@ -91,14 +91,15 @@ def scan(results_dir: Path, dataset: str | None = None) -> list[Run]:
         match = SHARD_DIR.fullmatch(directory.name)
         if match:
             shard, directory = (int(match.group(1)), int(match.group(2))), directory.parent
-        depth = len(directory.relative_to(results_dir).parts)
-        if RATIO_DIR.fullmatch(directory.name) and depth > 4:
-            root = results_dir.joinpath(*directory.relative_to(results_dir).parts[: depth - 4])
+        where = directory.relative_to(results_dir).parts
+        is_run = RATIO_DIR.fullmatch(directory.name) is not None
+        if is_run and len(where) > 4:
+            root = results_dir.joinpath(*where[:-4])
             if root not in nested:
                 nested.add(root)
                 logger.warning("skipping the runs of %s: another results root (report it on its own)", root)
             continue
-        if not RATIO_DIR.fullmatch(directory.name) or depth < 4:
+        if not is_run or len(where) < 4:
             logger.warning("skipping %s: not <dataset>/<model>/<press>/cr<ratio>/", pred)
             continue
         parts[directory].append((shard, pred.parent))

@@ -86,8 +86,8 @@ def drop_table(runs: list, confidence: float) -> list[dict]:
         for row in run.rows:
             contexts[row["example_id"]][int(row["question_index"])] = float(row["score"])
         K = max(int(r["questions"]) for r in run.rows)
-        full = [c for c in contexts.values() if K >= 2 and len(c) == K]
-        if not full:
+        full = [c for c in contexts.values() if len(c) == K]
+        if K < 2 or not full:
             continue
         firsts = [c[1] for c in full]
         laters = [sum(c[q] for q in range(2, K + 1)) / (K - 1) for c in full]
