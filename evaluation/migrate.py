@@ -2,7 +2,7 @@
 
     python -m evaluation.migrate results          # or runs/, or any output_dir
 
-Two changes, both idempotent and written atomically:
+Three changes, each idempotent and written atomically:
 
 1. ``config.yaml`` holds the run's settings (:func:`evaluation.settings.run_settings`: the press as the class and
    every field it built), where earlier versions saved the yaml tree that built it. A field added since takes the
@@ -20,7 +20,12 @@ Two changes, both idempotent and written atomically:
    padded figure) is such a row. Nothing else in a row changes, and the rows keep their form (plain, or a finished
    run's compressed ``predictions.jsonl.gz``: :mod:`evaluation.predictions`).
 
-A third, on request: ``--rename-press OLD NEW`` gives the runs of press config ``OLD`` the name ``NEW`` when a
+3. A needle row's ``metadata.target_length`` (the length a report groups rows by:
+   :func:`evaluation.report.row_length`) is the run's ``dataset.context_length``; rows written before the needle
+   wrote it get it from the run's settings. Their ``metadata.context_length`` counts each example's own tokens, so
+   without it a paired study split a needle run into one group per example length.
+
+A fourth, on request: ``--rename-press OLD NEW`` gives the runs of press config ``OLD`` the name ``NEW`` when a
 class's defaults move and another config now states the settings they ran with (the committed runs of the
 reconstruction press were renamed so: results/tuning/page_entrokv_reconstruction/README.md). Every run directory of
 ``OLD`` moves (a ``NEW`` one in its place is refused), its ``metrics.json`` names ``NEW`` and the command that now
@@ -45,13 +50,27 @@ from evaluation.settings import saved_run_settings
 __all__ = ["migrate", "rename_press"]
 
 
-def _migrated_row(row: dict) -> dict:
+#: The dataset class whose rows carry ``metadata.target_length`` only since 2026-12-07 (change 3).
+_NEEDLE = "evaluation.datasets.needle.NeedleDataset"
+
+
+def _target_length(settings: dict) -> int | None:
+    """The needle's target length (its one ``context_length``) from a run's settings, or None for another
+    dataset."""
+    dataset = settings.get("dataset") or {}
+    return int(dataset["context_length"]) if dataset.get("_target_") == _NEEDLE else None
+
+
+def _migrated_row(row: dict, target_length: int | None = None) -> dict:
     stats = row.get("press_stats") or {}
     kept = stats.get("logical_compression")
     padded = row.get("effective_compression") == row.get("physical_compression")  # the old rule's tell
     evicted = stats.get("num_layers_evicted")
     if isinstance(kept, (int, float)) and evicted and padded and row["effective_compression"] != kept:
-        return {**row, "effective_compression": float(kept)}
+        row = {**row, "effective_compression": float(kept)}
+    meta = row.get("metadata")
+    if target_length is not None and isinstance(meta, dict) and "target_length" not in meta:
+        row = {**row, "metadata": {**meta, "target_length": target_length}}
     return row
 
 
@@ -74,7 +93,8 @@ def migrate(root: Path) -> dict[str, int]:
             except json.JSONDecodeError:  # a torn last line (a killed run): leave the file to the harness's resume
                 changed["skipped"] = changed.get("skipped", 0) + 1
                 continue
-            new_rows = [_migrated_row(r) for r in rows]
+            target = _target_length(new)
+            new_rows = [_migrated_row(r, target) for r in rows]
             n = sum(a is not b for a, b in zip(rows, new_rows))
             if n:  # unchanged rows keep their bytes
                 text = "".join(line if a is b else json.dumps(b) + "\n" for line, a, b in zip(lines, rows, new_rows))

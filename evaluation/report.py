@@ -88,8 +88,11 @@ def _press_order(presses) -> list[str]:
 
 
 def row_length(row: dict):
-    """Target context length of a row (``metadata.context_length``, set by RULER and needle), or None."""
-    return (row.get("metadata") or {}).get("context_length")
+    """Target context length of a row, or None: ``metadata.target_length`` where the dataset writes one (needle,
+    keyfacts, multidoc: their ``metadata.context_length`` counts the example's own tokens, which differ example by
+    example), else ``metadata.context_length`` (RULER, stdlib_docs, continuation: the target itself)."""
+    meta = row.get("metadata") or {}
+    return meta.get("target_length", meta.get("context_length"))
 
 
 def _row_depth(row: dict):

@@ -35,6 +35,7 @@ def test_length_placement_and_intact_needle(tokenizer, length, tol):
         # counted in the model's tokens: never above the target, and within one sentence of it
         assert length - 80 <= len(ids) <= length
         assert ex.metadata["context_length"] == len(ids)
+        assert ex.metadata["target_length"] == length  # what a report groups rows by (evaluation.report.row_length)
         needle_ids = tokenizer.encode(" " + ex.metadata["needle"], add_special_tokens=False)
         if ex.metadata["depth"] == 0:
             needle_ids = tokenizer.encode(ex.metadata["needle"], add_special_tokens=False)

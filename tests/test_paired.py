@@ -100,3 +100,40 @@ def test_two_lengths_are_compared_pooled_and_each_alone(tmp_path):
 def test_one_length_gives_the_pooled_row_only(root):
     rows = paired_rows(scan(root), "ours", ["peer"])
     assert [r["length"] for r in rows] == ["all"]
+
+
+def _rewrite_rows(path, edit):
+    """Rewrite a hand-made run's rows (the torn last line dropped), each through ``edit(row, i)``."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:-1]]
+    for i, row in enumerate(rows):
+        edit(row, i)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_shared_rows_are_compared_per_question_position(tmp_path):
+    """Two contexts of K = 2 questions (the shared-context protocol): ours wins both first questions and loses both
+    second ones; pooled 2 / 2, per position 2 / 0 and 0 / 2, and the markdown gains a question column."""
+    for press, scores in (("ours", [1, 0, 1, 0]), ("peer", [0, 1, 0, 1])):
+        ids = ["c0#q1", "c0#q2", "c1#q1", "c1#q2"]
+        _write_run(tmp_path, press, "0.5", [(i, "A", s) for i, s in zip(ids, scores)])
+        path = tmp_path / "ruler" / "tiny" / press / "cr0.5" / "predictions.jsonl"
+        _rewrite_rows(path, lambda row, i: row.update(question_index=1 + i % 2))
+    rows = paired_rows(scan(tmp_path), "ours", ["peer"])
+    assert [(r["length"], r["question"], r["n"], r["better"], r["worse"]) for r in rows] == [
+        ("all", "all", 4, 2, 2),
+        ("all", 1, 2, 2, 0),
+        ("all", 2, 2, 0, 2),
+    ]
+    out = tmp_path / "paired"
+    assert main([str(tmp_path), "--press", "ours", "--against", "peer", "--out", str(out)]) == 0
+    assert "| dataset | length | question | ratio |" in (out / "ours.md").read_text()
+
+
+def test_needle_rows_group_by_their_target_length_not_their_own_token_counts(tmp_path):
+    """Needle rows count their own tokens in ``metadata.context_length`` (2030, 2041, ...) and carry the target in
+    ``metadata.target_length``: one target, so the pooled comparison alone (not one per example length)."""
+    for press, scores in (("ours", [1, 1, 0]), ("peer", [0, 1, 1])):
+        _write_run(tmp_path, press, "0.5", [(f"e{i}", "A", s) for i, s in enumerate(scores)])
+        path = tmp_path / "ruler" / "tiny" / press / "cr0.5" / "predictions.jsonl"
+        _rewrite_rows(path, lambda row, i: row["metadata"].update(context_length=2030 + 11 * i, target_length=2048))
+    assert [r["length"] for r in paired_rows(scan(tmp_path), "ours", ["peer"])] == ["all"]

@@ -488,6 +488,35 @@ def test_effective_compression_counts_kept_entries_not_padding(tmp_path):
     assert eff == pytest.approx({"snis_min": 0.50, "snis_min_h": 0.7529261255375905, "tova": 0.5})
 
 
+def test_migrate_gives_old_needle_rows_their_target_length(tmp_path):
+    """Needle rows written before ``metadata.target_length`` hold only their own token count in
+    ``metadata.context_length``: ``python -m evaluation.migrate`` takes the target from the run's settings (the
+    needle's ``context_length``), once; another dataset's rows and a row that has it keep their bytes."""
+    from evaluation.migrate import migrate
+    from evaluation.report import row_length
+
+    root = tmp_path / "runs"
+    _write_run(root, "snapkv", "0.5", [("e1", "needle", 1), ("e2", "needle", 0)], dataset="needle")
+    run = root / "needle" / "tiny" / "snapkv" / "cr0.5"
+    rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()[:2]]
+    rows[0]["metadata"] = {"context_length": 2030}
+    rows[1]["metadata"] = {"context_length": 2041, "target_length": 4096}  # already has one: kept
+    (run / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "config.yaml").write_text(
+        "compression_ratio: 0.5\ndataset:\n  _target_: evaluation.datasets.needle.NeedleDataset\n"
+        "  context_length: 2048\n"
+    )
+    _write_run(root, "snapkv", "0.5", [("r1", "A", 1)])  # RULER: metadata.context_length is the target
+    ruler = (root / "ruler" / "tiny" / "snapkv" / "cr0.5" / "predictions.jsonl").read_bytes()
+    assert [row_length(r) for r in rows] == [2030, 4096]  # before: the first row's own tokens
+    assert migrate(root)["rows"] == 1
+    assert migrate(root)["rows"] == 0  # idempotent
+    migrated = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    assert [row_length(r) for r in migrated] == [2048, 4096]
+    assert migrated[0]["metadata"]["context_length"] == 2030  # the token count stays
+    assert (root / "ruler" / "tiny" / "snapkv" / "cr0.5" / "predictions.jsonl").read_bytes() == ruler
+
+
 def test_continuation_loss_is_broken_down_by_length(tmp_path):
     """A continuation run of two lengths: the table holds each length's mean and interval as a run of that length
     alone would, and the pooled ones; the README shows a table per length and the pooled one, the plot a row each."""

@@ -255,6 +255,7 @@ def test_needle_holds_k_needles_at_spread_depths_and_an_aggregate_question():
     for ex in examples:
         assert len(ex.questions) == 4 and ex.max_new_tokens == data.aggregate_max_new_tokens
         depths = ex.metadata["needle_depths"]
+        assert ex.metadata["target_length"] == 1024 and ex.metadata["context_length"] <= 1024
         assert all(100 * j / 4 <= d <= 100 * (j + 1) / 4 for j, d in enumerate(depths))
         assert [q.kind for q in ex.questions] == ["retrieve"] * 3 + ["aggregate"]
         values = ex.questions[3].answers

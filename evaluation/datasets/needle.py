@@ -184,6 +184,10 @@ class NeedleDataset:
             seed: generation seed; the same seed gives the same examples.
             query_aware: put the question at the end of the context instead of after compression (the first one).
             questions: questions per context (``protocol=shared``), or None for one.
+
+        Each example's ``metadata`` holds ``context_length`` (the context's model tokens, before the chat template)
+        and ``target_length`` (this dataset's ``context_length``: the length a report groups rows by), as
+        :class:`evaluation.datasets.keyfacts.KeyFactsDataset`'s do.
         """
         total = len(self.depths) * self.n_per_depth if n_samples is None else int(n_samples)
         sentences, joiner = haystack_units(self.haystack, self.split)
@@ -234,6 +238,7 @@ class NeedleDataset:
                     metadata={
                         "depth": depth,
                         "context_length": n_tokens,
+                        "target_length": self.context_length,
                         "needle": needle,
                         "key": key,
                         "needle_token_start": needle_start,
@@ -295,6 +300,7 @@ class NeedleDataset:
             metadata={
                 "depth": asked[0].metadata["depth"],
                 "context_length": n_tokens,
+                "target_length": self.context_length,
                 "needles": K,
                 "needle_depths": [round(d, 2) for d in depths],
             },

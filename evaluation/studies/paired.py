@@ -17,11 +17,13 @@ examples both scored:
   (:func:`evaluation.metrics.t_interval`), the paired analogue of the report's per-press intervals.
 
 Each pair is compared on all its examples (``length = all``) and, when the rows carry 2 or more target context
-lengths (``metadata.context_length``, e.g. a run joined from 2k and 4k by :mod:`evaluation.merge_runs`), on each
-length's examples alone too (``length = 2048``, ...).
+lengths (:func:`evaluation.report.row_length`, e.g. a run joined from 2k and 4k by :mod:`evaluation.merge_runs`), on
+each length's examples alone too (``length = 2048``, ...); likewise, in the shared-context protocol (rows with a
+``question_index``), on each question position's answers alone (``question = 1``, ...: the same contexts, so the
+difference is paired context by context).
 
 Unfinished runs (no ``metrics.json``, missing shards) are skipped unless ``--partial`` is given; their rows then
-say ``complete = False``. Writes ``<out>/<A>.csv`` (one row per dataset, model, ratio, ``B`` and length) and
+say ``complete = False``. Writes ``<out>/<A>.csv`` (one row per dataset, model, ratio, ``B`` and group) and
 ``<out>/<A>.md`` (the same as a table, with the command), both atomically. Regenerated, never hand-edited.
 """
 
@@ -110,8 +112,9 @@ def paired_rows(
         confidence: level of the interval of the mean difference.
 
     Returns:
-        :func:`compare`'s records, each with ``length``: ``"all"``, then one per target context length when the
-        pair's rows carry two or more.
+        :func:`compare`'s records, each with ``length`` and ``question``: both ``"all"``, then one record per
+        target context length and one per question position (the other ``"all"``) where the pair's rows carry two
+        or more.
 
     Raises:
         ValueError: ``against`` is empty or names ``press`` itself.
@@ -131,19 +134,27 @@ def paired_rows(
             peer = keyed.get((dataset, model, ratio, other))
             if peer is None:
                 continue
-            out.append({"length": "all", **compare(run, peer, confidence)})
-            lengths = sorted({row_length(r) for r in run.rows + peer.rows} - {None})
-            for length in lengths if len(lengths) > 1 else []:
-                a, b = (x.keep(lambda r, n=length: row_length(r) == n) for x in (run, peer))
-                if {r["id"] for r in a.rows} & {r["id"] for r in b.rows}:
-                    out.append({"length": length, **compare(a, b, confidence)})
+            out.append({"length": "all", "question": "all", **compare(run, peer, confidence)})
+            for label, key in _GROUPS:
+                groups = sorted({key(r) for r in run.rows + peer.rows} - {None})
+                for group in groups if len(groups) > 1 else []:
+                    a, b = (x.keep(lambda r, g=group, k=key: k(r) == g) for x in (run, peer))
+                    if {r["id"] for r in a.rows} & {r["id"] for r in b.rows}:
+                        out.append({"length": "all", "question": "all", label: group, **compare(a, b, confidence)})
     return out
 
 
+#: The row groups a pair is also compared within, when its rows carry two or more: the target context length
+#: (:func:`evaluation.report.row_length`) and, in the shared-context protocol, the question's position (1..K).
+_GROUPS = (("length", row_length), ("question", lambda r: r.get("question_index")))
+
+
 def _table(rows: list[dict]) -> str:
+    by_question = any(r["question"] != "all" for r in rows)  # the column only where a pair split by position
     header = [
         "dataset",
         "length",
+        *(["question"] if by_question else []),
         "ratio",
         "against",
         "n",
@@ -157,6 +168,7 @@ def _table(rows: list[dict]) -> str:
         [
             r["dataset"] + ("" if r["complete"] else " (partial)"),
             r["length"],
+            *([r["question"]] if by_question else []),
             f"{r['ratio']:g}",
             r["against"],
             r["n"],
