@@ -47,7 +47,7 @@ from evaluation.cli import ArgumentParser
 from evaluation.predictions import read_text, rows_file, write_text
 from evaluation.settings import saved_run_settings
 
-__all__ = ["migrate", "rename_press"]
+__all__ = ["migrate", "migrated_row", "rename_press"]
 
 
 #: The dataset class whose rows carry ``metadata.target_length`` only since 2026-12-07 (change 3).
@@ -59,6 +59,17 @@ def _target_length(settings: dict) -> int | None:
     dataset."""
     dataset = settings.get("dataset") or {}
     return int(dataset["context_length"]) if dataset.get("_target_") == _NEEDLE else None
+
+
+def migrated_row(row: dict, settings: dict) -> dict:
+    """One prediction row as :func:`migrate` leaves it (changes 2 and 3 of the module docstring): the same object
+    when nothing changes, else a new one.
+
+    Args:
+        row: a prediction row as a run wrote it.
+        settings: the run's ``config.yaml`` as a dict (its ``dataset`` node is read).
+    """
+    return _migrated_row(row, _target_length(settings))
 
 
 def _migrated_row(row: dict, target_length: int | None = None) -> dict:
@@ -93,8 +104,7 @@ def migrate(root: Path) -> dict[str, int]:
             except json.JSONDecodeError:  # a torn last line (a killed run): leave the file to the harness's resume
                 changed["skipped"] = changed.get("skipped", 0) + 1
                 continue
-            target = _target_length(new)
-            new_rows = [_migrated_row(r, target) for r in rows]
+            new_rows = [migrated_row(r, new) for r in rows]
             n = sum(a is not b for a, b in zip(rows, new_rows))
             if n:  # unchanged rows keep their bytes
                 text = "".join(line if a is b else json.dumps(b) + "\n" for line, a, b in zip(lines, rows, new_rows))

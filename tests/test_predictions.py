@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from filelock import FileLock
 from test_harness import composed
 from test_merge_runs import make_run
@@ -23,7 +24,7 @@ from evaluation import harness, predictions
 from evaluation import run as entry
 from evaluation.compress_runs import compress_runs, main
 from evaluation.merge_runs import merge_runs
-from evaluation.migrate import migrate
+from evaluation.migrate import migrate, migrated_row
 from evaluation.predictions import COMPRESSED, NAME, compress_run, read_predictions, restore_run, rows_file
 from evaluation.report import build_report
 from evaluation.studies.claims_ledger.artifacts import jsonl_rows
@@ -196,7 +197,9 @@ def test_every_committed_finished_run_stores_its_rows_compressed():
 
 def test_committed_compressed_runs_hold_the_rows_they_held_plain():
     """Each committed ``predictions.jsonl.gz`` against the plain file the commit that compressed it removed
-    (``git show <commit>^:<path>``), bytes and rows; a run committed compressed from the start has no such file."""
+    (``git show <commit>^:<path>``), line by line: the same bytes, or a row that ``python -m evaluation.migrate``
+    changed since (:func:`evaluation.migrate.migrated_row` of the plain row, under the run's settings: e.g. the needle
+    rows' ``metadata.target_length``); a run committed compressed from the start has no such file."""
     packed = [p for p in _tracked() if p.endswith("/" + COMPRESSED)]
     log = _git("log", "--diff-filter=D", "--format=commit %H", "--name-only", "--", "results/*" + NAME, text=True)
     removed, commit = {}, None
@@ -216,5 +219,9 @@ def test_committed_compressed_runs_hold_the_rows_they_held_plain():
         size = int(blobs[at:header_end].split()[2])
         before = blobs[header_end + 1 : header_end + 1 + size]
         at = header_end + 1 + size + 1
-        assert gzip.decompress((ROOT / path).read_bytes()) == before, path
-        assert read_predictions(ROOT / path) == [json.loads(line) for line in before.decode().splitlines()], path
+        settings = yaml.safe_load((ROOT / path).parent.joinpath("config.yaml").read_text(encoding="utf-8"))
+        now, then = gzip.decompress((ROOT / path).read_bytes()).splitlines(), before.splitlines()
+        assert len(now) == len(then), path
+        for new, old in zip(now, then):
+            assert new == old or json.loads(new) == migrated_row(json.loads(old), settings), path
+        assert len(read_predictions(ROOT / path)) == len(then), path
