@@ -69,17 +69,13 @@ def migrated_row(row: dict, settings: dict) -> dict:
         row: a prediction row as a run wrote it.
         settings: the run's ``config.yaml`` as a dict (its ``dataset`` node is read).
     """
-    return _migrated_row(row, _target_length(settings))
-
-
-def _migrated_row(row: dict, target_length: int | None = None) -> dict:
     stats = row.get("press_stats") or {}
     kept = stats.get("logical_compression")
     padded = row.get("effective_compression") == row.get("physical_compression")  # the old rule's tell
     evicted = stats.get("num_layers_evicted")
     if isinstance(kept, (int, float)) and evicted and padded and row["effective_compression"] != kept:
         row = {**row, "effective_compression": float(kept)}
-    meta = row.get("metadata")
+    target_length, meta = _target_length(settings), row.get("metadata")
     if target_length is not None and isinstance(meta, dict) and "target_length" not in meta:
         row = {**row, "metadata": {**meta, "target_length": target_length}}
     return row
