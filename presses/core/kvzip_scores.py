@@ -23,7 +23,7 @@ __all__ = [
     "value_output_norms",
 ]
 
-_ROW_BLOCK = 512  # query rows per score block: (B G, 512, chunk) float32 logits at a time, not (B H, n, chunk)
+_ROW_BLOCK = 128  # query rows per score block: (B G, chunk, 128) float32 logits at a time, not (B H, n, chunk)
 
 
 def attention_with_lse(
@@ -111,9 +111,10 @@ def reconstruction_column_maxes(
     normaliser is given (so the softmax may run over more keys than those scored), without the ``(H, n, k)`` weights.
 
     ``s[g, i] = max_{h in group g, j} w_j c_{h, i} exp(q^h_j . k^g_i * scaling - lse^h_j)``; the log normaliser enters
-    the matrix product as one more coordinate, and rows are taken ``512`` at a time. Every row sees every scored key
-    (no causal mask: KVzip's repeat tokens come after the chunk). The torch reference of the dispatch
-    :func:`presses.kernels.reconstruction_column_maxes`.
+    the matrix product as one more coordinate, and rows are taken ``128`` at a time, each block laid out keys x rows
+    so that the maximum runs along contiguous memory (on one CPU thread, faster than rows x keys blocks: cost in
+    docs/methods.md §1.18). Every row sees every scored key (no causal mask: KVzip's repeat tokens come after the
+    chunk). The torch reference of the dispatch :func:`presses.kernels.reconstruction_column_maxes`.
 
     Args:
         queries: ``(B, H, n, d)`` RoPE'd queries.
@@ -136,13 +137,13 @@ def reconstruction_column_maxes(
     if row_weights is not None:
         offset = offset - torch.log(row_weights.float())[:, None, :]
     rows = torch.cat([queries.float() * scaling, -offset[..., None]], dim=-1).view(B * G, r, n, d + 1)
+    rows_t = rows.transpose(-1, -2)  # (B G, r, d + 1, n)
     cols = torch.cat([keys.float(), keys.new_ones(B, G, c, 1, dtype=torch.float32)], dim=-1).view(B * G, c, d + 1)
-    cols_t = cols.transpose(-1, -2)
     best = torch.full((B * G, r, c), float("-inf"), device=keys.device)
     for h in range(r):
         for start in range(0, n, _ROW_BLOCK):
-            block = torch.matmul(rows[:, h, start : start + _ROW_BLOCK], cols_t)  # (B G, rows, c) log-weights
-            torch.maximum(best[:, h], block.amax(dim=1), out=best[:, h])
+            block = torch.matmul(cols, rows_t[:, h, :, start : start + _ROW_BLOCK])  # (B G, c, rows) log-weights
+            torch.maximum(best[:, h], block.amax(dim=-1), out=best[:, h])
     best = torch.exp(best).view(B, G, r, c)
     if column_weights is not None:
         best = best * column_weights.float().view(B, G, r, c)
