@@ -113,7 +113,8 @@ bench-speed: install         # speed and memory of every press at T in {1k,2k,4k
 # targets from the project's KVzip path on the committed corpus (evaluation/train_scorers/data/), the ridge and the
 # MLP, results/scorers/$(MODEL)/kvzap_{linear,mlp}/ and the held-out fit table. SCORER_WORKERS processes of one
 # thread; resumable (targets in ~/.cache/kvpress-research/scorers/). The embedded model's linear surrogate is
-# committed; its MLP (36 MB) is not: this rebuilds both, bit-equal (results/scorers/README.md: time).
+# committed; its MLP (36 MB) is not: this rebuilds both, bit-equal, with the committed fit report's growth rows (the
+# command's defaults are the committed command; results/scorers/README.md: time).
 SCORER_WORKERS ?= 2
 SCORER_ARGS ?=
 scorers: install

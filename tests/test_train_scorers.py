@@ -61,9 +61,30 @@ def tiny(monkeypatch, tmp_path):
 def _train(tmp_path: Path, name: str, *extra: str) -> Path:
     out = tmp_path / name
     argv = ["kvzap", "--model", "tiny", "--train-tokens", "700", "--growth", "300", "--mlp-hidden", "8", "4"]
-    argv += ["--mlp-epochs", "2", "--work-root", str(out / "work"), "--out", str(out), *extra]
+    argv += ["--mlp-at", "300", "--mlp-epochs", "2", "--work-root", str(out / "work"), "--out", str(out), *extra]
     assert cli.main(argv) == 0
     return out / "checkpoint"
+
+
+def test_the_defaults_are_the_committed_command():
+    """``make scorers`` (the command with its defaults) rebuilds the committed scorers with the committed fit report's
+    rows: the commands recorded in the committed READMEs and fit table parse to the defaults (--workers aside, which
+    does not change the result)."""
+    import re
+    import shlex
+
+    from evaluation.train_scorers import kvzap
+
+    parser, root = cli.parser(), Path(__file__).parents[1] / "results" / "scorers" / "smollm2-135m"
+    texts = [(root / "kvzap_linear" / "README.md").read_text(), (root / "kvzap_fit.md").read_text()]
+    commands = {re.search(r"python -m evaluation.train_scorers (kvzap[^`]*)`", t).group(1) for t in texts}
+    assert len(commands) == 1
+    committed, default = parser.parse_args(shlex.split(commands.pop())), parser.parse_args(["kvzap"])
+    assert kvzap.schedule(committed) == kvzap.schedule(default) and all(kvzap.schedule(default))  # the growth rows
+    skip = {"workers", "growth", "mlp_at"}
+    rest = [{k: v for k, v in vars(a).items() if k not in skip} for a in (committed, default)]
+    assert rest[0] == rest[1]
+    assert kvzap.schedule(parser.parse_args(["kvzap", "--train-tokens", "20000"])) == ([10_000], [])
 
 
 def test_ridge_from_moments_is_sklearns_ridge():

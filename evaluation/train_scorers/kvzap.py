@@ -28,13 +28,19 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "schedule"]
 
 #: The committed scorers' training tokens (60 documents) and held-out documents (the first 20 by id): the linear fit
 #: gained 0.008 rho from 50k to 100k tokens (results/scorers/README.md), and targets, fits and report take about 25
 #: minutes on two free cores.
 DEFAULT_TRAIN_TOKENS = 100_000
 DEFAULT_HELDOUT_DOCS = 20
+#: The committed fit report's other training-token counts, its other MLP width (beside MLPSettings.hidden, the saved
+#: one) and the counts the MLP is also fitted at (those below --train-tokens when not given): the defaults are the
+#: committed command, so ``make scorers`` rebuilds every committed file (weights, READMEs, fit tables, growth rows).
+DEFAULT_GROWTH = (10_000, 20_000, 50_000)
+DEFAULT_MLP_ALSO = (64,)
+DEFAULT_MLP_AT = (50_000,)
 
 
 def add_arguments(p) -> None:
@@ -47,14 +53,14 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=d.model, help="model name for evaluation.models.load_model")
     p.add_argument("--seed", type=int, default=d.seed, help="corpus split, row sample and MLP seed")
     p.add_argument("--train-tokens", type=int, default=DEFAULT_TRAIN_TOKENS, help="training tokens of the scorers")
-    p.add_argument("--growth", type=int, nargs="*", default=[], help="more training-token counts to fit and report")
+    p.add_argument("--growth", type=int, nargs="*", help="more training-token counts (default: DEFAULT_GROWTH's below)")
     p.add_argument("--heldout-docs", type=int, default=DEFAULT_HELDOUT_DOCS, help="held-out documents scored")
     p.add_argument("--workers", type=int, default=1, help="target processes (1 or 2), each --threads threads")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per process (recorded)")
     p.add_argument("--surrogates", default="linear,mlp", help="comma-separated: linear, mlp")
     p.add_argument("--mlp-rows-per-doc", type=int, default=d.mlp_rows_per_doc, help="MLP rows kept per document")
-    p.add_argument("--mlp-hidden", type=int, nargs="+", default=[m.hidden], help="MLP widths (the first is saved)")
-    p.add_argument("--mlp-at", type=int, nargs="*", default=None, help="token counts of the MLP fits (default: all)")
+    p.add_argument("--mlp-hidden", type=int, nargs="+", default=[m.hidden, *DEFAULT_MLP_ALSO], help="MLP widths")
+    p.add_argument("--mlp-at", type=int, nargs="*", help="MLP fits besides --train-tokens (default: DEFAULT_MLP_AT's)")
     p.add_argument("--mlp-epochs", type=int, default=m.epochs)
     p.add_argument("--mlp-lr", type=float, default=m.lr)
     p.add_argument("--out", default=str(SCORERS), help="where <model>/kvzap_<type>/ and the fit tables go")
@@ -62,6 +68,13 @@ def add_arguments(p) -> None:
     p.add_argument("--no-save", action="store_true", help="fit and report without saving the scorers")
     p.add_argument("--no-report", action="store_true", help="skip the held-out fit report")
     p.set_defaults(run=run)
+
+
+def schedule(args) -> tuple[list[int], list[int]]:
+    """The ``--growth`` and ``--mlp-at`` training-token counts of parsed ``args``, a default (None) resolved to the
+    DEFAULT_GROWTH / DEFAULT_MLP_AT counts below ``--train-tokens``."""
+    below = [t for t in DEFAULT_GROWTH if t < args.train_tokens], [t for t in DEFAULT_MLP_AT if t < args.train_tokens]
+    return (below[0] if args.growth is None else args.growth), (below[1] if args.mlp_at is None else args.mlp_at)
 
 
 def _target_seconds(work: Path, n_train: int) -> float:
@@ -116,7 +129,8 @@ def run(args) -> None:
     unknown = sorted(set(surrogates) - {"linear", "mlp"})
     if unknown or not surrogates:
         raise ValueError(f"--surrogates={args.surrogates!r}: each must be linear or mlp")
-    counts = sorted({args.train_tokens, *args.growth})
+    growth, mlp_at = schedule(args)
+    counts = sorted({args.train_tokens, *growth})
     if counts[0] < 1:
         raise ValueError(f"training tokens {counts[0]} must be >= 1")
     settings = targets.Settings(args.model, args.seed, args.mlp_rows_per_doc, args.threads)
@@ -157,7 +171,7 @@ def run(args) -> None:
             fits["linear", tokens] = save.kvzap_model(params, key, rec)
             records["linear", tokens] = rec
             print(f"linear at {tokens} tokens: {k} documents, {rec['rows']} rows, {rec['fit_seconds']} s", flush=True)
-        if "mlp" in surrogates and (args.mlp_at is None or tokens in {args.train_tokens, *args.mlp_at}):
+        if "mlp" in surrogates and tokens in {args.train_tokens, *mlp_at}:
             x, y = targets.train_rows(work, k)
             rows = int(targets.shard_moments(work, k).count[0]) if "linear" in surrogates else None
             for ms in mlp_settings:
