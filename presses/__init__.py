@@ -3,13 +3,21 @@ correction, and EntroPrefill, with the contract they share (:mod:`presses.base`)
 layout; docs/methods.md explains each method."""
 
 from presses.entroprefill import EntroPrefillPress
-from presses.kvzip_pages import KVzipFastPress, KVzipPagePress, KVzipSamplingPress
+from presses.kvzip_pages import (
+    KVzapGlobalPagePress,
+    KVzapGlobalPress,
+    KVzipFastPress,
+    KVzipPagePress,
+    KVzipSamplingPress,
+)
 from presses.page_entrokv import PageEntroKVPress, PageEntroKVReconstructionPress
 from presses.probabilistic import ProbabilisticEvictionPress
 from presses.scorer_pages import ScorerPagePress
 
 __all__ = [
     "EntroPrefillPress",
+    "KVzapGlobalPagePress",
+    "KVzapGlobalPress",
     "KVzipFastPress",
     "KVzipPagePress",
     "KVzipSamplingPress",
