@@ -65,6 +65,14 @@ class KVzipResearchPress(ResearchPress, KVzipPress):
         """Forget the last prefill's selection and its statistics."""
         self.__dict__.pop("_last", None)
 
+    def compress_post(self, model):
+        """kvpress's KVzip selection on ``self.score_val`` (the lowest ``int(L B G T ratio)`` masked over all layers
+        and heads, per layer with ``layerwise``, the first ``n_sink`` positions last); a head that would lose every
+        entry keeps its best one (:meth:`keep_one_per_head`)."""
+        super().compress_post(model)
+        if self.compression_ratio > 0:
+            self.keep_one_per_head(model)
+
     def keep_one_per_head(self, model) -> int:
         """After kvpress's masking (``KVzipPress.compress_post``), give back to every KV head that lost all its
         entries its best-scored one: never an empty head (docs/methods.md §1.12).

@@ -159,10 +159,3 @@ class KVzipFastPress(KVzipResearchPress):
         scores = reconstruction_column_maxes(queries, keys[:, :, chunk], lse, module.head_dim**-0.5, rows, cols)
         self.score_val[int(module.layer_idx)][..., chunk] = scores.to(self.score_val.dtype)
         return keys[:, :, : self.context_length], values[:, :, : self.context_length]
-
-    def compress_post(self, model):
-        """kvpress's selection; a head that would lose every entry keeps its best one
-        (:meth:`presses.kvzip_pages.base.KVzipResearchPress.keep_one_per_head`)."""
-        super().compress_post(model)
-        if self.compression_ratio > 0:
-            self.keep_one_per_head(model)

@@ -121,13 +121,6 @@ class KVzapGlobalPress(KVzapScored):
         ValueError: for a ``press`` that is not a ``KVzapPress``; kvpress's assertions for the other fields.
     """
 
-    def compress_post(self, model):
-        """kvpress's KVzip selection on the predicted scores; never an empty head
-        (:meth:`presses.kvzip_pages.base.KVzipResearchPress.keep_one_per_head`)."""
-        super().compress_post(model)
-        if self.compression_ratio > 0:
-            self.keep_one_per_head(model)
-
 
 @dataclass
 class KVzapGlobalPagePress(KVzapScored, KVzipPagePress):

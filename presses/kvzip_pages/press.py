@@ -81,5 +81,3 @@ class KVzipPagePress(KVzipResearchPress):
         if self.compression_ratio > 0:
             self.score_val = page_expanded(self.score_val, self.page_size).to(self.score_val.dtype)
         super().compress_post(model)
-        if self.compression_ratio > 0:
-            self.keep_one_per_head(model)

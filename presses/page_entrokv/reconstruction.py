@@ -188,9 +188,8 @@ class PageEntroKVReconstructionPress(KVzipResearchPress):
             scores = torch.stack([pages.score_observed(self.score_val[int(m.layer_idx)], G) for m in modules])
             protected = pages.protected_positions(T, scores.device)
             self.score_val = scores.masked_fill(protected, float(scores.amax()) + 1.0)  # above every layer's pages
-            KVzipPress.compress_post(self, model)  # the sinks raised too, the lowest masked over all layers
-            if self.compression_ratio > 0:
-                self.keep_one_per_head(model)  # never an empty head (docs/methods.md §1.12)
+            # the sinks raised too, the lowest masked over all layers, never an empty head (docs/methods.md §1.12)
+            KVzipResearchPress.compress_post(self, model)
             return
         # the statistics' observer count: the context positions the pass reconstructed (one copy query each; the
         # chat template's prefix, which it does not reconstruct, scores 0)
