@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import DynamicCache
@@ -51,7 +51,14 @@ from transformers import DynamicCache
 from evaluation import continuation, guards, harness, inputs, kvzip_path, prompt_delimiter, shared
 from evaluation.memo import ReplayMemo
 from evaluation.pipeline import TextGenerationPipeline
-from evaluation.registry import capabilities, export_decode_state, press_field_problem, run_ratio_problem, sharing
+from evaluation.registry import (
+    capabilities,
+    export_decode_state,
+    held_press_problem,
+    press_field_problem,
+    run_ratio_problem,
+    sharing,
+)
 from evaluation.replay import (
     PrefillCapture,
     check_capture_memory,
@@ -86,6 +93,15 @@ class Run:
     caps: Capabilities
 
 
+def _held_config_problem(press_cfg: DictConfig) -> str | None:
+    """:func:`evaluation.registry.held_press_problem` from a wrapper's config, for a wrapper whose construction
+    asserted (one of kvpress's asserts the held press's class without a message): the held press built alone."""
+    held = press_cfg.get("press")
+    if not isinstance(held, DictConfig) or not held.get("_target_"):
+        return None
+    return held_press_problem(get_class(press_cfg._target_), "press", instantiate(held))  # hydra built it already
+
+
 def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
     """The pending runs with their presses instantiated and their capabilities checked (nothing written)."""
     runs = []
@@ -96,7 +112,8 @@ def _runs(cfgs: list, pending: list[int], shared_prefill: bool) -> list[Run]:
         except InstantiationException as err:  # kvpress checks its parameters with assert
             if not isinstance(err.__cause__, AssertionError):
                 raise
-            raise ValueError(f"press {names['press']} ({cfg.press._target_}): {err.__cause__}") from err
+            why = _held_config_problem(cfg.press) or str(err.__cause__) or "kvpress's assertion failed (no message)"
+            raise ValueError(f"press {names['press']} ({cfg.press._target_}): {why}") from err
         caps = capabilities(press)
         problem = press_field_problem(press) or run_ratio_problem(press, cfg.compression_ratio)  # no model needed
         if problem:

@@ -79,6 +79,7 @@ __all__ = [
     "attach_scorers",
     "press_download_problem",
     "scorer_files",
+    "held_press_problem",
     "press_field_problem",
     "press_input_problem",
     "run_ratio_problem",
@@ -303,10 +304,38 @@ KVPRESS_FIELD_MINIMA = {
 def _kvpress_fields(press) -> dict:
     """The dataclass fields of ``press`` that a kvpress class declares (the first kvpress class of its MRO: this
     project's subclasses of kvpress presses keep kvpress's fields unchecked too), by name."""
-    for cls in type(press).__mro__:
+    return _kvpress_fields_of_class(type(press))
+
+
+def _kvpress_fields_of_class(press_cls: type) -> dict:
+    """:func:`_kvpress_fields` of a class."""
+    for cls in press_cls.__mro__:
         if cls.__module__.split(".")[0] == "kvpress" and dataclasses.is_dataclass(cls):
             return {f.name: f for f in dataclasses.fields(cls) if f.init}
     return {}
+
+
+def held_press_problem(wrapper: type, name: str, held, where: str = "press") -> str | None:
+    """Why ``held`` cannot be the press a kvpress wrapper class holds in its field ``name``, or None.
+
+    kvpress's wrappers that compress from one scorer's scores (AdaKV, ChunkKV, DMS, KeyRerotation, ...) declare
+    ``press: ScorerPress`` and call its ``score``; some assert it (AdaKV: "requires a ScorerPress"), DMSPress does not
+    and fails in its first forward, KeyRerotationPress asserts without a message. A press of another kind (KVzip and
+    the presses built on it, which score in a pass of their own: ``kvzip``, ``kvzap_global``, ...) is refused here,
+    before the model loads.
+
+    Returns:
+        One line naming the wrapper, the key (``press.press``), the held press's class and what the field needs.
+    """
+    kvpress_field = _kvpress_fields_of_class(wrapper).get(name)
+    if kvpress_field is None or kvpress_field.type not in (ScorerPress, "ScorerPress") or held is None:
+        return None
+    if isinstance(held, ScorerPress):
+        return None
+    return (
+        f"{wrapper.__name__}: {where}.{name}={type(held).__name__} must be a kvpress ScorerPress "
+        f"({wrapper.__name__} ranks the entries with its score(); {type(held).__name__} has no per-entry score)"
+    )
 
 
 def press_field_problem(press, where: str = "press") -> str | None:
@@ -340,6 +369,9 @@ def press_field_problem(press, where: str = "press") -> str | None:
             return f"{label}: {key}={value} must be odd (its pooling keeps the scores' length only for odd kernels)"
     for f in dataclasses.fields(press):  # the presses it holds, any class
         value = getattr(press, f.name, None)
+        problem = held_press_problem(type(press), f.name, value, where)
+        if problem:
+            return problem
         items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
         for i, item in items:
             if dataclasses.is_dataclass(item) and not isinstance(item, type) and hasattr(item, "compress"):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hydra.utils import instantiate
-from kvpress import KnormPress, KVzipPress
+from kvpress import AdaKVPress, ComposedPress, DMSPress, KnormPress, KVzapPress, KVzipPress
+from omegaconf import OmegaConf
 from test_harness import composed
 from test_kvzip_path import SETTINGS, tiny  # noqa: F401 (fixtures)
 from test_scorer_pages import random_kvzap
@@ -16,9 +17,9 @@ from transformers import DynamicCache
 
 from evaluation import kvzip_path
 from evaluation import run as entry
-from evaluation.registry import capabilities
+from evaluation.registry import capabilities, held_press_problem
 from evaluation.replay import check_shareable
-from presses import KVzapGlobalPagePress, KVzapGlobalPress, KVzipPagePress
+from presses import KVzapGlobalPagePress, KVzapGlobalPress, KVzipPagePress, PageEntroKVPress
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,3 +139,27 @@ def test_the_harness_runs_it(tiny, tmp_path, monkeypatch):  # noqa: F811 (fixtur
     cfg = composed("press=kvzap_global", "compression_ratio=0.5", f"output_dir={tmp_path / 'runs'}", *SETTINGS)
     metrics = entry.run(cfg, {"press": "kvzap_global", "dataset": "needle", "model": "smollm2-135m"})
     assert metrics["n"] == 2 and abs(metrics["effective_compression"] - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("wrapper", ["kvpress.DMSPress", "kvpress.KeyRerotationPress", "kvpress.AdaKVPress"])
+def test_a_score_wrapper_around_it_is_refused_in_one_line(tmp_path, wrapper):
+    """kvpress's score wrappers call their press's ``score``, which KVzip's presses lack: DMSPress builds and would fail
+    in its first forward, KeyRerotationPress asserts without a message, AdaKVPress with its own. The harness says
+    the same line for each, before the model loads."""
+    cfg = composed("press=dms", f"output_dir={tmp_path}", *SETTINGS)
+    cfg.press = OmegaConf.create(
+        {"_target_": wrapper, "press": {"_target_": "presses.KVzapGlobalPress", "compression_ratio": 0.5}}
+    )
+    name = wrapper.split(".")[1]
+    with pytest.raises(ValueError, match=rf"{name}: press.press=KVzapGlobalPress must be a kvpress ScorerPress"):
+        entry.run(cfg, {"press": "dms", "dataset": "needle", "model": "smollm2-135m"})
+    assert not any(tmp_path.rglob("metrics.json"))
+
+
+def test_score_wrappers_take_scorer_presses():
+    """The check refuses only what the field cannot hold: KVzap (kvpress's scorer) in DMSPress, Page-EntroKV (a
+    ScorerPress of this project) in AdaKV, any press in ComposedPress's list."""
+    assert held_press_problem(DMSPress, "press", KVzapPress(model_type="linear")) is None
+    assert held_press_problem(AdaKVPress, "press", PageEntroKVPress(0.5)) is None
+    assert held_press_problem(ComposedPress, "presses", [KVzapGlobalPress(0.5)]) is None
+    assert "ScorerPress" in held_press_problem(DMSPress, "press", KVzipPress(0.5))
