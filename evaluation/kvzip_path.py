@@ -221,8 +221,9 @@ def select(press, scores: torch.Tensor, model, cache) -> tuple:
 
 
 def selected_runs(runs: list, model, capture, context_ids: torch.Tensor) -> Iterator[tuple]:
-    """Score ``runs`` (the loop's runs of presses with ``scores_once``) with one reconstruction pass per pass key and
-    select per run.
+    """Score ``runs`` (the loop's runs of presses with ``scores_once``) with one reconstruction pass per pass key, or
+    from the shared prefill's attention calls for a press that reads its scores in the prefill (its capability
+    ``prefill_scores``), and select per run.
 
     Yields:
         ``(run, cache, seconds, masks, state)`` per run, in order: a new cache of the prefill (uncompressed for
@@ -234,7 +235,7 @@ def selected_runs(runs: list, model, capture, context_ids: torch.Tensor) -> Iter
     """
     passes: dict = {}
     for run in runs:
-        if run.press.compression_ratio > 0:
+        if run.press.compression_ratio > 0 and capabilities(run.press).prefill_scores is None:
             passes.setdefault(pass_key(run.press), []).append(run.press)
     scores, seconds = {}, {}
     for key, presses in passes.items():
@@ -242,11 +243,19 @@ def selected_runs(runs: list, model, capture, context_ids: torch.Tensor) -> Iter
         with torch.inference_mode():
             scores.update(score(presses, model, capture, context_ids))
         seconds[key] = time.perf_counter() - start
+    layer_calls = [(args, kwargs, output) for args, kwargs, output, _, _ in capture.layers]
     for run in runs:
         start = time.perf_counter()
         scored = run.press.compression_ratio > 0
         cache = capture.uncompressed_cache()
-        masks = select(run.press, scores[scores_key(run.press)], model, cache) if scored else take_masked_keys(model)
+        shared = 0.0
+        if not scored:
+            masks = take_masked_keys(model)
+        elif (prefill_scores := capabilities(run.press).prefill_scores) is not None:  # no pass
+            with torch.inference_mode():
+                masks = select(run.press, prefill_scores(model, layer_calls), model, cache)
+        else:
+            masks = select(run.press, scores[scores_key(run.press)], model, cache)
+            shared = seconds[pass_key(run.press)]
         state = attention.take_decode_state(cache, len(cache))
-        shared = seconds[pass_key(run.press)] if scored else 0.0
         yield run, cache, shared + time.perf_counter() - start, masks, state

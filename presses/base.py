@@ -99,8 +99,9 @@ class Capabilities:
         needs_eager: the press reads the layers' attention weights (``attn_implementation="eager"``).
         composable: the press may share a ``ComposedPress`` with other presses (see each press's docstring).
         scores_once: after an uncompressed prefill the press runs the model again on that cache to score it (KVzip's
-            context reconstruction), and the scores do not depend on the compression ratio: a sweep scores once per
-            example and selects per ratio (``evaluation.kvzip_path``) instead of replaying hooks.
+            context reconstruction; or reads the scores in the prefill: ``prefill_scores``), and the scores do not
+            depend on the compression ratio: a sweep scores once per example and selects per ratio
+            (``evaluation.kvzip_path``) instead of replaying hooks.
         needs_delimiter: the press finds the question inside the context by a delimiter token that must be added
             to the tokenizer and the model's embeddings (Finch), between the document and the question
             (``evaluation.prompt_delimiter``).
@@ -119,6 +120,10 @@ class Capabilities:
         empty_scores: with ``pass_as``, the press's zero scores ``(model, T, device) -> tensor`` when they have another
             shape than kvpress's ``(L, 1, G, T)`` (a pass another press leads starts the press's scores from them);
             None: kvpress's shape.
+        prefill_scores: with ``scores_once``, a press that reads its scores in the prefill itself, with no pass
+            after it: ``(model, layer_calls) -> (L, 1, G, T)`` scores from every attention layer's call of the
+            uncompressed prefill, ``layer_calls[i] = (args, kwargs, output)`` as its forward hooks saw it (a sweep
+            gives it the shared prefill's, ``evaluation.kvzip_path``); None: a reconstruction pass scores it.
     """
 
     shares_prefill: bool = True
@@ -135,6 +140,7 @@ class Capabilities:
     selection_fields: tuple[str, ...] = ()
     pass_as: type | None = None
     empty_scores: Callable[..., Any] | None = None
+    prefill_scores: Callable[..., Any] | None = None
 
 
 def wrapper_path(owner: Any, press: Any, depth: int = 4) -> list | None:

@@ -11,14 +11,13 @@ from hydra.utils import instantiate
 from kvpress import AdaKVPress, ComposedPress, DMSPress, KnormPress, KVzapPress, KVzipPress
 from omegaconf import OmegaConf
 from test_harness import composed
-from test_kvzip_path import SETTINGS, tiny  # noqa: F401 (fixtures)
+from test_kvzip_path import SETTINGS, _assert_fused_equals_separate, _runs, passes, tiny  # noqa: F401 (fixtures)
 from test_scorer_pages import random_kvzap
 from transformers import DynamicCache
 
-from evaluation import kvzip_path
+from evaluation import fused, kvzip_path
 from evaluation import run as entry
 from evaluation.registry import capabilities, held_press_problem
-from evaluation.replay import check_shareable
 from presses import KVzapGlobalPagePress, KVzapGlobalPress, KVzipPagePress, PageEntroKVPress
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -60,10 +59,9 @@ def test_configs_capabilities_and_options():
         press = instantiate(composed(f"press={name}", "compression_ratio=0.75").press)
         assert type(press) is cls and press.compression_ratio == 0.75 and press.press.model_type == "linear"
         assert press.n_sink == KVzipPress.n_sink and not press.layerwise  # KVzip's selection
-        caps = capabilities(press)
-        assert not caps.shares_prefill and not caps.scores_once and not caps.extra_forwards
-        with pytest.raises(ValueError, match="masks evicted keys per head|cannot share"):
-            check_shareable(press, name)
+        caps = capabilities(press)  # scored once per example in a sweep, from its shared prefill: no pass
+        assert not caps.shares_prefill and caps.scores_once and not caps.extra_forwards
+        assert caps.prefill_scores == press.scores_from_prefill
     assert KVzapGlobalPagePress(0.5).page_size == KVzipPagePress.page_size
     with pytest.raises(ValueError, match="must be a kvpress KVzapPress"):
         KVzapGlobalPress(0.5, press=KnormPress())
@@ -126,9 +124,12 @@ def test_a_short_prompt_keeps_an_entry_per_head(tiny):  # noqa: F811 (fixtures)
         assert all(int((heads == h).sum()) < 6 for h in range(2))  # every KV head keeps one entry or more
 
 
-def test_the_harness_runs_it(tiny, tmp_path, monkeypatch):  # noqa: F811 (fixtures)
-    """evaluation.run with the config, offline: the run attaches the project's scorer for the model (here a random
-    one saved where the harness looks) and reports the masked fraction."""
+@pytest.mark.parametrize("query_aware", [False, True])
+def test_fused_equals_run(tiny, tmp_path, monkeypatch, passes, query_aware):  # noqa: F811 (fixtures)
+    """evaluation.run and evaluation.fused with the configs, offline (the project's scorer for the model, here a
+    random one saved where the harness looks): the sweep computes the scores from its shared prefill, runs no
+    reconstruction pass, and gives the predictions and masked fractions the separate runs give, at two ratios and
+    beside KVzip (whose pass it does not join), with the question after and inside the context."""
     from evaluation import scorers
 
     model, _ = tiny
@@ -136,9 +137,16 @@ def test_the_harness_runs_it(tiny, tmp_path, monkeypatch):  # noqa: F811 (fixtur
     kvzap.config.base_model = scorers.model_key(model)
     kvzap.save_pretrained(tmp_path / "scorers" / scorers.model_key(model) / "kvzap_linear")
     monkeypatch.setattr(scorers, "SCORERS", tmp_path / "scorers")
-    cfg = composed("press=kvzap_global", "compression_ratio=0.5", f"output_dir={tmp_path / 'runs'}", *SETTINGS)
-    metrics = entry.run(cfg, {"press": "kvzap_global", "dataset": "needle", "model": "smollm2-135m"})
-    assert metrics["n"] == 2 and abs(metrics["effective_compression"] - 0.5) < 0.01
+    presses, ratios = ["kvzap_global", "kvzap_global_page", "kvzip"], [0.5, 0.75]
+    settings = (*SETTINGS, f"query_aware={str(query_aware).lower()}")
+    for cfg, names in _runs(presses, ratios, tmp_path / "separate", settings):
+        entry.run(cfg, names)
+    assert len(passes) == 2 * 2  # KVzip's reconstruction passes only: two examples, two ratios
+    passes.clear()
+    fused.run_fused(_runs(presses, ratios, tmp_path / "fused", settings), "test")
+    assert len(passes) == 2  # KVzip's, one per example
+    predictions = _assert_fused_equals_separate(tmp_path, presses, ratios, "needle-qa" if query_aware else "needle")
+    assert len(predictions) > 1  # compression changes what the model says: the comparison is not trivial
 
 
 @pytest.mark.parametrize("wrapper", ["kvpress.DMSPress", "kvpress.KeyRerotationPress", "kvpress.AdaKVPress"])

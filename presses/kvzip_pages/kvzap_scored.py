@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 from kvpress import KVzapPress
@@ -38,8 +37,13 @@ class KVzapScored(KVzipResearchPress):
 
     press: KVzapPress = field(default_factory=_linear_kvzap)
 
-    #: its own prefill (the scores are read in it) and kvpress's head-wise masks for decoding: run only
-    capabilities: ClassVar[Capabilities] = Capabilities(shares_prefill=False)
+    @property
+    def capabilities(self) -> Capabilities:
+        """The press contract (:mod:`presses.base`): kvpress's head-wise masks for decoding, so no shared replay, but
+        its scores are the uncompressed prefill's and do not depend on the ratio: a sweep computes them once per
+        example from its shared prefill (:meth:`scores_from_prefill`) and selects per ratio
+        (``evaluation/kvzip_path.py``)."""
+        return Capabilities(shares_prefill=False, scores_once=True, prefill_scores=self.scores_from_prefill)
 
     def __post_init__(self):
         if not isinstance(self.press, KVzapPress):
@@ -84,8 +88,8 @@ class KVzapScored(KVzipResearchPress):
         self.__dict__["_prefill_scores"][int(module.layer_idx)] = scores.detach().float()
         return output
 
-    def _perform_kvzip_compression(self, model, tokenizer):
-        """The recorded scores as ``score_val``, then the selection (no reconstruction pass).
+    def _recorded_scores(self, model) -> torch.Tensor:
+        """The scores the hooks recorded, ``(L, B, G, T)``.
 
         Raises:
             RuntimeError: when a layer recorded no scores (the prefill did not run through the hooks).
@@ -95,9 +99,31 @@ class KVzapScored(KVzipResearchPress):
         missing = [i for i in range(n_layers) if i not in recorded]
         if missing:
             raise RuntimeError(f"{type(self).__name__}: no KVzap scores recorded for layers {missing} in the prefill")
+        return torch.stack([recorded[i] for i in range(n_layers)])
+
+    def _perform_kvzip_compression(self, model, tokenizer):
+        """The recorded scores as ``score_val``, then the selection (no reconstruction pass)."""
         self.context_length = self._context_ids.shape[1]
-        self.score_val = torch.stack([recorded[i] for i in range(n_layers)])
+        self.score_val = self._recorded_scores(model)
         self.compress_post(model)
+
+    def scores_from_prefill(self, model, layer_calls) -> torch.Tensor:
+        """The scores the press's own prefill would record, ``(L, B, G, T)``, from a prefill recorded elsewhere: the
+        hook run on ``layer_calls[i] = (args, kwargs, output)``, attention layer ``i``'s call in an uncompressed
+        prefill from position 0 (its capability ``prefill_scores``; a sweep's shared prefill,
+        ``evaluation.kvzip_path``).
+
+        Raises:
+            RuntimeError: when ``layer_calls`` lacks a layer, or a call is not a prefill from position 0.
+        """
+        self.press.post_init_from_model(model)
+        self.__dict__["_prefill_scores"] = {}
+        try:
+            for module, (args, kwargs, output) in zip(attention_modules(model), layer_calls):
+                self._record_scores(module, args, kwargs, output)
+            return self._recorded_scores(model)
+        finally:
+            self.__dict__["_prefill_scores"] = {}
 
 
 @dataclass
