@@ -8,6 +8,8 @@ with the command that produced them. Analysis, not library: nothing under ``pres
 - ``entroprefill_bench``, ``entroprefill_attention_probe``, ``entroprefill_position_bias_report``,
   ``keyfacts_full_accuracy``: EntroPrefill against the full prefill, and its position bias (paper 001);
 - ``snis_bias_variance``, ``snis_needle_coverage``, ``profile_snis_press``: probabilistic eviction (paper 003);
+- ``page_straddle``, ``partial_answers``: committed rows read again (answers on the page grid; wrong numbers by
+  kind), nothing run through a model;
 - ``table6_retention``: paper 000's Table 6 and Fig. 9b; ``tune_page_entrokv``: Page-EntroKV's defaults;
 - ``ladder``: the ablation ladder from ChunkKV to Page-EntroKV, its press (ChunkKV's options, which the library's
   Page-EntroKV does not hold) and rungs, run as press configs through ``evaluation.fused`` (``results/tuning/ladder/``);

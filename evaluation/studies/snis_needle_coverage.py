@@ -42,6 +42,7 @@ from transformers import DynamicCache
 import presses.probabilistic.press as snis_module
 from evaluation import harness, tables
 from evaluation.cli import ArgumentParser
+from evaluation.guards import check_press_downloads
 from presses.core.paging import num_pages
 from presses.probabilistic.page_sampling import expand_pages
 
@@ -148,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
         T = context_ids.shape[1]
         positions = answer_positions(tokenizer, context_ids, ex.answers[0])
         for name, cfg in cfgs.items():
-            kept, proposals = kept_masks(model, instantiate(cfg.press), context_ids)
+            press = instantiate(cfg.press)
+            check_press_downloads(press, model)  # the project's trained scorers, as every run gets them
+            kept, proposals = kept_masks(model, press, context_ids)
             per_layer = torch.stack([k[:, positions].all(-1) for k in kept])  # (L, G)
             row = {
                 "id": ex.id,
