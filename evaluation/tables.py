@@ -13,7 +13,7 @@ from pathlib import Path
 
 from evaluation.atomic import write_atomic
 
-__all__ = ["read_rows", "csv_text", "write_rows", "num", "fmt", "markdown_table", "command"]
+__all__ = ["read_rows", "csv_text", "write_rows", "num", "fmt", "markdown_table", "command", "write_study"]
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -72,3 +72,17 @@ def write_rows(path: Path, rows: list[dict], columns: list[str] | None = None, f
     """Write :func:`csv_text` of ``rows`` to ``path``. Atomic (:func:`evaluation.atomic.write_atomic`): an
     interrupted write leaves the previous file."""
     write_atomic(Path(path), csv_text(rows, columns, float_spec))
+
+
+def write_study(
+    out: Path, name: str, rows: list[dict], title: str, script: str, argv: list[str], intro: str, header, body
+) -> None:
+    """Write a committed-rows study's two artifacts, atomically: ``<out>/<name>.csv`` (``rows``) and
+    ``<out>/<name>.md`` (``# title``, the recording command :func:`command` of ``script`` and ``argv``, ``intro``,
+    then the Markdown table of ``header`` and ``body``); print where they went."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_rows(out / f"{name}.csv", rows)
+    text = [f"# {title}", "", f"Regenerated, never hand-edited: `{command(script, argv)}`", "", intro, ""]
+    write_atomic(out / f"{name}.md", "\n".join([*text, *markdown_table(header, body), ""]))
+    print(f"wrote {out / name}.csv and .md ({len(rows)} rows)")

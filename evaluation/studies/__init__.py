@@ -13,7 +13,8 @@ with the command that produced them. Analysis, not library: nothing under ``pres
 - ``table6_retention``: paper 000's Table 6 and Fig. 9b; ``tune_page_entrokv``: Page-EntroKV's defaults;
 - ``ladder``: the ablation ladder from ChunkKV to Page-EntroKV, its press (ChunkKV's options, which the library's
   Page-EntroKV does not hold) and rungs, run as press configs through ``evaluation.fused`` (``results/tuning/ladder/``);
-- shared: ``needle_group`` (paper 000 Table 10's synthetic needle group, for the ledger); their tables (CSV rows in
+- shared: ``needle_group`` (paper 000 Table 10's synthetic needle group, for the ledger); ``committed`` (the
+  committed-rows studies' run lookup and common arguments); their tables (CSV rows in
   and out, Markdown cells, the recorded command) are :mod:`evaluation.tables`, a floor below, which the report
   reads too.
 """

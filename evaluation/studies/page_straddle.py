@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 from evaluation import tables
-from evaluation.atomic import write_atomic
-from evaluation.cli import ArgumentParser
-from evaluation.predictions import rows_files
+from evaluation.studies import committed
 
 __all__ = ["straddles", "main"]
 
@@ -47,24 +44,9 @@ def straddles(positions: list[int], page_size: int) -> bool:
     return positions[0] // page_size != positions[-1] // page_size
 
 
-def _runs(root: Path, press: str, ratio: float) -> list[Path]:
-    """The run directories of ``press`` at ``ratio`` under ``root`` (one, or one per shard)."""
-    base = root / press / f"cr{ratio:g}"
-    found = [p.parent for p in rows_files(base)]  # either form (evaluation.predictions)
-    if not found:
-        raise ValueError(f"no run of press {press!r} at ratio {ratio:g} under {root}")
-    return found
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("runs", type=Path, help="<results>/<dataset>/<model>: one protocol's runs")
-    parser.add_argument("--ratio", type=float, required=True)
-    parser.add_argument("--presses", nargs="+", required=True)
-    parser.add_argument("--tasks", nargs="*", default=None, help="only these tasks (default: every task)")
+    parser = committed.parser(__doc__.split("\n")[0], "results/page_straddle")
     parser.add_argument("--page-size", type=int, default=None, help="default: PageEntroKVPress's page_size")
-    parser.add_argument("--out", type=Path, default=Path("results/page_straddle"))
-    parser.add_argument("--name", default=None, help="default: <dataset>_<ratio>")
     args = parser.parse_args(argv)
 
     import torch
@@ -83,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = {}  # one per distinct example set (dataset, n_samples, seed, shard, protocol)
     for press in args.presses:
         scores[press] = {}
-        for run in _runs(args.runs, press, args.ratio):
+        for run in committed.run_dirs(args.runs, press, args.ratio):
             cfg = OmegaConf.load(run / "config.yaml")
             key = (OmegaConf.to_yaml(cfg.dataset), cfg.n_samples, cfg.seed, cfg.get("shard"), cfg.query_aware)
             configs.setdefault(key, cfg)
@@ -107,9 +89,6 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     rows.sort(key=lambda r: (r["task"], r["id"]))
 
-    name = args.name or f"{args.runs.parent.name}_{args.ratio:g}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    tables.write_rows(args.out / f"{name}.csv", rows)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
         groups[(row["task"], row["straddles"])].append(row)
@@ -123,20 +102,17 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{sum(got) / len(got):.3f}" if got else "–")
         span = f"{lengths[0]}" if len(lengths) == 1 else f"{lengths[0]}-{lengths[-1]}"
         body.append([task, span, "yes" if straddle else "no", str(len(members)), *cells])
-    text = [
-        f"# Answers on the page grid: {args.runs} at ratio {args.ratio:g}, pages of {page_size}",
-        "",
-        "Regenerated, never hand-edited: `"
-        + tables.command("page_straddle", sys.argv[1:] if argv is None else argv)
-        + "`",
-        "",
+    tables.write_study(
+        args.out,
+        committed.name(args),
+        rows,
+        f"Answers on the page grid: {args.runs} at ratio {args.ratio:g}, pages of {page_size}",
+        "page_straddle",
+        sys.argv[1:] if argv is None else argv,
         "Mean committed score per press, by task and by whether the answer's context tokens fall on two pages.",
-        "",
-        *tables.markdown_table(header, body),
-        "",
-    ]
-    write_atomic(args.out / f"{name}.md", "\n".join(text))
-    print(f"wrote {args.out / name}.csv and .md ({len(rows)} examples)")
+        header,
+        body,
+    )
     return 0
 
 

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 from evaluation import tables
-from evaluation.atomic import write_atomic
-from evaluation.cli import ArgumentParser
-from evaluation.predictions import read_predictions, rows_files
+from evaluation.predictions import read_predictions, rows_file
+from evaluation.studies import committed
 
 __all__ = ["dropped", "kind", "main"]
 
@@ -60,23 +58,14 @@ KINDS = ("exact", "digits dropped", "other")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("runs", type=Path, help="<results>/<dataset>/<model>: one protocol's runs")
-    parser.add_argument("--ratio", type=float, required=True)
-    parser.add_argument("--presses", nargs="+", required=True)
-    parser.add_argument("--tasks", nargs="*", default=None, help="only these tasks (default: every task)")
-    parser.add_argument("--out", type=Path, default=Path("results/partial_answers"))
-    parser.add_argument("--name", default=None, help="default: <dataset>_<ratio>")
+    parser = committed.parser(__doc__.split("\n")[0], "results/partial_answers")
     args = parser.parse_args(argv)
 
     rows = []
     for press in args.presses:
-        files = rows_files(args.runs / press / f"cr{args.ratio:g}")
-        if not files:
-            raise ValueError(f"no run of press {press!r} at ratio {args.ratio:g} under {args.runs}")
         counts: dict[str, dict[str, int]] = {}
-        for path in files:
-            for row in read_predictions(path):
+        for run in committed.run_dirs(args.runs, press, args.ratio):
+            for row in read_predictions(rows_file(run)):
                 task, answer = row.get("task") or "all", str(row["answers"][0])
                 if not answer.isdigit() or (args.tasks and task not in args.tasks):
                     continue
@@ -87,25 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         raise ValueError(f"no row with a number answer under {args.runs} for {args.presses} (tasks {args.tasks})")
 
-    name = args.name or f"{args.runs.parent.name}_{args.ratio:g}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    tables.write_rows(args.out / f"{name}.csv", rows)
     body = [[r["press"], r["task"], r["rows"], *(r[k] for k in KINDS)] for r in rows]
-    text = [
-        f"# How the number answers are wrong: {args.runs} at ratio {args.ratio:g}",
-        "",
-        "Regenerated, never hand-edited: `"
-        + tables.command("partial_answers", sys.argv[1:] if argv is None else argv)
-        + "`",
-        "",
+    tables.write_study(
+        args.out,
+        committed.name(args),
+        rows,
+        f"How the number answers are wrong: {args.runs} at ratio {args.ratio:g}",
+        "partial_answers",
+        sys.argv[1:] if argv is None else argv,
         "Rows whose first answer is a number, by the first number of the prediction: the answer (exact), the answer "
         "with digits left out in order (digits dropped), or anything else.",
-        "",
-        *tables.markdown_table(["press", "task", "rows", *KINDS], body),
-        "",
-    ]
-    write_atomic(args.out / f"{name}.md", "\n".join(text))
-    print(f"wrote {args.out / name}.csv and .md ({len(rows)} rows)")
+        ["press", "task", "rows", *KINDS],
+        body,
+    )
     return 0
 
 
