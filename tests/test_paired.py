@@ -137,3 +137,16 @@ def test_needle_rows_group_by_their_target_length_not_their_own_token_counts(tmp
         path = tmp_path / "ruler" / "tiny" / press / "cr0.5" / "predictions.jsonl"
         _rewrite_rows(path, lambda row, i: row["metadata"].update(context_length=2030 + 11 * i, target_length=2048))
     assert [r["length"] for r in paired_rows(scan(tmp_path), "ours", ["peer"])] == ["all"]
+
+
+def test_two_results_directories_pair_across_and_refuse_a_run_found_twice(tmp_path):
+    _write_run(tmp_path / "a", "ours", "0.5", [("e1", "A", 1), ("e2", "A", 1)])
+    _write_run(tmp_path / "b", "peer", "0.5", [("e1", "A", 0), ("e2", "A", 1)])
+    out = tmp_path / "paired"
+    args = [str(tmp_path / "a"), str(tmp_path / "b"), "--press", "ours", "--against", "peer", "--out", str(out)]
+    assert main(args) == 0
+    (row,) = csv.DictReader(open(out / "ours.csv"))
+    assert (row["n"], row["better"], row["tied"]) == ("2", "1", "1")
+    _write_run(tmp_path / "b", "ours", "0.5", [("e1", "A", 0)])  # the same run under the second directory
+    with pytest.raises(ValueError, match="two runs of press='ours'"):
+        main(args)

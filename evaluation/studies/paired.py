@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m evaluation.studies.paired RESULTS_DIR --press A --against B [C ...] [--dataset ruler ruler-qa]
+    python -m evaluation.studies.paired RESULTS_DIR [RESULTS_DIR ...] --press A --against B [C ...] [--dataset ruler ruler-qa]
         [--model smollm2-135m] [--ratios 0.5 0.75] [--partial] [--out results/paired]
     python scripts/paired.py ...            # the same
 
@@ -21,6 +21,10 @@ lengths (:func:`evaluation.report.row_length`, e.g. a run joined from 2k and 4k 
 each length's examples alone too (``length = 2048``, ...); likewise, in the shared-context protocol (rows with a
 ``question_index``), on each question position's answers alone (``question = 1``, ...: the same contexts, so the
 difference is paired context by context).
+
+Several results directories may be given (e.g. ``results/learned_2k results``: the learned presses' runs beside
+KVzip's); a run of the same dataset, model, press and ratio found under two of them is refused, never chosen
+silently.
 
 Unfinished runs (no ``metrics.json``, missing shards) are skipped unless ``--partial`` is given; their rows then
 say ``complete = False``. Writes ``<out>/<A>.csv`` (one row per dataset, model, ratio, ``B`` and group) and
@@ -117,15 +121,22 @@ def paired_rows(
         or more.
 
     Raises:
-        ValueError: ``against`` is empty or names ``press`` itself.
+        ValueError: ``against`` is empty or names ``press`` itself, or two runs (e.g. under two results
+            directories) share a dataset, model, press and ratio.
     """
     if not against or press in against:
         raise ValueError(f"against={against} must name at least one press other than press={press!r}")
-    keyed = {
-        (r.dataset, r.model, r.ratio, r.press): r
-        for r in runs
-        if r.rows and (partial or r.complete) and (ratios is None or r.ratio in ratios)
-    }
+    keyed: dict[tuple, Run] = {}
+    for r in runs:
+        if not r.rows or not (partial or r.complete) or (ratios is not None and r.ratio not in ratios):
+            continue
+        key = (r.dataset, r.model, r.ratio, r.press)
+        if key in keyed:
+            raise ValueError(
+                f"two runs of press={r.press!r}, dataset={r.dataset!r}, ratio={r.ratio:g}: {keyed[key].path} and "
+                f"{r.path}; give one results directory holding it"
+            )
+        keyed[key] = r
     out = []
     for (dataset, model, ratio, name), run in sorted(keyed.items()):
         if name != press:
@@ -186,7 +197,7 @@ def _table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Command line (the module docstring). Returns 0, or 1 when no pair of runs was found."""
     parser = ArgumentParser(prog="python -m evaluation.studies.paired", description=__doc__.split("\n")[0])
-    parser.add_argument("results_dir", type=Path)
+    parser.add_argument("results_dir", type=Path, nargs="+", help="one or more results directories")
     parser.add_argument("--press", required=True)
     parser.add_argument("--against", nargs="+", required=True)
     parser.add_argument("--dataset", nargs="+", default=None, help="datasets to read (default: all)")
@@ -196,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("--out", type=Path, default=Path("results/paired"))
     args = parser.parse_args(argv)
-    runs = [r for d in args.dataset or [None] for r in scan(args.results_dir, d)]
+    runs = [r for root in args.results_dir for d in args.dataset or [None] for r in scan(root, d)]
     if args.model is not None:
         runs = [r for r in runs if r.model == args.model]
     rows = paired_rows(runs, args.press, args.against, args.ratios, args.partial, args.confidence)
