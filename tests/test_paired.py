@@ -150,3 +150,14 @@ def test_two_results_directories_pair_across_and_refuse_a_run_found_twice(tmp_pa
     _write_run(tmp_path / "b", "ours", "0.5", [("e1", "A", 0)])  # the same run under the second directory
     with pytest.raises(ValueError, match="two runs of press='ours'"):
         main(args)
+
+
+def test_a_length_only_the_peer_has_does_not_split_the_pair(tmp_path):
+    _write_run(tmp_path, "ours", "0.5", [("x-2048-0", "A", 1), ("x-2048-1", "A", 0)])
+    _write_run(tmp_path, "peer", "0.5", [("x-2048-0", "A", 0), ("x-2048-1", "A", 0), ("x-4096-0", "A", 1)])
+    runs = scan(tmp_path)
+    for r in runs:  # the peer's rows carry two target lengths, ours one
+        for row in r.rows:
+            row["metadata"] = {"context_length": int(row["id"].split("-")[1])}
+    rows = paired_rows(runs, "ours", ["peer"])
+    assert [(r["length"], r["n"]) for r in rows] == [("all", 2)]

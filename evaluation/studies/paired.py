@@ -146,8 +146,9 @@ def paired_rows(
             if peer is None:
                 continue
             out.append({"length": "all", "question": "all", **compare(run, peer, confidence)})
-            for label, key in _GROUPS:
-                groups = sorted({key(r) for r in run.rows + peer.rows} - {None})
+            common = {r["id"] for r in run.rows} & {r["id"] for r in peer.rows}
+            for label, key in _GROUPS:  # split only where the common examples carry two or more groups
+                groups = sorted({key(r) for r in run.rows + peer.rows if r["id"] in common} - {None})
                 for group in groups if len(groups) > 1 else []:
                     a, b = (x.keep(lambda r, g=group, k=key: k(r) == g) for x in (run, peer))
                     if {r["id"] for r in a.rows} & {r["id"] for r in b.rows}:
