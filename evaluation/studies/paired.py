@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m evaluation.studies.paired RESULTS_DIR [RESULTS_DIR ...] --press A --against B [C ...] [--dataset ruler ruler-qa]
-        [--model smollm2-135m] [--ratios 0.5 0.75] [--partial] [--out results/paired]
+    python -m evaluation.studies.paired RESULTS_DIR [RESULTS_DIR ...] --press A --against B [C ...]
+        [--dataset ruler ruler-qa] [--model smollm2-135m] [--ratios 0.5 0.75] [--partial] [--out results/paired]
     python scripts/paired.py ...            # the same
 
 For each dataset, model and ratio where ``A`` and a press ``B`` both have a run (:func:`evaluation.runs.scan`:
