@@ -139,7 +139,7 @@ def test_needle_rows_group_by_their_target_length_not_their_own_token_counts(tmp
     assert [r["length"] for r in paired_rows(scan(tmp_path), "ours", ["peer"])] == ["all"]
 
 
-def test_two_results_directories_pair_across_and_refuse_a_run_found_twice(tmp_path):
+def test_two_results_directories_pair_across_and_refuse_a_run_found_twice(tmp_path, capsys):
     _write_run(tmp_path / "a", "ours", "0.5", [("e1", "A", 1), ("e2", "A", 1)])
     _write_run(tmp_path / "b", "peer", "0.5", [("e1", "A", 0), ("e2", "A", 1)])
     out = tmp_path / "paired"
@@ -149,7 +149,32 @@ def test_two_results_directories_pair_across_and_refuse_a_run_found_twice(tmp_pa
     assert (row["n"], row["better"], row["tied"]) == ("2", "1", "1")
     _write_run(tmp_path / "b", "ours", "0.5", [("e1", "A", 0)])  # the same run under the second directory
     with pytest.raises(ValueError, match="two runs of press='ours'"):
+        paired_rows([r for d in ("a", "b") for r in scan(tmp_path / d)], "ours", ["peer"])
+    with pytest.raises(SystemExit):  # the command line says it in one line
         main(args)
+    assert "two runs of press='ours'" in capsys.readouterr().err
+
+
+def test_a_loss_is_compared_with_lower_as_better(tmp_path, capsys):
+    rows = {"ours": [0.1, 0.2, 0.5], "peer": [0.3, 0.2, 0.4]}  # ours lower on e0, tied on e1, higher on e2
+    for press, losses in rows.items():
+        _write_run(tmp_path, press, "0.5", [(f"e{i}", "A", 1) for i in range(3)])
+        path = tmp_path / "ruler" / "tiny" / press / "cr0.5" / "predictions.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines()[:3]]
+        for line, loss in zip(lines, losses):
+            line["nll_increase"] = loss
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (row,) = paired_rows(scan(tmp_path), "ours", ["peer"], field="nll_increase")
+    assert (row["better"], row["worse"], row["tied"]) == (1, 1, 1)
+    assert row["diff"] == pytest.approx((-0.2 + 0.0 + 0.1) / 3)
+    out = tmp_path / "paired"
+    args = [str(tmp_path), "--press", "ours", "--against", "peer", "--out", str(out)]
+    assert main([*args, "--field", "nll_increase"]) == 0
+    assert "lower is better" in (out / "ours__nll_increase.md").read_text()
+    assert not (out / "ours.md").exists()
+    with pytest.raises(SystemExit):
+        main([*args, "--field", "kl"])  # these rows carry no kl
+    assert "have no 'kl'" in capsys.readouterr().err
 
 
 def test_a_length_only_the_peer_has_does_not_split_the_pair(tmp_path):

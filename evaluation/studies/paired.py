@@ -26,9 +26,14 @@ Several results directories may be given (e.g. ``results/learned_2k results``: t
 KVzip's); a run of the same dataset, model, press and ratio found under two of them is refused, never chosen
 silently.
 
+The rows' ``score`` is compared by default; ``--field`` picks another per-row measure of :data:`FIELDS` (e.g.
+``nll_increase``, the continuation loss's, where lower is better: ``better`` then counts the examples where ``A``'s
+value is lower).
+
 Unfinished runs (no ``metrics.json``, missing shards) are skipped unless ``--partial`` is given; their rows then
 say ``complete = False``. Writes ``<out>/<A>.csv`` (one row per dataset, model, ratio, ``B`` and group) and
-``<out>/<A>.md`` (the same as a table, with the command), both atomically. Regenerated, never hand-edited.
+``<out>/<A>.md`` (the same as a table, with the command), both atomically (``<A>__<field>.csv`` / ``.md`` with
+``--field``). Regenerated, never hand-edited.
 """
 
 from __future__ import annotations
@@ -44,38 +49,51 @@ from evaluation.report import row_length
 from evaluation.runs import Run, scan
 from evaluation.tables import markdown_table, write_rows
 
-__all__ = ["paired_rows", "compare", "main"]
+__all__ = ["FIELDS", "paired_rows", "compare", "main"]
 
 
-def compare(a: Run, b: Run, confidence: float = 0.95) -> dict:
+#: The per-row measures a pair can be compared on, each with ``True`` where higher is better.
+FIELDS = {"score": True, "nll_increase": False, "kl": False}
+
+
+def compare(a: Run, b: Run, confidence: float = 0.95, field: str = "score") -> dict:
     """One paired comparison of run ``a`` against run ``b`` on the examples both scored.
 
     Args:
-        a, b: runs of the same dataset, model and ratio (rows with ``id`` and ``score``).
+        a, b: runs of the same dataset, model and ratio (rows with ``id`` and ``field``).
         confidence: level of the interval of the mean difference, in (0, 1).
+        field: the per-row measure compared, a key of :data:`FIELDS`; ``better`` / ``worse`` follow its direction
+            (for a loss, ``better`` counts the examples where ``a``'s value is lower).
 
     Returns:
         A flat record: ``n`` (common examples), ``mean_a``, ``mean_b``, ``diff``, ``diff_low``, ``diff_high``,
         ``better``, ``worse``, ``tied``, ``sign_p``, ``complete`` (both runs finished).
 
     Raises:
-        ValueError: the runs share no example id, or their dataset, model or ratio differ.
+        ValueError: the runs share no example id, their dataset, model or ratio differ, ``field`` is not one of
+            :data:`FIELDS`, or a row lacks it (e.g. ``nll_increase`` on a question-answering run).
     """
     from scipy.stats import binomtest
 
+    if field not in FIELDS:
+        raise ValueError(f"field={field!r} must be one of {', '.join(FIELDS)}")
     if (a.dataset, a.model, a.ratio) != (b.dataset, b.model, b.ratio):
         raise ValueError(
             f"paired runs must share dataset, model and ratio, got {(a.dataset, a.model, a.ratio)} and "
             f"{(b.dataset, b.model, b.ratio)}"
         )
-    sa = {r["id"]: float(r["score"]) for r in a.rows}
-    sb = {r["id"]: float(r["score"]) for r in b.rows}
+    for run in (a, b):
+        if any(field not in r for r in run.rows):
+            raise ValueError(f"{run.press}'s rows in {run.dataset} have no {field!r} ({run.path})")
+    sa = {r["id"]: float(r[field]) for r in a.rows}
+    sb = {r["id"]: float(r[field]) for r in b.rows}
     common = sorted(set(sa) & set(sb))
     if not common:
         raise ValueError(f"{a.press} and {b.press} share no example id in {a.dataset} at ratio {a.ratio}")
     diffs = [sa[i] - sb[i] for i in common]
-    better = sum(d > 0 for d in diffs)
-    worse = sum(d < 0 for d in diffs)
+    sign = 1 if FIELDS[field] else -1
+    better = sum(sign * d > 0 for d in diffs)
+    worse = sum(sign * d < 0 for d in diffs)
     low, high = t_interval(diffs, confidence)
     return {
         "dataset": a.dataset,
@@ -104,6 +122,7 @@ def paired_rows(
     ratios: list[float] | None = None,
     partial: bool = False,
     confidence: float = 0.95,
+    field: str = "score",
 ) -> list[dict]:
     """Every comparison of ``press`` against each of ``against`` among ``runs`` (:func:`compare`).
 
@@ -114,6 +133,7 @@ def paired_rows(
         ratios: keep these compression ratios only (``None``: all).
         partial: include unfinished runs (``False``: finished runs only).
         confidence: level of the interval of the mean difference.
+        field: the per-row measure compared (:func:`compare`).
 
     Returns:
         :func:`compare`'s records, each with ``length`` and ``question``: both ``"all"``, then one record per
@@ -145,14 +165,16 @@ def paired_rows(
             peer = keyed.get((dataset, model, ratio, other))
             if peer is None:
                 continue
-            out.append({"length": "all", "question": "all", **compare(run, peer, confidence)})
+            out.append({"length": "all", "question": "all", **compare(run, peer, confidence, field)})
             common = {r["id"] for r in run.rows} & {r["id"] for r in peer.rows}
             for label, key in _GROUPS:  # split only where the common examples carry two or more groups
                 groups = sorted({key(r) for r in run.rows + peer.rows if r["id"] in common} - {None})
                 for group in groups if len(groups) > 1 else []:
                     a, b = (x.keep(lambda r, g=group, k=key: k(r) == g) for x in (run, peer))
                     if {r["id"] for r in a.rows} & {r["id"] for r in b.rows}:
-                        out.append({"length": "all", "question": "all", label: group, **compare(a, b, confidence)})
+                        out.append(
+                            {"length": "all", "question": "all", label: group, **compare(a, b, confidence, field)}
+                        )
     return out
 
 
@@ -206,25 +228,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratios", nargs="+", type=float, default=None)
     parser.add_argument("--partial", action="store_true", help="include unfinished runs")
     parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--field", choices=list(FIELDS), default="score", help="per-row measure (default: score)")
     parser.add_argument("--out", type=Path, default=Path("results/paired"))
     args = parser.parse_args(argv)
     runs = [r for root in args.results_dir for d in args.dataset or [None] for r in scan(root, d)]
     if args.model is not None:
         runs = [r for r in runs if r.model == args.model]
-    rows = paired_rows(runs, args.press, args.against, args.ratios, args.partial, args.confidence)
+    try:
+        rows = paired_rows(runs, args.press, args.against, args.ratios, args.partial, args.confidence, args.field)
+    except ValueError as err:
+        parser.error(str(err))
     if not rows:
         print(f"no run of {args.press} shares a dataset, model and ratio with {args.against}", file=sys.stderr)
         return 1
     command = "python -m evaluation.studies.paired " + shlex.join(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_rows(args.out / f"{args.press}.csv", rows)
+    stem = args.press if args.field == "score" else f"{args.press}__{args.field}"
+    write_rows(args.out / f"{stem}.csv", rows)
+    note = ""  # the compared measure, where it is not the score
+    if args.field != "score":
+        lower = "" if FIELDS[args.field] else " (lower is better: better / worse count the examples where A is lower)"
+        note = f"Compared on the rows' `{args.field}`{lower}.\n"
     text = (
-        f"# {args.press}, paired against {', '.join(args.against)}\n\n"
+        f"# {args.press}, paired against {', '.join(args.against)}\n\n{note}"
         "Examples matched by `id`; A is the first press, B the other; the interval is Student-t over the\n"
         "per-example differences, the sign test two-sided on the untied examples (`evaluation/studies/paired.py`).\n"
         f"Regenerated, never hand-edited:\n\n    {command}\n\n{_table(rows)}\n"
     )
-    write_atomic(args.out / f"{args.press}.md", text)
+    write_atomic(args.out / f"{stem}.md", text)
     print(text)
     return 0
 
