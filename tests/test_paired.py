@@ -156,17 +156,14 @@ def test_two_results_directories_pair_across_and_refuse_a_run_found_twice(tmp_pa
 
 
 def test_a_loss_is_compared_with_lower_as_better(tmp_path, capsys):
-    rows = {"ours": [0.1, 0.2, 0.5], "peer": [0.3, 0.2, 0.4]}  # ours lower on e0, tied on e1, higher on e2
+    rows = {"ours": [0.1, 0.1, 0.5], "peer": [0.3, 0.2, 0.4]}  # ours lower on e0 and e1, higher on e2
     for press, losses in rows.items():
         _write_run(tmp_path, press, "0.5", [(f"e{i}", "A", 1) for i in range(3)])
         path = tmp_path / "ruler" / "tiny" / press / "cr0.5" / "predictions.jsonl"
-        lines = [json.loads(line) for line in path.read_text().splitlines()[:3]]
-        for line, loss in zip(lines, losses):
-            line["nll_increase"] = loss
-        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+        _rewrite_rows(path, lambda row, i, losses=losses: row.update(nll_increase=losses[i]))
     (row,) = paired_rows(scan(tmp_path), "ours", ["peer"], field="nll_increase")
-    assert (row["better"], row["worse"], row["tied"]) == (1, 1, 1)
-    assert row["diff"] == pytest.approx((-0.2 + 0.0 + 0.1) / 3)
+    assert (row["better"], row["worse"], row["tied"]) == (2, 1, 0)  # lower counted as better
+    assert row["diff"] == pytest.approx((-0.2 - 0.1 + 0.1) / 3)
     out = tmp_path / "paired"
     args = [str(tmp_path), "--press", "ours", "--against", "peer", "--out", str(out)]
     assert main([*args, "--field", "nll_increase"]) == 0
